@@ -1,0 +1,10 @@
+"""hf_paged: paged-KV, continuous-batching generation for Hugging Face Qwen3 checkpoints."""
+
+from hf_paged.config import EngineConfig
+from hf_paged.engine.engine import PagedEngine
+from hf_paged.sampling_params import SamplingParams
+
+from_pretrained = PagedEngine.from_pretrained
+
+__all__ = ["EngineConfig", "PagedEngine", "SamplingParams", "from_pretrained"]
+__version__ = "0.1.0"

@@ -1,0 +1,83 @@
+"""EngineConfig: every engine knob, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+ATTENTION_BACKENDS = ("triton", "sdpa", "flash_attn")
+
+
+@dataclass
+class EngineConfig:
+    """Engine settings. Pass any of them to ``hf_paged.from_pretrained(..., name=value)``.
+
+    Attributes:
+        max_num_seqs: most requests that run (hold KV blocks and decode) at once.
+        max_num_batched_tokens: most tokens one forward pass computes (prefill chunks plus
+            decode tokens); longer prompts are prefilled in chunks of at most this size.
+        max_model_len: longest sequence (prompt plus new tokens); defaults to the
+            checkpoint's ``max_position_embeddings``.
+        block_size: tokens per KV-cache block (a power of two, 8 to 256).
+        gpu_memory_utilization: fraction of the GPU's memory the engine may use in all
+            (weights, activations and KV cache); the KV cache takes what is left.
+        num_kv_blocks: an explicit number of KV-cache blocks, overriding the sizing from memory.
+        cpu_kv_cache_gib: size of the KV cache on CPU, in GiB (CPU memory is not probed).
+        enforce_eager: never capture CUDA graphs (decode runs eagerly).
+        max_graph_batch_size: largest decode batch captured as a CUDA graph; larger decode
+            batches run eagerly. Defaults to ``min(max_num_seqs, 512)``.
+        attention_backend: ``"triton"`` (CUDA default), ``"sdpa"`` (torch only; CPU default)
+            or ``"flash_attn"`` (only when the flash-attn package imports).
+        enable_prefix_caching: reuse KV blocks of identical prompt prefixes across requests.
+        progress_bar: show a tqdm bar with prefill/decode throughput; ``None`` shows it for
+            long runs only (at least 4,096 new tokens requested).
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    cpu_kv_cache_gib: float = 1.0
+    enforce_eager: bool = False
+    max_graph_batch_size: int | None = None
+    attention_backend: str | None = None
+    enable_prefix_caching: bool = True
+    progress_bar: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            _require_positive_int(name, getattr(self, name))
+        for name in ("max_model_len", "num_kv_blocks", "max_graph_batch_size"):
+            if getattr(self, name) is not None:
+                _require_positive_int(name, getattr(self, name))
+        bs = self.block_size
+        if not isinstance(bs, int) or bs < 8 or bs > 256 or bs & (bs - 1):
+            raise ValueError(f"block_size must be a power of two from 8 to 256, got {bs!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if not self.cpu_kv_cache_gib > 0:
+            raise ValueError(f"cpu_kv_cache_gib must be positive, got {self.cpu_kv_cache_gib!r}")
+        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS} or None, "
+                f"got {self.attention_backend!r}"
+            )
+
+    @classmethod
+    def from_options(cls, **options: object) -> EngineConfig:
+        """Build from keyword options, rejecting unknown names with the list of known ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(
+                f"unknown engine option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        return cls(**options)  # type: ignore[arg-type]
+
+
+def _require_positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,148 @@
+"""Paged KV blocks: block tables, reference counts, prefix cache and LRU eviction.
+
+A full block is named by a chained hash (xxhash of its parent's hash and its token ids), so a
+hash names a whole prefix. A block whose last user lets go keeps its hash and contents and
+joins the evictable LRU; allocation takes never-used (or hash-less) blocks first, then evicts
+the least recently used cached block. Every operation is O(1) per block.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+import xxhash
+
+from hf_paged.engine.sequence import Sequence
+
+_ROOT_HASH = 0
+
+
+def block_hash(parent_hash: int, token_ids: list[int] | tuple[int, ...]) -> int:
+    return xxhash.xxh3_64_intdigest(
+        parent_hash.to_bytes(8, "little") + array("q", token_ids).tobytes()
+    )
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    # (parent hash, tokens): compared on every hit so that a hash collision is never reused.
+    key: tuple[int, tuple[int, ...]] | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_uncached: deque[int] = deque(range(num_blocks))
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self.hash_to_block: dict[int, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_uncached) + len(self.evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.evictable)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding the longest prefix of ``seq``'s full blocks.
+
+        The last token is never served from the cache: its logits are needed. The blocks are
+        not taken yet; ``allocate`` takes them.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        self._hash_full_blocks(seq, len(seq) - 1)
+        hits = []
+        for i, h in enumerate(seq.block_hashes):
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].key != self._key(seq, i):
+                break
+            hits.append(block_id)
+        return hits
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        """Give ``seq`` room for ``num_new_tokens`` more tokens after taking ``cached_blocks``.
+
+        ``cached_blocks`` (from ``match_prefix``, admission only) join the block table and
+        count as computed. Returns False, changing nothing, when the free blocks do not suffice.
+        """
+        num_cached_tokens = len(cached_blocks) * self.block_size
+        total = seq.num_computed_tokens + num_cached_tokens + num_new_tokens
+        needed = self.blocks_needed(total) - len(seq.block_table) - len(cached_blocks)
+        reviving = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+        if needed > self.num_free_blocks - reviving:
+            return False
+        for block_id in cached_blocks:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.evictable[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        seq.num_computed_tokens += num_cached_tokens
+        for _ in range(needed):
+            block = self.blocks[self._take_free_block()]
+            block.ref_count = 1
+            seq.block_table.append(block.block_id)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(seq, total)
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks. Later blocks are released first so they are evicted first."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is None:
+                    self.free_uncached.appendleft(block_id)
+                else:
+                    self.evictable[block_id] = None
+        seq.block_table = []
+        seq.num_published_blocks = 0
+
+    def _take_free_block(self) -> int:
+        if self.free_uncached:
+            return self.free_uncached.popleft()
+        block_id, _ = self.evictable.popitem(last=False)
+        block = self.blocks[block_id]
+        del self.hash_to_block[block.hash]
+        block.hash = block.key = None
+        return block_id
+
+    def _key(self, seq: Sequence, i: int) -> tuple[int, tuple[int, ...]]:
+        parent = seq.block_hashes[i - 1] if i else _ROOT_HASH
+        bs = self.block_size
+        return parent, tuple(seq.token_ids[i * bs : (i + 1) * bs])
+
+    def _hash_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Extend ``seq.block_hashes`` over the full blocks among its first ``num_tokens``."""
+        for i in range(len(seq.block_hashes), num_tokens // self.block_size):
+            seq.block_hashes.append(block_hash(*self._key(seq, i)))
+
+    def _cache_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Publish the blocks that ``num_tokens`` computed tokens fill. A block whose contents
+        another block already publishes stays private and is freed as a plain block."""
+        self._hash_full_blocks(seq, num_tokens)
+        num_full = num_tokens // self.block_size
+        for i in range(seq.num_published_blocks, num_full):
+            block = self.blocks[seq.block_table[i]]
+            h = seq.block_hashes[i]
+            if block.hash is None and h not in self.hash_to_block:
+                block.hash, block.key = h, self._key(seq, i)
+                self.hash_to_block[h] = block.block_id
+        seq.num_published_blocks = max(seq.num_published_blocks, num_full)

@@ -1,0 +1,252 @@
+"""PagedEngine: add_request / step / run-until-done, progress and stats."""
+
+from __future__ import annotations
+
+import os
+import time
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+
+from hf_paged.config import EngineConfig
+from hf_paged.engine.block_manager import BlockManager
+from hf_paged.engine.model_runner import ModelRunner
+from hf_paged.engine.scheduler import Scheduler
+from hf_paged.engine.sequence import Sequence
+from hf_paged.modeling.swap import PagedQwen3, build_model, check_supported
+from hf_paged.sampling_params import SamplingParams
+
+_LONG_RUN_TOKENS = 4096
+
+
+def resolve_checkpoint(path_or_id: str) -> str:
+    """A local folder as is; anything else is a hub id that huggingface_hub downloads."""
+    if os.path.isdir(path_or_id):
+        return path_or_id
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(path_or_id, allow_patterns=["*.json", "*.safetensors", "*.txt"])
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, hf_config: PretrainedConfig) -> torch.dtype:
+    dtype = dtype or getattr(hf_config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    return dtype
+
+
+def resolve_backend(backend: str | None, device: torch.device) -> str:
+    if backend is None:
+        return "triton" if device.type == "cuda" and _triton_available() else "sdpa"
+    if backend == "triton" and (device.type != "cuda" or not _triton_available()):
+        raise ValueError("attention_backend 'triton' needs a CUDA device and the triton package")
+    return backend
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class PagedEngine:
+    """A Qwen3 model served by continuous batching over a paged KV cache.
+
+    Build it with ``hf_paged.from_pretrained``. ``generate`` mirrors transformers'
+    ``GenerationMixin.generate``; ``generate_tokens`` takes token-id lists with per-request
+    ``SamplingParams``; ``add_request``/``step`` drive the engine by hand.
+    """
+
+    def __init__(
+        self,
+        model: PagedQwen3,
+        config: EngineConfig,
+        generation_config: GenerationConfig,
+        max_model_len: int,
+        tokenizer=None,
+    ):
+        self.model = model
+        self.hf_config: PretrainedConfig = model.config
+        self.config = config
+        self.generation_config = generation_config
+        self.max_model_len = max_model_len
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(model, config, max_model_len)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, max_model_len
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path_or_id: str,
+        *,
+        dtype: torch.dtype | str | None = None,
+        device: torch.device | str | None = None,
+        **engine_options,
+    ) -> PagedEngine:
+        """Load a Qwen3 checkpoint (a folder or a hub id) into a new engine.
+
+        ``dtype`` defaults to the checkpoint's own (float32 when it names none), ``device``
+        to CUDA when available. Any ``EngineConfig`` field may be passed by name.
+        """
+        config = EngineConfig.from_options(**engine_options)
+        path = resolve_checkpoint(path_or_id)
+        hf_config = AutoConfig.from_pretrained(path)
+        check_supported(hf_config)
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        dtype = resolve_dtype(dtype, hf_config)
+        max_positions = hf_config.max_position_embeddings
+        max_model_len = config.max_model_len or max_positions
+        if max_model_len > max_positions:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) exceeds the checkpoint's "
+                f"max_position_embeddings ({max_positions})"
+            )
+        config.attention_backend = resolve_backend(config.attention_backend, device)
+        model = build_model(hf_config, path, dtype, device, config.attention_backend, max_model_len)
+        try:
+            generation_config = GenerationConfig.from_pretrained(path)
+        except OSError:
+            generation_config = GenerationConfig.from_model_config(hf_config)
+        return cls(model, config, generation_config, max_model_len)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: object = None
+    ) -> Sequence:
+        """Validate and queue one request; it starts at the next ``step``."""
+        self.validate_request(prompt_token_ids, params)
+        return self._enqueue(prompt_token_ids, params, request_id)
+
+    def _enqueue(self, prompt_token_ids, params, request_id=None) -> Sequence:
+        seq = Sequence(prompt_token_ids, params, request_id)
+        self.scheduler.add(seq)
+        return seq
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError, naming the argument, for a request the engine cannot serve."""
+        if len(prompt_token_ids) == 0:
+            raise ValueError("input_ids: the prompt is empty (no unpadded tokens)")
+        vocab = self.hf_config.vocab_size
+        low, high = min(prompt_token_ids), max(prompt_token_ids)
+        if low < 0 or high >= vocab:
+            bad = low if low < 0 else high
+            raise ValueError(f"input_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+        total = len(prompt_token_ids) + params.max_new_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"max_new_tokens: prompt ({len(prompt_token_ids)} tokens) + max_new_tokens "
+                f"({params.max_new_tokens}) = {total} exceeds max_model_len ({self.max_model_len})"
+            )
+        needed = self.block_manager.blocks_needed(total)
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"max_new_tokens: the request needs {needed} KV blocks but the whole cache has "
+                f"{self.block_manager.num_blocks}; raise num_kv_blocks or gpu_memory_utilization"
+            )
+
+    def step(self) -> list[Sequence]:
+        """Schedule, run the model once, and return the requests that finished."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        sampled = self.runner.run(batch)
+        self._last_batch = batch
+        return self.scheduler.postprocess(batch, sampled)
+
+    def abort(self, seq: Sequence) -> None:
+        self.scheduler.abort(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    def generate_tokens(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        progress_bar: bool | None = None,
+    ) -> list[list[int]]:
+        """Generate for each prompt; returns the new token ids of each, in input order."""
+        seqs = self.run(self._add_all(prompts, params), progress_bar)
+        return [s.output_token_ids for s in seqs]
+
+    def _add_all(self, prompts, params) -> list[Sequence]:
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("params: one SamplingParams per prompt, or a single one for all")
+        for prompt, p in zip(prompts, params_list):  # all checked before any is queued
+            self.validate_request(prompt, p)
+        return [self._enqueue(prompt, p) for prompt, p in zip(prompts, params_list)]
+
+    def run(
+        self, seqs: list[Sequence], progress_bar: bool | None = None, on_step=None
+    ) -> list[Sequence]:
+        """Step until every one of ``seqs`` has finished. If anything fails, the requests
+        are dropped so that the engine stays usable."""
+        show = self.config.progress_bar if progress_bar is None else progress_bar
+        if show is None:
+            show = sum(s.params.max_new_tokens for s in seqs) >= _LONG_RUN_TOKENS
+        bar = tqdm(total=len(seqs), desc="hf_paged", unit="req", disable=not show)
+        pending = {s.seq_id for s in seqs}
+        try:
+            while pending:
+                t0 = time.perf_counter()
+                finished = self.step()
+                if on_step is not None:
+                    on_step(self._last_batch)
+                pending.difference_update(s.seq_id for s in finished)
+                if show:
+                    self._update_bar(bar, len(finished), time.perf_counter() - t0)
+        except BaseException:
+            for s in seqs:
+                if not s.is_finished:
+                    self.abort(s)
+            raise
+        finally:
+            bar.close()
+        return seqs
+
+    def _update_bar(self, bar: tqdm, num_finished: int, seconds: float) -> None:
+        batch = self._last_batch
+        kind = "decode" if batch.is_decode else "prefill"
+        tokens = len(batch.seqs) if batch.is_decode else batch.num_prefill_tokens
+        stats = self.stats()
+        hit = stats["prefix_cache_hits"] / max(stats["prefix_cache_queries"], 1)
+        bar.set_postfix_str(f"{kind} {tokens / seconds:,.0f} tok/s, cache hit {hit:.0%}")
+        bar.update(num_finished)
+
+    # ---- transformers-shaped entry point --------------------------------------------------
+
+    def generate(self, input_ids=None, attention_mask=None, generation_config=None, **kwargs):
+        """``GenerationMixin.generate`` on the engine; see ``hf_paged.generation``."""
+        from hf_paged.generation import generate
+
+        return generate(self, input_ids, attention_mask, generation_config, **kwargs)
+
+    def stats(self) -> dict[str, int]:
+        s, bm = self.scheduler, self.block_manager
+        return {
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
+            "num_blocks": bm.num_blocks,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_cached_blocks": bm.num_cached_blocks,
+            "num_preemptions": s.num_preemptions,
+            "num_running": len(s.running),
+            "num_waiting": len(s.waiting),
+        }

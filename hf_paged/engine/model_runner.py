@@ -1,0 +1,253 @@
+"""A scheduled batch -> input tensors and attention metadata -> model -> sampled tokens.
+
+Owns the KV cache (sized from free GPU memory on CUDA, from ``cpu_kv_cache_gib`` on CPU) and
+the decode CUDA graphs: one per batch size of a ladder, captured at start-up over static
+input buffers; a decode batch replays the smallest graph that fits, padded with rows whose
+slot is -1 (not stored) and whose context is empty.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+import torch
+
+from hf_paged import kernels
+from hf_paged.config import EngineConfig
+from hf_paged.engine.scheduler import ScheduledBatch
+from hf_paged.modeling.attention import AttentionMetadata
+from hf_paged.modeling.swap import PagedQwen3
+
+
+class ModelRunner:
+    def __init__(self, model: PagedQwen3, config: EngineConfig, max_model_len: int):
+        self.model = model
+        self.config = config
+        self.max_model_len = max_model_len
+        self.block_size = config.block_size
+        self.max_blocks_per_seq = -(-max_model_len // self.block_size)
+        self.device = model.embed_tokens.weight.device
+        self.dtype = model.embed_tokens.weight.dtype
+        self.num_blocks = self._allocate_kv_cache()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_batch_sizes: list[int] = []
+        if self.device.type == "cuda" and not config.enforce_eager and config.attention_backend == "triton":
+            self._capture_decode_graphs()
+
+    # ---- KV cache -------------------------------------------------------------------------
+
+    def _block_bytes(self) -> int:
+        attn = self.model.attention_layers[0]
+        per_token = 2 * attn.num_kv_heads * attn.head_dim * self.dtype.itemsize
+        return per_token * self.block_size * len(self.model.attention_layers)
+
+    def _allocate_kv_cache(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            num_blocks = cfg.num_kv_blocks
+        elif self.device.type == "cuda":
+            num_blocks = self._blocks_that_fit_on_gpu()
+        else:
+            num_blocks = int(cfg.cpu_kv_cache_gib * 2**30) // self._block_bytes()
+            # More blocks than every running sequence at full length could use is waste.
+            num_blocks = min(num_blocks, cfg.max_num_seqs * self.max_blocks_per_seq)
+        if num_blocks < 1:
+            raise ValueError(
+                "no memory is left for the KV cache: raise gpu_memory_utilization or set "
+                "num_kv_blocks"
+            )
+        attn = self.model.attention_layers[0]
+        shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+        for layer in self.model.attention_layers:
+            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return num_blocks
+
+    def _blocks_that_fit_on_gpu(self) -> int:
+        """Run the largest step once on a throwaway cache to learn peak activation memory."""
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        cfg = self.config
+        num_seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        per_seq = min(cfg.max_num_batched_tokens // num_seqs, self.max_model_len)
+        blocks = num_seqs * -(-per_seq // self.block_size)
+        attn = self.model.attention_layers[0]
+        shape = (blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+        for layer in self.model.attention_layers:
+            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.v_cache = layer.k_cache
+        self._warmup(num_seqs, per_seq)
+        for layer in self.model.attention_layers:
+            layer.k_cache = layer.v_cache = torch.empty(0)
+        free, total = torch.cuda.mem_get_info()
+        used_now = total - free
+        peak_extra = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+        budget = total * cfg.gpu_memory_utilization - used_now - peak_extra
+        return int(budget) // self._block_bytes()
+
+    @torch.inference_mode()
+    def _warmup(self, num_seqs: int, per_seq: int) -> None:
+        batch_seqs = [list(range(per_seq)) for _ in range(num_seqs)]
+        tokens = torch.zeros(num_seqs * per_seq, dtype=torch.long, device=self.device)
+        positions = torch.arange(per_seq, device=self.device).repeat(num_seqs)
+        bps = -(-per_seq // self.block_size)
+        block_tables = torch.arange(num_seqs * bps, device=self.device, dtype=torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=torch.full_like(tokens, -1),
+            cu_seqlens_q=torch.arange(0, num_seqs + 1, device=self.device, dtype=torch.int32)
+            * per_seq,
+            seq_lens=torch.full((num_seqs,), per_seq, device=self.device, dtype=torch.int32),
+            block_tables=block_tables.view(num_seqs, bps),
+            max_query_len=per_seq,
+        )
+        hidden = self.model.forward(tokens, positions, meta)
+        logits = self.model.compute_logits(hidden[: len(batch_seqs)])
+        self._sample(logits, [0.0] * len(batch_seqs), [0] * len(batch_seqs), [1.0] * len(batch_seqs))
+        torch.cuda.synchronize()
+
+    # ---- inputs ---------------------------------------------------------------------------
+
+    def _prepare(self, batch: ScheduledBatch):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions_np, slots_np = [], []
+        cu_seqlens, seq_lens, logits_rows = [0], [], []
+        max_blocks = 0
+        for seq, n, sample in zip(batch.seqs, batch.num_tokens, batch.sample):
+            start = seq.num_computed_tokens
+            end = start + n
+            input_ids.extend(seq.token_ids[start:end])
+            pos = np.arange(start, end)
+            table = np.asarray(seq.block_table)
+            positions_np.append(pos)
+            slots_np.append(table[pos // bs] * bs + pos % bs)
+            cu_seqlens.append(cu_seqlens[-1] + n)
+            seq_lens.append(end)
+            if sample:
+                logits_rows.append(cu_seqlens[-1] - 1)
+            max_blocks = max(max_blocks, len(seq.block_table))
+        block_tables = np.zeros((len(batch.seqs), max_blocks), dtype=np.int32)
+        for i, seq in enumerate(batch.seqs):
+            block_tables[i, : len(seq.block_table)] = seq.block_table
+        return (
+            input_ids,
+            np.concatenate(positions_np),
+            np.concatenate(slots_np),
+            cu_seqlens,
+            seq_lens,
+            block_tables,
+            logits_rows,
+            max(batch.num_tokens),
+        )
+
+    # ---- running --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[int]:
+        """Compute the batch and return one sampled token per sequence with ``sample`` set."""
+        ids, positions, slots, cu, seq_lens, tables, rows, max_q = self._prepare(batch)
+        dev = self.device
+        sampling = [s.params for s, sample in zip(batch.seqs, batch.sample) if sample]
+        graph_bs = self._graph_batch_size(batch)
+        if graph_bs:
+            logits = self._replay(graph_bs, ids, positions, slots, seq_lens, tables)
+        else:
+            meta = AttentionMetadata(
+                slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+                cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+                block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
+                max_query_len=max_q,
+            )
+            hidden = self.model.forward(
+                torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
+                torch.from_numpy(positions).to(dev, non_blocking=True),
+                meta,
+            )
+            if len(rows) != hidden.shape[0]:
+                hidden = hidden[torch.tensor(rows, device=dev)]
+            logits = self.model.compute_logits(hidden)
+        if not sampling:
+            return []
+        return self._sample(
+            logits,
+            [p.temperature for p in sampling],
+            [p.top_k for p in sampling],
+            [p.top_p for p in sampling],
+        )
+
+    def _sample(self, logits, temperature, top_k, top_p) -> list[int]:
+        if not any(temperature):
+            return logits.argmax(-1).tolist()
+        dev = logits.device
+        return kernels.sample(
+            logits,
+            torch.tensor(temperature, dtype=torch.float32, device=dev),
+            torch.tensor(top_k, dtype=torch.long, device=dev),
+            torch.tensor(top_p, dtype=torch.float32, device=dev),
+        ).tolist()
+
+    # ---- CUDA graphs ----------------------------------------------------------------------
+
+    def _graph_batch_size(self, batch: ScheduledBatch) -> int:
+        if not self.graph_batch_sizes or not batch.is_decode:
+            return 0
+        i = bisect.bisect_left(self.graph_batch_sizes, len(batch.seqs))
+        return self.graph_batch_sizes[i] if i < len(self.graph_batch_sizes) else 0
+
+    def _capture_decode_graphs(self) -> None:
+        cfg = self.config
+        max_bs = cfg.max_graph_batch_size or min(cfg.max_num_seqs, 512)
+        sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 16)) + [max_bs]
+        dev = self.device
+        self.static = {
+            "input_ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "positions": torch.zeros(max_bs, dtype=torch.long, device=dev),
+            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.long, device=dev),
+            "seq_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            "block_tables": torch.zeros(
+                (max_bs, self.max_blocks_per_seq), dtype=torch.int32, device=dev
+            ),
+            "cu_seqlens_q": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
+        }
+        pool = None
+        for bs in reversed(sizes):  # largest first, so the smaller graphs reuse its pool
+            s = self.static
+            meta = AttentionMetadata(
+                slot_mapping=s["slot_mapping"][:bs],
+                cu_seqlens_q=s["cu_seqlens_q"][: bs + 1],
+                seq_lens=s["seq_lens"][:bs],
+                block_tables=s["block_tables"][:bs],
+                max_query_len=1,
+            )
+
+            def step(bs=bs, meta=meta):
+                hidden = self.model.forward(s["input_ids"][:bs], s["positions"][:bs], meta)
+                return self.model.compute_logits(hidden)
+
+            with torch.inference_mode():
+                step()  # warm-up outside capture: kernel compilation, lazy allocations
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = step()
+            pool = graph.pool()
+            self.graphs[bs] = (graph, logits)
+        self.graph_batch_sizes = sorted(self.graphs)
+        torch.cuda.synchronize()
+
+    def _replay(self, graph_bs, ids, positions, slots, seq_lens, tables) -> torch.Tensor:
+        n = len(ids)
+        s = self.static
+        s["input_ids"][:n].copy_(torch.tensor(ids, dtype=torch.long), non_blocking=True)
+        s["positions"][:n].copy_(torch.from_numpy(positions), non_blocking=True)
+        s["slot_mapping"][:n].copy_(torch.from_numpy(slots), non_blocking=True)
+        s["slot_mapping"][n:graph_bs].fill_(-1)
+        s["seq_lens"][:n].copy_(torch.tensor(seq_lens, dtype=torch.int32), non_blocking=True)
+        s["seq_lens"][n:graph_bs].fill_(0)
+        s["block_tables"][:n, : tables.shape[1]].copy_(torch.from_numpy(tables), non_blocking=True)
+        graph, logits = self.graphs[graph_bs]
+        graph.replay()
+        return logits[:n]

@@ -1,0 +1,155 @@
+"""Plain-torch versions of every kernel: the specification, the CPU path and the test oracle.
+
+Numerics follow transformers' Qwen3 modules (cast points included) so that float32 runs on
+CPU give the same tokens as stock ``generate``. Every Triton kernel in this package has a
+twin here with the same signature and is tested against it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` ``[T, Hkv, D]`` into the paged caches ``[N, B, Hkv, D]``.
+
+    ``slot_mapping[t]`` is ``block_id * block_size + offset``; a negative slot skips the token
+    (padding of CUDA-graph batches).
+    """
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key[keep])
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value[keep])
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of variable-length queries over their paged context.
+
+    ``query`` is ``[T, H, D]``: sequence ``b`` owns rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``,
+    which are its last tokens; ``seq_lens[b]`` counts its whole context (cached prefix plus
+    these new tokens), all already stored in the cache. Query ``i`` of a sequence with ``q``
+    new tokens sits at position ``seq_lens[b] - q + i`` and attends to keys ``0..position``.
+    ``block_tables[b, j]`` is the cache block holding positions ``j*B .. j*B+B-1``.
+    Grouped-query heads: query head ``h`` reads KV head ``h // (H // Hkv)``.
+    """
+    block_size = k_cache.shape[1]
+    num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
+    out = torch.empty_like(query)
+    starts, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
+    for b, ctx in enumerate(lens):
+        q0, q1 = starts[b], starts[b + 1]
+        if q1 == q0:
+            continue
+        blocks = block_tables[b, : (ctx + block_size - 1) // block_size].long()
+        k = k_cache[blocks].flatten(0, 1)[:ctx]
+        v = v_cache[blocks].flatten(0, 1)[:ctx]
+        q = query[q0:q1]
+        pos = torch.arange(ctx - (q1 - q0), ctx, device=q.device)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= pos[:, None]
+        out[q0:q1] = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        ).transpose(0, 1)
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen3RMSNorm: normalise in float32, cast back, then scale."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``residual = x + residual`` (in the model dtype), then ``rms_norm(residual)``.
+
+    Returns ``(normed, residual)``; the Triton twin writes both in place of its inputs.
+    """
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def rope(
+    query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding, rotate-half (NeoX) style, on ``[T, H, D]`` query and key.
+
+    ``cos_sin_cache`` is ``[max_positions, D]`` float32: ``cos`` in the first half of the last
+    dimension, ``sin`` in the second, each already duplicated the way transformers'
+    ``cat((freqs, freqs))`` does, so ``cos = cache[p, :D//2]`` repeated twice. As in
+    transformers, cos/sin are cast to the input dtype before the products.
+    """
+    half = cos_sin_cache.shape[1] // 2
+    cs = cos_sin_cache[positions.long()]
+    cos = torch.cat((cs[:, :half], cs[:, :half]), -1).to(query.dtype)[:, None, :]
+    sin = torch.cat((cs[:, half:], cs[:, half:]), -1).to(query.dtype)[:, None, :]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+        return x * cos + torch.cat((-x2, x1), -1) * sin
+
+    return rotate(query), rotate(key)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(x[..., :I]) * x[..., I:]`` for the merged gate/up projection output."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """One token per row of float32 ``logits [B, V]``.
+
+    Rows with ``temperature == 0`` are greedy (argmax, lowest index on ties, as
+    ``torch.argmax``). Other rows follow transformers' warpers in its order: divide by
+    temperature, keep the ``top_k`` largest (0 = off), keep the smallest set of most likely
+    tokens whose probability reaches ``top_p`` (1.0 = off; at least one token kept), then draw
+    from the softmax of what is left.
+    """
+    greedy = logits.argmax(-1)
+    sampled = temperature > 0
+    if not bool(sampled.any()):
+        return greedy
+    rows = logits[sampled] / temperature[sampled, None]
+    k, p = top_k[sampled], top_p[sampled]
+    vocab = rows.shape[-1]
+    sorted_logits, order = rows.sort(-1, descending=True)
+    rank = torch.arange(vocab, device=rows.device)[None, :]
+    remove = (rank >= k[:, None]) & (k[:, None] > 0)
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    probs = sorted_logits.softmax(-1)
+    # Mass of the strictly more likely tokens: a token is kept while that mass is below top_p.
+    mass_above = probs.cumsum(-1) - probs
+    remove = (mass_above >= p[:, None]) & (rank > 0)
+    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    choice = torch.multinomial(sorted_logits.softmax(-1), 1, generator=generator)
+    out = greedy.clone()
+    out[sampled] = order.gather(-1, choice).squeeze(-1)
+    return out

@@ -1,0 +1,22 @@
+"""Qwen3's SwiGLU feed-forward block with the gate and up projections merged."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from hf_paged import kernels
+from hf_paged.modeling.linear import MergedColumnParallelLinear, RowParallelLinear
+
+
+class Qwen3PagedMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter])
+        self.down_proj = RowParallelLinear(inter, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
