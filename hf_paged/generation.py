@@ -58,7 +58,8 @@ def generate(engine, input_ids, attention_mask=None, generation_config=None, **k
 def _merged_config(base: GenerationConfig, passed, kwargs: dict) -> GenerationConfig:
     if passed is not None and not isinstance(passed, GenerationConfig):
         raise ValueError(
-            f"generation_config must be a transformers GenerationConfig, got {type(passed).__name__}"
+            "generation_config must be a transformers GenerationConfig, "
+            f"got {type(passed).__name__}"
         )
     config = copy.deepcopy(passed if passed is not None else base)
     unknown = config.update(**kwargs)
@@ -122,7 +123,7 @@ def _unpadded_rows(input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[int
     return rows
 
 
-def _pad_outputs(input_ids: torch.Tensor, outputs: list[list[int]], pad: int | None) -> torch.Tensor:
+def _pad_outputs(input_ids: torch.Tensor, outputs: list[list[int]], pad: int | None):
     longest = max(len(o) for o in outputs)
     # Rows stop early only at an EOS, and then pad is set; without one every row is full.
     new = torch.full((len(outputs), longest), pad or 0, dtype=input_ids.dtype)

@@ -40,7 +40,8 @@ def random_qwen3(config: Qwen3Config, seed: int = 0, logit_scale: float = 4.0) -
         if "norm" in name:
             param.fill_(1.0)
             continue
-        std = wide if ("embed_tokens" in name or "lm_head" in name) else 1.5 / param.shape[-1] ** 0.5
+        embedding = "embed_tokens" in name or "lm_head" in name
+        std = wide if embedding else 1.5 / param.shape[-1] ** 0.5
         param.copy_(torch.randn(param.shape, generator=gen) * std)
     return model.eval()
 

@@ -29,7 +29,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+            raise ValueError(
+                f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}"
+            )
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
@@ -52,7 +54,7 @@ def from_generation_config(config: GenerationConfig, max_new_tokens: int) -> Sam
     temperature = 1.0 if config.temperature is None else float(config.temperature)
     if not temperature > 0:
         raise ValueError(
-            f"temperature must be a strictly positive float when do_sample=True, got {temperature!r}"
+            f"temperature must be strictly positive when do_sample=True, got {temperature!r}"
         )
     top_p = 1.0 if config.top_p is None else float(config.top_p)
     if not 0.0 < top_p <= 1.0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+
 import torch
 from tqdm.auto import tqdm
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig

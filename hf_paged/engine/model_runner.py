@@ -32,7 +32,8 @@ class ModelRunner:
         self.num_blocks = self._allocate_kv_cache()
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_batch_sizes: list[int] = []
-        if self.device.type == "cuda" and not config.enforce_eager and config.attention_backend == "triton":
+        graphs_possible = self.device.type == "cuda" and config.attention_backend == "triton"
+        if graphs_possible and not config.enforce_eager:
             self._capture_decode_graphs()
 
     # ---- KV cache -------------------------------------------------------------------------
@@ -104,7 +105,8 @@ class ModelRunner:
         )
         hidden = self.model.forward(tokens, positions, meta)
         logits = self.model.compute_logits(hidden[: len(batch_seqs)])
-        self._sample(logits, [0.0] * len(batch_seqs), [0] * len(batch_seqs), [1.0] * len(batch_seqs))
+        n = len(batch_seqs)
+        self._sample(logits, [0.0] * n, [0] * n, [1.0] * n)
         torch.cuda.synchronize()
 
     # ---- inputs ---------------------------------------------------------------------------
@@ -166,11 +168,11 @@ class ModelRunner:
                 torch.from_numpy(positions).to(dev, non_blocking=True),
                 meta,
             )
+            if not rows:  # only partial prefill chunks: nothing to sample yet
+                return []
             if len(rows) != hidden.shape[0]:
-                hidden = hidden[torch.tensor(rows, device=dev)]
+                hidden = hidden[torch.tensor(rows, dtype=torch.long, device=dev)]
             logits = self.model.compute_logits(hidden)
-        if not sampling:
-            return []
         return self._sample(
             logits,
             [p.temperature for p in sampling],
@@ -213,8 +215,8 @@ class ModelRunner:
             "cu_seqlens_q": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
         }
         pool = None
+        s = self.static
         for bs in reversed(sizes):  # largest first, so the smaller graphs reuse its pool
-            s = self.static
             meta = AttentionMetadata(
                 slot_mapping=s["slot_mapping"][:bs],
                 cu_seqlens_q=s["cu_seqlens_q"][: bs + 1],
@@ -223,7 +225,7 @@ class ModelRunner:
                 max_query_len=1,
             )
 
-            def step(bs=bs, meta=meta):
+            def step(bs=bs, meta=meta, s=s):
                 hidden = self.model.forward(s["input_ids"][:bs], s["positions"][:bs], meta)
                 return self.model.compute_logits(hidden)
 

@@ -50,7 +50,9 @@ class Qwen3PagedAttention(nn.Module):
 
     def __init__(self, config, backend: str):
         super().__init__()
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads
+        )
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, head_dim, config.num_attention_heads,
             config.num_key_value_heads, bias=config.attention_bias,

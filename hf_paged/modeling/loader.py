@@ -56,7 +56,8 @@ def load_weights(model: nn.Module, path: str, tied_embeddings: bool) -> None:
                 if param is None:
                     raise ValueError(f"checkpoint tensor {name!r} matches no parameter of Qwen3")
                 # Loaders live on the modules: parameters are re-created when materialised.
-                loader = getattr(model.get_submodule(target.rpartition(".")[0]), "weight_loader", None)
+                module = model.get_submodule(target.rpartition(".")[0])
+                loader = getattr(module, "weight_loader", None)
                 tensor = f.get_tensor(name)
                 if loader is None:
                     param.copy_(tensor)

@@ -1,0 +1,61 @@
+"""Shared fixtures: tiny random Qwen3 checkpoints (built once per session) and their
+transformers twins, the oracle every parity test compares against."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from hf_paged.random_checkpoint import SHAPES, random_qwen3
+
+# Three tiny shapes: grouped-query heads with tied embeddings, multi-head attention with an
+# untied LM head, and a wider-head GQA model; vocabularies small enough for fast CPU runs.
+TINY_CONFIGS = {
+    "gqa_tied": dict(SHAPES["tiny"]),
+    "mha_untied": dict(SHAPES["tiny"], num_attention_heads=4, num_key_value_heads=4,
+                       tie_word_embeddings=False),
+    "gqa4_untied": dict(SHAPES["tiny"], hidden_size=128, num_attention_heads=8,
+                        num_key_value_heads=2, head_dim=32, num_hidden_layers=3,
+                        tie_word_embeddings=False),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    """name -> folder of a float32 random checkpoint."""
+    paths = {}
+    for name, shape in TINY_CONFIGS.items():
+        path = str(tmp_path_factory.mktemp(name))
+        random_qwen3(Qwen3Config(**shape, dtype="float32"), seed=0).save_pretrained(path)
+        paths[name] = path
+    return paths
+
+
+@pytest.fixture(scope="session")
+def hf_models(checkpoints) -> dict[str, Qwen3ForCausalLM]:
+    return {
+        name: Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        for name, path in checkpoints.items()
+    }
+
+
+def left_padded(lengths: list[int], vocab: int, pad: int = 0, seed: int = 0):
+    """A left-padded batch of random prompts (ids avoid the special ids 0..2)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, width - n :] = torch.randint(3, vocab, (n,), generator=gen)
+        mask[i, width - n :] = 1
+    return ids, mask

@@ -1,0 +1,96 @@
+"""Every invalid request is rejected with a ValueError naming the argument, and the engine
+serves the next call as if nothing had happened."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_paged
+from hf_paged.sampling_params import SamplingParams
+
+IDS = torch.tensor([[5, 6, 7, 8]])
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoints):
+    return hf_paged.from_pretrained(checkpoints["gqa_tied"], block_size=8, max_model_len=64)
+
+
+@pytest.fixture(scope="module")
+def expected(engine):
+    return engine.generate(IDS, max_new_tokens=5)
+
+
+BAD_CALLS = [
+    (dict(input_ids=torch.zeros((1, 3), dtype=torch.long), attention_mask=torch.zeros((1, 3))),
+     "input_ids"),
+    (dict(input_ids=torch.tensor([[5, 6, 10**6]])), "input_ids"),
+    (dict(input_ids=torch.tensor([[5, -3, 6]])), "input_ids"),
+    (dict(input_ids=IDS, max_new_tokens=200), "max_new_tokens"),
+    (dict(input_ids=IDS, max_new_tokens=0), "max_new_tokens"),
+    (dict(input_ids=IDS, max_new_tokens=-2), "max_new_tokens"),
+    (dict(input_ids=IDS, max_new_tokens=None, max_length=3), "max_length"),
+    (dict(input_ids=IDS, do_sample=True, temperature=-1.0), "temperature"),
+    (dict(input_ids=IDS, do_sample=True, top_p=0.0), "top_p"),
+    (dict(input_ids=IDS, do_sample=True, top_p=1.5), "top_p"),
+    (dict(input_ids=torch.tensor([5, 6, 7])), "input_ids"),
+    (dict(input_ids=torch.zeros((1, 2, 3), dtype=torch.long)), "input_ids"),
+    (dict(input_ids=IDS.float()), "input_ids"),
+    (dict(input_ids=IDS, attention_mask=torch.ones((1, 5))), "attention_mask"),
+    (dict(input_ids=IDS, attention_mask=torch.tensor([[1, 0, 1, 1]])), "attention_mask"),
+    (dict(input_ids=IDS, repetition_penalty=1.3), "repetition_penalty"),
+    (dict(input_ids=IDS, num_beams=2), "num_beams"),
+    (dict(input_ids=IDS, streamer=object()), "streamer"),
+    (dict(input_ids=IDS, generation_config={"max_new_tokens": 3}), "generation_config"),
+]
+
+
+@pytest.mark.parametrize("kwargs,name", BAD_CALLS, ids=[n for _, n in BAD_CALLS])
+def test_bad_call_names_the_argument_and_engine_survives(engine, expected, kwargs, name):
+    kwargs = {"max_new_tokens": 5, **kwargs}
+    with pytest.raises(ValueError, match=name):
+        engine.generate(**kwargs)
+    assert engine.stats()["num_running"] == engine.stats()["num_waiting"] == 0
+    assert torch.equal(engine.generate(IDS, max_new_tokens=5), expected)
+
+
+def test_one_bad_prompt_queues_nothing(engine, expected):
+    with pytest.raises(ValueError, match="input_ids"):
+        engine.generate_tokens([[5, 6], []], SamplingParams(max_new_tokens=3))
+    assert engine.stats()["num_waiting"] == 0
+    assert torch.equal(engine.generate(IDS, max_new_tokens=5), expected)
+
+
+@pytest.mark.parametrize("options,name", [
+    (dict(block_size=12), "block_size"),
+    (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (dict(attention_backend="magic"), "attention_backend"),
+    (dict(max_model_len=10**7), "max_model_len"),
+])
+def test_bad_engine_options_name_the_option(checkpoints, options, name):
+    with pytest.raises(ValueError, match=name):
+        hf_paged.from_pretrained(checkpoints["gqa_tied"], **options)
+
+
+def test_unknown_engine_option(checkpoints):
+    with pytest.raises(TypeError, match="no_such_option"):
+        hf_paged.from_pretrained(checkpoints["gqa_tied"], no_such_option=1)
+
+
+def test_non_qwen3_checkpoint_is_refused(tmp_path):
+    from transformers import LlamaConfig
+
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2, vocab_size=64).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="Qwen3"):
+        hf_paged.from_pretrained(str(tmp_path))
+
+
+def test_sampling_params_validate():
+    for kwargs, name in [(dict(max_new_tokens=0), "max_new_tokens"),
+                         (dict(temperature=-0.5), "temperature"),
+                         (dict(top_k=-1), "top_k"), (dict(top_p=0.0), "top_p")]:
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**kwargs)

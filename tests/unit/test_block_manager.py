@@ -1,0 +1,134 @@
+"""Block manager invariants under random interleavings (hypothesis state machine), plus the
+prefix-cache and eviction-order rules checked directly."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from hf_paged.engine.block_manager import BlockManager
+from hf_paged.engine.sequence import Sequence
+from hf_paged.sampling_params import SamplingParams
+
+BS = 4
+PARAMS = SamplingParams(max_new_tokens=8)
+
+
+def admit(bm: BlockManager, tokens: list[int]) -> Sequence | None:
+    seq = Sequence(tokens, PARAMS)
+    hits = bm.match_prefix(seq)
+    if not bm.allocate(seq, len(tokens) - len(hits) * BS, hits):
+        return None
+    seq.num_computed_tokens = len(tokens)
+    return seq
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.bm = BlockManager(num_blocks=12, block_size=BS)
+        self.live: list[Sequence] = []
+
+    # Prompts drawn from a small alphabet and shared stems so prefix hits are frequent.
+    @rule(stem=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]]),
+          tail=st.lists(st.integers(0, 3), min_size=1, max_size=9))
+    def add(self, stem, tail):
+        seq = admit(self.bm, stem + tail)
+        if seq is not None:
+            self.live.append(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 100), token=st.integers(0, 3))
+    def append_token(self, i, token):
+        seq = self.live[i % len(self.live)]
+        seq.token_ids.append(token)
+        if self.bm.allocate(seq, 1):
+            seq.num_computed_tokens += 1
+        else:
+            seq.token_ids.pop()
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 100))
+    def free(self, i):
+        self.bm.free(self.live.pop(i % len(self.live)))
+
+    @invariant()
+    def blocks_are_accounted_for(self):
+        bm = self.bm
+        refs = [0] * bm.num_blocks
+        for seq in self.live:
+            assert len(seq.block_table) == bm.blocks_needed(seq.num_computed_tokens)
+            for b in seq.block_table:
+                refs[b] += 1
+        free = set(bm.free_uncached) | set(bm.evictable)
+        assert len(bm.free_uncached) + len(bm.evictable) == len(free)  # no block listed twice
+        for block in bm.blocks:
+            assert block.ref_count == refs[block.block_id]
+            assert (block.ref_count == 0) == (block.block_id in free)
+        for h, b in bm.hash_to_block.items():
+            assert bm.blocks[b].hash == h
+        assert all(bm.blocks[b].hash is not None for b in bm.evictable)
+        assert all(bm.blocks[b].hash is None for b in bm.free_uncached)
+
+    @invariant()
+    def cached_contents_match(self):
+        for seq in self.live:
+            for i, b in enumerate(seq.block_table):
+                block = self.bm.blocks[b]
+                if block.hash is not None:
+                    assert block.key[1] == tuple(seq.token_ids[i * BS : (i + 1) * BS])
+
+
+TestBlockManagerMachine = BlockManagerMachine.TestCase
+TestBlockManagerMachine.settings = settings(max_examples=150, stateful_step_count=40,
+                                            deadline=None)
+
+
+def test_prefix_hit_reuses_blocks_and_leaves_last_token():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    a = admit(bm, list(range(12)))
+    b = Sequence(list(range(12)), PARAMS)
+    hits = bm.match_prefix(b)
+    assert hits == a.block_table[:2]  # the third block holds the last token: recomputed
+    bm.free(a)
+    assert bm.num_cached_blocks == 3
+
+
+def test_eviction_takes_unused_first_then_lru_later_blocks_first():
+    bm = BlockManager(num_blocks=6, block_size=BS)
+    old = admit(bm, list(range(8)))
+    old_table = list(old.block_table)
+    bm.free(old)
+    new = admit(bm, [9] * 16)  # takes the four never-used blocks
+    assert set(new.block_table).isdisjoint(old_table)
+    assert bm.num_cached_blocks == 2
+    more = Sequence([7] * 4, PARAMS)
+    assert bm.allocate(more, 4)
+    assert more.block_table == [old_table[1]]  # the later block goes first
+    assert bm.match_prefix(Sequence(list(range(8)) + [0], PARAMS)) == old_table[:1]
+
+
+def test_hit_on_evictable_block_revives_it():
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    a = admit(bm, list(range(9)))
+    table = list(a.block_table)
+    bm.free(a)
+    b = admit(bm, list(range(9)))
+    assert b.block_table[:2] == table[:2]
+    assert b.num_computed_tokens == 9
+    assert bm.num_cached_blocks == 0
+
+
+def test_allocation_failure_changes_nothing():
+    bm = BlockManager(num_blocks=2, block_size=BS)
+    seq = Sequence(list(range(12)), PARAMS)
+    assert not bm.allocate(seq, 12)
+    assert seq.block_table == [] and bm.num_free_blocks == 2
+
+
+def test_same_tokens_different_parent_do_not_match():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    admit(bm, [1, 1, 1, 1, 2, 2, 2, 2, 0])
+    other = Sequence([3, 3, 3, 3, 2, 2, 2, 2, 0], PARAMS)
+    assert bm.match_prefix(other) == []
