@@ -168,10 +168,13 @@ class PagedEngine:
             return []
         sampled = self.runner.run(batch)
         self._last_batch = batch
-        return self.scheduler.postprocess(batch, sampled)
+        finished = self.scheduler.postprocess(batch, sampled)
+        self.runner.release(finished)
+        return finished
 
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)
+        self.runner.release([seq])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()

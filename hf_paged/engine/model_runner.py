@@ -16,8 +16,49 @@ import torch
 from hf_paged import kernels
 from hf_paged.config import EngineConfig
 from hf_paged.engine.scheduler import ScheduledBatch
+from hf_paged.engine.sequence import Sequence
 from hf_paged.modeling.attention import AttentionMetadata
 from hf_paged.modeling.swap import PagedQwen3
+
+
+class BlockTableMirror:
+    """Block tables of live sequences as rows of one int32 array, updated incrementally, so a
+    step copies only new block ids instead of rebuilding every table."""
+
+    def __init__(self, width: int):
+        self.rows = np.zeros((0, width), dtype=np.int32)
+        self.free_rows: list[int] = []
+        # seq_id -> [row, number of entries synced, the block_table list they came from]
+        self.state: dict[int, list] = {}
+
+    def gather(self, seqs: list[Sequence]) -> np.ndarray:
+        index, width = [], 1
+        for seq in seqs:
+            state = self.state.get(seq.seq_id)
+            if state is None:
+                state = self.state[seq.seq_id] = [self._take_row(), 0, seq.block_table]
+            table = seq.block_table
+            if state[2] is not table:  # preemption gave the sequence a new table
+                state[1], state[2] = 0, table
+            if len(table) > state[1]:
+                self.rows[state[0], state[1] : len(table)] = table[state[1] :]
+                state[1] = len(table)
+            index.append(state[0])
+            width = max(width, len(table))
+        return self.rows[index, :width]
+
+    def release(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            state = self.state.pop(seq.seq_id, None)
+            if state is not None:
+                self.free_rows.append(state[0])
+
+    def _take_row(self) -> int:
+        if not self.free_rows:
+            old, width = self.rows.shape
+            self.rows = np.vstack([self.rows, np.zeros((max(old, 64), width), np.int32)])
+            self.free_rows = list(range(len(self.rows) - 1, old - 1, -1))
+        return self.free_rows.pop()
 
 
 class ModelRunner:
@@ -30,6 +71,7 @@ class ModelRunner:
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
         self.num_blocks = self._allocate_kv_cache()
+        self.block_tables = BlockTableMirror(self.max_blocks_per_seq)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.graph_batch_sizes: list[int] = []
         graphs_possible = self.device.type == "cuda" and config.attention_backend == "triton"
@@ -112,44 +154,43 @@ class ModelRunner:
     # ---- inputs ---------------------------------------------------------------------------
 
     def _prepare(self, batch: ScheduledBatch):
+        """Flat token ids, positions and slots, plus per-sequence metadata, built with plain
+        ints for the one-token (decode) rows: this runs on the host every step."""
         bs = self.block_size
         input_ids: list[int] = []
-        positions_np, slots_np = [], []
+        positions: list[int] = []
+        slots: list[int] = []
         cu_seqlens, seq_lens, logits_rows = [0], [], []
-        max_blocks = 0
         for seq, n, sample in zip(batch.seqs, batch.num_tokens, batch.sample):
             start = seq.num_computed_tokens
             end = start + n
-            input_ids.extend(seq.token_ids[start:end])
-            pos = np.arange(start, end)
-            table = np.asarray(seq.block_table)
-            positions_np.append(pos)
-            slots_np.append(table[pos // bs] * bs + pos % bs)
+            table = seq.block_table
+            if n == 1:
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(seq.token_ids[start:end])
+                pos = np.arange(start, end)
+                positions.extend(pos.tolist())
+                slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
             cu_seqlens.append(cu_seqlens[-1] + n)
             seq_lens.append(end)
             if sample:
                 logits_rows.append(cu_seqlens[-1] - 1)
-            max_blocks = max(max_blocks, len(seq.block_table))
-        block_tables = np.zeros((len(batch.seqs), max_blocks), dtype=np.int32)
-        for i, seq in enumerate(batch.seqs):
-            block_tables[i, : len(seq.block_table)] = seq.block_table
-        return (
-            input_ids,
-            np.concatenate(positions_np),
-            np.concatenate(slots_np),
-            cu_seqlens,
-            seq_lens,
-            block_tables,
-            logits_rows,
-            max(batch.num_tokens),
-        )
+        tables = self.block_tables.gather(batch.seqs)
+        return input_ids, positions, slots, cu_seqlens, seq_lens, tables, logits_rows
+
+    def release(self, seqs: list[Sequence]) -> None:
+        """Forget finished or aborted sequences."""
+        self.block_tables.release(seqs)
 
     # ---- running --------------------------------------------------------------------------
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int]:
         """Compute the batch and return one sampled token per sequence with ``sample`` set."""
-        ids, positions, slots, cu, seq_lens, tables, rows, max_q = self._prepare(batch)
+        ids, positions, slots, cu, seq_lens, tables, rows = self._prepare(batch)
         dev = self.device
         sampling = [s.params for s, sample in zip(batch.seqs, batch.sample) if sample]
         graph_bs = self._graph_batch_size(batch)
@@ -157,15 +198,15 @@ class ModelRunner:
             logits = self._replay(graph_bs, ids, positions, slots, seq_lens, tables)
         else:
             meta = AttentionMetadata(
-                slot_mapping=torch.from_numpy(slots).to(dev, non_blocking=True),
+                slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
                 cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
                 block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
-                max_query_len=max_q,
+                max_query_len=max(batch.num_tokens),
             )
             hidden = self.model.forward(
                 torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
-                torch.from_numpy(positions).to(dev, non_blocking=True),
+                torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
                 meta,
             )
             if not rows:  # only partial prefill chunks: nothing to sample yet
@@ -244,8 +285,8 @@ class ModelRunner:
         n = len(ids)
         s = self.static
         s["input_ids"][:n].copy_(torch.tensor(ids, dtype=torch.long), non_blocking=True)
-        s["positions"][:n].copy_(torch.from_numpy(positions), non_blocking=True)
-        s["slot_mapping"][:n].copy_(torch.from_numpy(slots), non_blocking=True)
+        s["positions"][:n].copy_(torch.tensor(positions, dtype=torch.long), non_blocking=True)
+        s["slot_mapping"][:n].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
         s["slot_mapping"][n:graph_bs].fill_(-1)
         s["seq_lens"][:n].copy_(torch.tensor(seq_lens, dtype=torch.int32), non_blocking=True)
         s["seq_lens"][n:graph_bs].fill_(0)
