@@ -81,24 +81,27 @@ class BlockManager:
         ``cached_blocks`` (from ``match_prefix``, admission only) join the block table and
         count as computed. Returns False, changing nothing, when the free blocks do not suffice.
         """
-        num_cached_tokens = len(cached_blocks) * self.block_size
-        total = seq.num_computed_tokens + num_cached_tokens + num_new_tokens
-        needed = self.blocks_needed(total) - len(seq.block_table) - len(cached_blocks)
-        reviving = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
-        if needed > self.num_free_blocks - reviving:
+        bs = self.block_size
+        total = seq.num_computed_tokens + len(cached_blocks) * bs + num_new_tokens
+        needed = -(-total // bs) - len(seq.block_table) - len(cached_blocks)
+        if cached_blocks:
+            reviving = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+            if needed > self.num_free_blocks - reviving:
+                return False
+            for block_id in cached_blocks:
+                block = self.blocks[block_id]
+                if block.ref_count == 0:
+                    del self.evictable[block_id]
+                block.ref_count += 1
+                seq.block_table.append(block_id)
+            seq.num_computed_tokens += len(cached_blocks) * bs
+        elif needed > 0 and needed > self.num_free_blocks:
             return False
-        for block_id in cached_blocks:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self.evictable[block_id]
-            block.ref_count += 1
-            seq.block_table.append(block_id)
-        seq.num_computed_tokens += num_cached_tokens
         for _ in range(needed):
             block = self.blocks[self._take_free_block()]
             block.ref_count = 1
             seq.block_table.append(block.block_id)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and total // bs > seq.num_published_blocks:
             self._cache_full_blocks(seq, total)
         return True
 

@@ -67,10 +67,11 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         preempted = False
         i = 0
+        allocate = self.block_manager.allocate
         while i < len(self.running) and budget:
             seq = self.running[i]
-            n = min(len(seq) - seq.num_computed_tokens, budget)
-            while not self.block_manager.allocate(seq, n):
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            while not allocate(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted = True
@@ -144,4 +145,4 @@ class Scheduler:
     def _add_to_batch(batch: ScheduledBatch, seq: Sequence, n: int) -> None:
         batch.seqs.append(seq)
         batch.num_tokens.append(n)
-        batch.sample.append(seq.num_computed_tokens + n == len(seq))
+        batch.sample.append(seq.num_computed_tokens + n == len(seq.token_ids))
