@@ -1,0 +1,139 @@
+"""Batch-1 latency (W2): milliseconds per output token, and time to first token.
+
+    python -m benchmarks.bench_latency --model /tmp/ckpt/0.6b
+
+ms per output token = wall time of one request (128-token prompt, 256 new tokens) / 256, its
+prefill included. Time to first token = wall time of one request with a 1,024-token prompt and
+one new token. Each is the median over ``--repeats`` requests, each with a prompt of its own
+(so that no prefix cache serves a repeat), after a warm-up request of each size. The static
+cache baseline is measured on decode only: its first token is stock generate's eager prefill.
+The floor of a decode token is ``FLOOR_MODEL`` of ``benchmarks.common`` for one request: the
+weights (and the request's short KV cache) read once per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from benchmarks import common
+from benchmarks.systems import GenerateSystem, PagedSystem, System
+from benchmarks.workloads import Workload, w2_decode, w2_ttft, warmup_requests
+
+BASELINES = ("generate", "static")
+
+
+def median_ms(system: System, workload: Workload, device: torch.device) -> tuple[float, list]:
+    """The median wall time in ms of each request of ``workload`` run alone, and the samples."""
+    samples = [common.timed(lambda r=r: system.run(r), device)[1] for r in workload.requests()]
+    return statistics.median(samples) * 1e3, samples
+
+
+def measure(
+    build: Callable[[], System], decode: Workload, ttft: Workload | None, device: torch.device
+) -> dict:
+    """Build, warm up with one request of each size on other prompts, then time each request
+    of ``decode`` (and of ``ttft``) on its own."""
+    system, startup_s = common.timed(build, device)
+    try:
+        sizes = [decode] if ttft is None else [decode, ttft]
+        for workload in sizes:
+            system.run(warmup_requests(workload.head(1)))
+        decode_ms, decode_samples = median_ms(system, decode, device)
+        figures = {
+            "decode_ms_per_token": decode_ms / decode.max_new_tokens[0],
+            "decode_samples_s": decode_samples,
+            "startup_s": startup_s,
+        }
+        if ttft is not None:
+            figures["ttft_ms"], figures["ttft_samples_s"] = median_ms(system, ttft, device)
+        figures.update(system.describe())
+    finally:
+        system.close()
+    print(
+        "  " + ", ".join(f"{k} {v:.4g}" for k, v in figures.items() if k.endswith(("ms", "token")))
+    )
+    return figures
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common.add_common_args(parser, BASELINES)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=128, help="prompt of the decode request")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--ttft-prompt-len", type=int, default=1024)
+    args = parser.parse_args(argv)
+
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    top = common.max_token_id(args.model)
+    decode = w2_decode(args.repeats, args.prompt_len, args.new_tokens, top)
+    ttft = w2_ttft(args.repeats, args.ttft_prompt_len, top)
+    cost = common.MemoryCost.from_checkpoint(args.model, dtype)
+    floor = common.floor_settings(device, args.bandwidth, cost)
+    bandwidth = floor["bandwidth_bytes_per_s"]
+    floor_ms = cost.floor_bytes(decode.head(1)) / bandwidth * 1e3 / args.new_tokens
+    result = common.ResultFile(
+        "w2",
+        args,
+        device,
+        partial(summary, floor_ms=floor_ms, ttft_prompt_len=args.ttft_prompt_len),
+    )
+    result["workload_description"] = {
+        "description": "W2 latency: batch 1; decode ms per output token and time to first token",
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "ttft_prompt_len": args.ttft_prompt_len,
+        "repeats": args.repeats,
+    }
+    result["floor"] = floor
+    common.reuse_baselines(result, args)
+
+    print("w2 hf_paged")
+    paged = partial(
+        PagedSystem, args.model, dtype, device, **common.engine_options(args.engine_option)
+    )
+    result["hf_paged"]["hf_paged"] = measure(paged, decode, ttft, device)
+    result.save()
+
+    generate = partial(GenerateSystem, args.model, dtype, device, batch_size=1)
+    static = partial(generate, static=True, max_cache_len=args.prompt_len + args.new_tokens)
+    common.run_baselines(
+        result,
+        args,
+        {
+            "generate": partial(measure, generate, decode, ttft, device),
+            "static": partial(measure, static, decode, None, device),  # its prefill is generate's
+        },
+    )
+    common.finish(result)
+
+
+def summary(data: dict, floor_ms: float, ttft_prompt_len: int) -> list[dict]:
+    mine, baselines = data["hf_paged"]["hf_paged"], data["baselines"]
+    return [
+        common.summary_row(
+            "decode ms/token, batch 1",
+            mine["decode_ms_per_token"],
+            baselines,
+            "decode_ms_per_token",
+            floor=floor_ms,
+            higher_is_better=False,
+        ),
+        common.summary_row(
+            f"time to first token ms, {ttft_prompt_len}-token prompt",
+            mine["ttft_ms"],
+            baselines,
+            "ttft_ms",
+            floor=None,
+            higher_is_better=False,
+        ),
+    ]
+
+
+if __name__ == "__main__":
+    main()

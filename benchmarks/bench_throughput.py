@@ -1,0 +1,167 @@
+"""Offline throughput: output tokens per second of hf_paged and of transformers' baselines.
+
+    python -m benchmarks.bench_throughput --model /tmp/ckpt/0.6b                  # W1
+    python -m benchmarks.bench_throughput --model /tmp/ckpt/0.6b --workload w3 --baselines
+
+W1 is nano-vllm's bench (256 requests, 133,966 output tokens); W3 is 256 requests sharing one
+2,048-token prefix, measured with hf_paged's prefix caching on and then off. Each hf_paged run
+builds a fresh engine (start-up timed), warms it up on other prompts, and times one
+``generate_tokens`` call over the whole workload.
+
+The baselines are slow, so they run on the workload's first ``--baseline-requests`` requests,
+and hf_paged runs on those same requests too (``hf_paged@baseline_requests``): the speedups
+compare like with like. ``--reuse-baselines FILE`` takes the baseline figures of an earlier run.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from benchmarks import common
+from benchmarks.systems import ContinuousBatchingSystem, GenerateSystem, PagedSystem, System
+from benchmarks.workloads import Workload, w1, w3, warmup_requests
+
+BASELINES = ("generate", "static", "cb")
+SAME_REQUESTS = "hf_paged@baseline_requests"  # hf_paged on the requests the baselines ran
+
+
+def build_workload(args: argparse.Namespace, max_token_id: int) -> tuple[Workload, dict]:
+    sizes = {
+        "num_requests": args.num_requests,
+        "max_input_len" if args.workload == "w1" else "prefix_len": args.max_input_len,
+        "max_output_len" if args.workload == "w1" else "new_tokens": args.max_output_len,
+    }
+    sizes = {name: value for name, value in sizes.items() if value is not None}
+    make = w1 if args.workload == "w1" else w3
+    workload = make(**sizes, max_token_id=max_token_id)
+    description = {"description": make.__doc__.splitlines()[0], **sizes, **workload.describe()}
+    return workload, description
+
+
+def measure(
+    build: Callable[[], System],
+    workload: Workload,
+    batch: int,
+    cost: common.MemoryCost,
+    bandwidth: float,
+    device: torch.device,
+) -> dict:
+    """Build, warm up on ``batch`` other prompts, then time one run over ``workload``."""
+    system, startup_s = common.timed(build, device)
+    try:
+        _, warmup_s = common.timed(
+            lambda: system.run(warmup_requests(workload.head(batch))), device
+        )
+        tokens, seconds = common.timed(lambda: system.run(workload), device)
+        floor_s = cost.floor_bytes(workload) / bandwidth
+        figures = {
+            "num_requests": len(workload.prompts),
+            "output_tokens": tokens,
+            "seconds": seconds,
+            "output_tokens_per_s": tokens / seconds,
+            "startup_s": startup_s,
+            "warmup_s": warmup_s,
+            "floor_s": floor_s,
+            "fraction_of_floor": floor_s / seconds,
+            **system.describe(),
+        }
+    finally:
+        system.close()
+    print(
+        f"  {tokens} tokens in {seconds:.2f} s: {tokens / seconds:,.1f} tok/s "
+        f"(start-up {startup_s:.1f} s, warm-up {warmup_s:.1f} s)"
+    )
+    return figures
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common.add_common_args(parser, BASELINES)
+    parser.add_argument("--workload", choices=["w1", "w3"], default="w1")
+    parser.add_argument("--num-requests", type=int)
+    parser.add_argument("--max-input-len", type=int, help="W1 prompt length bound; W3 prefix")
+    parser.add_argument("--max-output-len", type=int, help="W1 output length bound; W3 new tokens")
+    parser.add_argument("--baseline-requests", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=64, help="generate baselines' batch")
+    args = parser.parse_args(argv)
+
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    workload, description = build_workload(args, common.max_token_id(args.model))
+    cost = common.MemoryCost.from_checkpoint(args.model, dtype)
+    result = common.ResultFile(args.workload, args, device, summary)
+    result["workload_description"] = description
+    result["floor"] = common.floor_settings(device, args.bandwidth, cost)
+    few = workload.head(args.baseline_requests)
+    with_baselines = bool(args.baselines) or args.reuse_baselines is not None
+    result["baseline_requests"] = len(few.prompts) if with_baselines else None
+    common.reuse_baselines(result, args)
+
+    def measure_on(requests: Workload, build: Callable[[], System]) -> Callable[[], dict]:
+        bandwidth = result["floor"]["bandwidth_bytes_per_s"]
+        return partial(measure, build, requests, args.batch_size, cost, bandwidth, device)
+
+    options = common.engine_options(args.engine_option)
+    paged = partial(PagedSystem, args.model, dtype, device, **options)
+    if args.workload == "w3":
+        settings = {
+            f"prefix_caching_{s}": {"enable_prefix_caching": s == "on"} for s in ("on", "off")
+        }
+    else:
+        settings = {"hf_paged": {}}
+    runs = {
+        label: measure_on(workload, partial(paged, **extra)) for label, extra in settings.items()
+    }
+    if with_baselines:
+        runs[SAME_REQUESTS] = measure_on(few, partial(paged, **next(iter(settings.values()))))
+    for label, run in runs.items():
+        print(f"{args.workload} {label}")
+        result["hf_paged"][label] = run()
+        result.save()
+
+    max_cache_len = max(map(len, few.prompts)) + max(few.max_new_tokens)
+    generate = partial(GenerateSystem, args.model, dtype, device, args.batch_size)
+    common.run_baselines(
+        result,
+        args,
+        {
+            "generate": measure_on(few, generate),
+            "static": measure_on(few, partial(generate, static=True, max_cache_len=max_cache_len)),
+            "cb": measure_on(
+                few, partial(ContinuousBatchingSystem, args.model, dtype, device, few)
+            ),
+        },
+    )
+    if args.workload == "w3":
+        on, off = (result["hf_paged"][label]["output_tokens_per_s"] for label in settings)
+        result["prefix_caching_speedup"] = on / off
+    common.finish(result)
+
+
+def summary(data: dict) -> list[dict]:
+    """The table lines: hf_paged's output tok/s on the whole workload (one line per engine
+    setting), and on the first line the baselines with hf_paged's speedup on their requests."""
+    same = data["hf_paged"].get(SAME_REQUESTS)
+    labels = [label for label in data["hf_paged"] if label != SAME_REQUESTS]
+    rows = []
+    for i, label in enumerate(labels):
+        figures = data["hf_paged"][label]
+        rows.append(
+            common.summary_row(
+                "output tok/s" + ("" if label == "hf_paged" else f", {label.replace('_', ' ')}"),
+                figures["output_tokens_per_s"],
+                data["baselines"] if i == 0 else {},
+                "output_tokens_per_s",
+                floor=figures["output_tokens"] / figures["floor_s"],
+                higher_is_better=True,
+                compare=None if same is None else same["output_tokens_per_s"],
+            )
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    main()

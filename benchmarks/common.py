@@ -1,0 +1,393 @@
+"""What both benchmarks share: command-line options, device facts, timing, the memory-traffic
+floor, and the result JSON (written after every measurement, so a run cut short keeps its
+figures)."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import datetime
+import gc
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import subprocess
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+
+from benchmarks.workloads import Workload
+
+T = TypeVar("T")
+RESULTS_DIR = Path(__file__).parent / "results"
+
+# Peak HBM bandwidth used for the floor, by a substring of the device name.
+PEAK_BANDWIDTH = {"H200": 4.3e12, "H100": 3.0e12}
+
+FLOOR_MODEL = (
+    "floor_s = bytes / bandwidth, bytes = S*W + sum_i (o_i*p_i + o_i*(o_i-1)/2) * K, where all "
+    "requests run concurrently, so each of the S = max_i o_i decode steps reads the weights once; "
+    "W = weight bytes read per step (every weight once, the embedding only as the LM head); "
+    "K = KV-cache bytes per token (2 * layers * kv_heads * head_dim * dtype size); p_i, o_i = "
+    "prompt and output lengths of request i, whose step t reads the KV of p_i + t - 1 tokens. "
+    "Prefill compute, activations and KV writes are left out: it is a lower bound."
+)
+
+
+# The transformers baselines: command-line key -> name in the result JSON.
+BASELINE_NAMES = {
+    "generate": "transformers_generate",
+    "static": "transformers_static_cache",
+    "cb": "transformers_continuous_batching",
+}
+
+# ---- command line ---------------------------------------------------------------------------
+
+
+def add_common_args(parser: argparse.ArgumentParser, baselines: tuple[str, ...]) -> None:
+    parser.add_argument(
+        "--model", required=True, help="checkpoint folder (benchmarks.make_checkpoint)"
+    )
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--baselines",
+        nargs="*",
+        choices=baselines,
+        default=list(baselines),
+        help="transformers baselines to measure (none when the flag has no value)",
+    )
+    parser.add_argument(
+        "--reuse-baselines",
+        metavar="FILE",
+        help="take the baseline figures from an earlier result JSON instead of measuring them; "
+        "'auto': from the result file this run replaces (same workload and device)",
+    )
+    parser.add_argument(
+        "--engine-option",
+        "-E",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an hf_paged EngineConfig field, e.g. -E max_num_seqs=128 (repeatable)",
+    )
+    parser.add_argument(
+        "--bandwidth",
+        type=float,
+        help="memory bandwidth for the floor in B/s (default: by device name, else measured)",
+    )
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+
+
+def engine_options(pairs: list[str]) -> dict[str, Any]:
+    """``["max_num_seqs=128", "enforce_eager=True"]`` -> ``{"max_num_seqs": 128, ...}``."""
+    options = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"--engine-option takes NAME=VALUE, got {pair!r}")
+        try:
+            options[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            options[name] = value
+    return options
+
+
+def max_token_id(model_path: str) -> int:
+    """Workload token ids stay below 10,000 and inside the checkpoint's vocabulary."""
+    return min(10000, AutoConfig.from_pretrained(model_path).vocab_size - 1)
+
+
+# ---- device and timing ----------------------------------------------------------------------
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def device_info(device: torch.device) -> dict[str, Any]:
+    name = device_name(device)
+    info = {
+        "name": name,
+        "slug": re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": _version("transformers"),
+        "triton": _version("triton"),
+        "cpu": platform.processor() or platform.machine(),
+    }
+    if device.type == "cuda":
+        info["cuda"] = torch.version.cuda
+        info["gpu_memory_gib"] = round(
+            torch.cuda.get_device_properties(device).total_memory / 2**30, 1
+        )
+    return info
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return None
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).parent,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip()
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], T], device: torch.device) -> tuple[T, float]:
+    """``fn()`` and its wall time in seconds, with the device's queue drained on both sides."""
+    synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    synchronize(device)
+    return result, time.perf_counter() - start
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def guarded(name: str, fn: Callable[[], dict]) -> dict:
+    """``fn()``, or ``{"error": ...}`` when it raises: one failing baseline keeps the run."""
+    try:
+        return fn()
+    except Exception as exc:  # the error is the baseline's result
+        traceback.print_exc()
+        print(f"{name} failed: {type(exc).__name__}: {exc}")
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        free_memory()
+
+
+# ---- memory-traffic floor -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryCost:
+    """Bytes one decode step must read: the weights, and the KV cache per cached token."""
+
+    weight_bytes: int
+    kv_bytes_per_token: int
+
+    @classmethod
+    def from_checkpoint(cls, path: str, dtype: torch.dtype) -> MemoryCost:
+        config = AutoConfig.from_pretrained(path)
+        numel: dict[str, int] = {}
+        for file in Path(path).glob("*.safetensors"):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    numel[name] = math.prod(f.get_slice(name).get_shape())
+        total = sum(numel.values())
+        if any(name.endswith("lm_head.weight") for name in numel):  # untied: lookups read rows
+            total -= sum(n for name, n in numel.items() if name.endswith("embed_tokens.weight"))
+        size = torch.empty((), dtype=dtype).element_size()
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * size
+        return cls(weight_bytes=total * size, kv_bytes_per_token=kv)
+
+    def floor_bytes(self, workload: Workload) -> int:
+        """Bytes read by the workload's decode steps under ``FLOOR_MODEL``:
+        ``S*W + sum_i (o_i*p_i + o_i*(o_i-1)/2) * K`` with ``S = max_i o_i``."""
+        outputs = workload.max_new_tokens
+        kv_tokens = sum(o * len(p) + o * (o - 1) // 2 for p, o in zip(workload.prompts, outputs))
+        return max(outputs) * self.weight_bytes + kv_tokens * self.kv_bytes_per_token
+
+
+def measure_copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second moved by a large device-to-device copy (read + write)."""
+    nbytes = 512 * 2**20 if device.type == "cuda" else 64 * 2**20
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _, seconds = timed(lambda: [dst.copy_(src) for _ in range(10)], device)
+    return 2 * nbytes * 10 / seconds
+
+
+def floor_settings(device: torch.device, given: float | None, cost: MemoryCost) -> dict[str, Any]:
+    """The bandwidth the floor uses (given, else by device name, else the measured copy
+    bandwidth) and the model of the floor, for the result JSON."""
+    measured = measure_copy_bandwidth(device)
+    name = device_name(device)
+    by_name = next((bw for key, bw in PEAK_BANDWIDTH.items() if key in name), None)
+    if given is not None:
+        bandwidth, source = given, "given (--bandwidth)"
+    elif by_name is not None:
+        bandwidth, source = by_name, "peak for the device name"
+    else:
+        bandwidth, source = measured, "measured copy bandwidth"
+    return {
+        "floor_model": FLOOR_MODEL,
+        "bandwidth_bytes_per_s": bandwidth,
+        "bandwidth_source": source,
+        "measured_copy_bandwidth_bytes_per_s": measured,
+        "weight_bytes_per_step": cost.weight_bytes,
+        "kv_bytes_per_token": cost.kv_bytes_per_token,
+    }
+
+
+# ---- results --------------------------------------------------------------------------------
+
+
+class ResultFile:
+    """``<results_dir>/<workload>-<device slug>.json``, copied to ``$OUT`` when it is set.
+    Every save refreshes ``summary`` (the table lines) with ``summarize(data)`` once hf_paged
+    has a figure."""
+
+    def __init__(
+        self,
+        workload: str,
+        args: argparse.Namespace,
+        device: torch.device,
+        summarize: Callable[[dict], list[dict]],
+    ):
+        info = device_info(device)
+        self.summarize = summarize
+        self.path = args.results_dir / f"{workload}-{info['slug']}.json"
+        self.data: dict[str, Any] = {
+            "workload": workload,
+            "complete": False,
+            "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "git_commit": git_commit(),
+            "device": info,
+            "checkpoint": {"path": args.model, "dtype": args.dtype},
+            "summary": None,
+            "workload_description": None,
+            "floor": None,
+            "baseline_requests": None,
+            "hf_paged": {},
+            "baselines": {},
+        }
+
+    def __getitem__(self, key: str) -> Any:
+        return self.data[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.data[key] = value
+
+    def save(self) -> None:
+        if self.data["hf_paged"]:
+            self.data["summary"] = self.summarize(self.data)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.data, indent=2) + "\n")
+        if os.environ.get("OUT"):
+            shutil.copy(self.path, Path(os.environ["OUT"]) / self.path.name)
+
+
+def reuse_baselines(result: ResultFile, args: argparse.Namespace) -> None:
+    """Take the baselines of the ``--reuse-baselines`` file, if given: call it before the first
+    save, which may overwrite that very file."""
+    if args.reuse_baselines is None:
+        return
+    path = result.path if args.reuse_baselines == "auto" else Path(args.reuse_baselines)
+    earlier = json.loads(path.read_text())
+    for field in ("workload", "baseline_requests"):
+        if earlier.get(field) != result[field]:
+            raise SystemExit(
+                f"{path} has {field} {earlier.get(field)!r}, this run {result[field]!r}: "
+                "its baselines are not comparable"
+            )
+    if not earlier.get("baselines"):
+        raise SystemExit(f"{path} holds no baseline figures")
+    result["baselines"] = earlier["baselines"]
+    result["baselines_reused_from"] = str(path)
+
+
+def run_baselines(
+    result: ResultFile, args: argparse.Namespace, measures: dict[str, Callable[[], dict]]
+) -> None:
+    """Measure the baselines named by ``--baselines``, each failure recorded as its result,
+    unless they were reused."""
+    if args.reuse_baselines is not None:
+        return
+    for key in args.baselines:
+        name = BASELINE_NAMES[key]
+        print(f"{result['workload']} {name}")
+        result["baselines"][name] = guarded(name, measures[key])
+        result.save()
+
+
+def finish(result: ResultFile) -> None:
+    result["complete"] = True
+    result.save()
+    print_summary(result["summary"])
+    print(f"wrote {result.path}")
+
+
+def summary_row(
+    metric: str,
+    hf_paged: float,
+    baselines: dict[str, dict],
+    key: str,
+    floor: float | None,
+    higher_is_better: bool,
+    compare: float | None = None,
+) -> dict[str, Any]:
+    """One line of the results table: hf_paged's figure, each baseline's ``key`` figure (or
+    its error), hf_paged's speedup over each (from ``compare``, hf_paged's figure on the
+    baselines' requests, when that differs from ``hf_paged``) and the fraction of the floor
+    that hf_paged reaches."""
+
+    def speedup(mine: float, other: float) -> float:
+        return mine / other if higher_is_better else other / mine
+
+    values = {
+        name: fig.get(key, fig.get("error"))
+        for name, fig in baselines.items()
+        if key in fig or "error" in fig
+    }
+    compare = hf_paged if compare is None else compare
+    return {
+        "metric": metric,
+        "hf_paged": hf_paged,
+        "baselines": values,
+        "speedup": {
+            name: speedup(compare, value)
+            for name, value in values.items()
+            if isinstance(value, (int, float))
+        },
+        "floor": floor,
+        "fraction_of_floor": None if floor is None else speedup(hf_paged, floor),
+    }
+
+
+def print_summary(rows: list[dict]) -> None:
+    for row in rows:
+        parts = [f"{row['metric']}: hf_paged {row['hf_paged']:.4g}"]
+        for name, value in row["baselines"].items():
+            shown = (
+                f"{value:.4g} (x{row['speedup'][name]:.2f})" if name in row["speedup"] else value
+            )
+            parts.append(f"{name} {shown}")
+        if row["fraction_of_floor"] is not None:
+            parts.append(f"floor {row['floor']:.4g}, fraction {row['fraction_of_floor']:.1%}")
+        print(" | ".join(parts))

@@ -1,0 +1,33 @@
+"""Write a random Qwen3 checkpoint of a real shape, unless the folder already holds one.
+
+python -m benchmarks.make_checkpoint --shape 0.6b --out /tmp/ckpt/0.6b --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from hf_paged.random_checkpoint import SHAPES, make_checkpoint
+
+
+def has_checkpoint(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=list(SHAPES), default="0.6b")
+    parser.add_argument("--out", type=Path, required=True, help="folder to write the checkpoint to")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if has_checkpoint(args.out):
+        print(f"checkpoint already in {args.out}; nothing to do")
+        return
+    make_checkpoint(args.shape, str(args.out), dtype=args.dtype, seed=args.seed)
+    print(f"wrote a random {args.shape} ({args.dtype}) checkpoint to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

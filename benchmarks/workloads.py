@@ -1,0 +1,112 @@
+"""The benchmark workloads: prompts as token-id lists and the new tokens asked of each.
+
+Every function returns a ``Workload``, a ``(prompts, max_new_tokens)`` named tuple. Token ids are
+drawn from ``[0, max_token_id]``; pass a smaller ``max_token_id`` for a checkpoint with a small
+vocabulary. EOS is ignored everywhere, so each request generates exactly its ``max_new_tokens``.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import NamedTuple
+
+MAX_TOKEN_ID = 10000
+W1_DEFAULTS = (256, 1024, 1024, MAX_TOKEN_ID)  # requests, input and output bounds, token ids
+W1_OUTPUT_TOKENS = 133_966  # the total of W1's default output lengths (nano-vllm's bench)
+
+
+class Workload(NamedTuple):
+    prompts: list[list[int]]
+    max_new_tokens: list[int]
+
+    def head(self, n: int) -> Workload:
+        """The first ``n`` requests."""
+        return Workload(self.prompts[:n], self.max_new_tokens[:n])
+
+    def requests(self) -> list[Workload]:
+        """One workload per request."""
+        return [Workload([p], [n]) for p, n in zip(self.prompts, self.max_new_tokens)]
+
+    def describe(self) -> dict[str, int]:
+        return {
+            "num_requests": len(self.prompts),
+            "prompt_tokens": sum(map(len, self.prompts)),
+            "output_tokens": sum(self.max_new_tokens),
+        }
+
+
+def w1(
+    num_requests: int = 256,
+    max_input_len: int = 1024,
+    max_output_len: int = 1024,
+    max_token_id: int = MAX_TOKEN_ID,
+) -> Workload:
+    """W1 throughput: prompt lengths U[100, max_input_len], output lengths U[100, max_output_len].
+
+    Drawn exactly as nano-vllm's bench does after ``random.seed(0)``: every prompt first, then
+    every output length. With the defaults the outputs total 133,966 tokens.
+    """
+    rng = random.Random(0)
+    prompts = [
+        [
+            rng.randint(0, max_token_id)
+            for _ in range(rng.randint(min(100, max_input_len), max_input_len))
+        ]
+        for _ in range(num_requests)
+    ]
+    outputs = [rng.randint(min(100, max_output_len), max_output_len) for _ in range(num_requests)]
+    defaults = (num_requests, max_input_len, max_output_len, max_token_id) == W1_DEFAULTS
+    if defaults and sum(outputs) != W1_OUTPUT_TOKENS:
+        raise RuntimeError(f"W1 draws {sum(outputs)} output tokens, expected {W1_OUTPUT_TOKENS}")
+    return Workload(prompts, outputs)
+
+
+def w2_decode(
+    num_prompts: int = 1,
+    prompt_len: int = 128,
+    new_tokens: int = 256,
+    max_token_id: int = MAX_TOKEN_ID,
+) -> Workload:
+    """W2 decode latency: batch 1, a ``prompt_len``-token prompt, ``new_tokens`` new tokens.
+
+    One distinct prompt per repeat, so that no repeat is served from a prefix cache.
+    """
+    rng = random.Random(2)
+    prompts = [
+        [rng.randint(0, max_token_id) for _ in range(prompt_len)] for _ in range(num_prompts)
+    ]
+    return Workload(prompts, [new_tokens] * num_prompts)
+
+
+def w2_ttft(
+    num_prompts: int = 1, prompt_len: int = 1024, max_token_id: int = MAX_TOKEN_ID
+) -> Workload:
+    """W2 time to first token: batch 1, a ``prompt_len``-token prompt, one new token."""
+    return w2_decode(num_prompts, prompt_len, 1, max_token_id)
+
+
+def w3(
+    num_requests: int = 256,
+    prefix_len: int = 2048,
+    unique_len: int = 32,
+    new_tokens: int = 128,
+    max_token_id: int = MAX_TOKEN_ID,
+) -> Workload:
+    """W3 shared prefix: one ``prefix_len``-token prefix + ``unique_len`` tokens per request."""
+    rng = random.Random(3)
+    prefix = [rng.randint(0, max_token_id) for _ in range(prefix_len)]
+    prompts = [
+        prefix + [rng.randint(0, max_token_id) for _ in range(unique_len)]
+        for _ in range(num_requests)
+    ]
+    return Workload(prompts, [new_tokens] * num_requests)
+
+
+def warmup_requests(like: Workload, new_tokens: int = 16) -> Workload:
+    """Fresh random prompts of the same lengths as ``like``'s, ``new_tokens`` each: they warm
+    up a system (compilation, CUDA graphs of the same batch size) without seeding any prefix
+    cache with the measured prompts."""
+    rng = random.Random(1)
+    top = max(max(p) for p in like.prompts)
+    prompts = [[rng.randint(0, top) for _ in p] for p in like.prompts]
+    return Workload(prompts, [new_tokens] * len(prompts))

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The GPU tests and the benchmarks on a CUDA machine, in one call from the repository root:
+#
+#   scripts/gpu_run.sh [STEP...]      STEP: tests w1 w2 w3 (default: all four, in this order)
+#
+# Everything printed also goes to $OUT/run.log, and the result JSONs, README-table.md and
+# throughput.png are copied into $OUT, when OUT is set. Each step runs under a time limit (a
+# benchmark cut short keeps the figures it had saved) and a failing step does not stop the next.
+# The default limits keep a full run under about 9 minutes; the w1 baselines alone take about 5,
+# so to measure everything run w1 on its own first, e.g. `T_W1=480 scripts/gpu_run.sh tests w1`
+# then `scripts/gpu_run.sh w2 w3`, and later runs can take BASELINES=reuse.
+# Settings, from the environment:
+#   BASELINES=1|0|reuse  measure the transformers baselines in w1 and w2, skip them, or reuse the
+#                        figures of the result JSON already in $RESULTS for this workload and device
+#   SHAPE=0.6b CKPT=/tmp/ckpt/0.6b   the random bf16 checkpoint, built once
+#   RESULTS=benchmarks/results       where the benchmarks write their JSON
+#   T_TESTS=60 T_W1=270 T_W2=150 T_W3=60   time limits of the steps, in seconds
+#   REPEATS=3            repeats of each w2 latency measurement
+#   BENCH_ARGS=...       more arguments for every benchmark, e.g. "-E max_num_seqs=128"
+#   W1_ARGS W2_ARGS W3_ARGS=...      more arguments for one benchmark, e.g. W1_ARGS="--baselines cb"
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
+
+SHAPE=${SHAPE:-0.6b}
+CKPT=${CKPT:-/tmp/ckpt/$SHAPE}
+RESULTS=${RESULTS:-benchmarks/results}
+BASELINES=${BASELINES:-1}
+case $BASELINES in
+  1) BASELINE_ARGS=() ;;
+  0) BASELINE_ARGS=(--baselines) ;;
+  reuse) BASELINE_ARGS=(--reuse-baselines auto) ;;
+  *) echo "BASELINES must be 1, 0 or reuse, got $BASELINES" >&2; exit 2 ;;
+esac
+STEPS=("$@")
+[[ ${#STEPS[@]} -gt 0 ]] || STEPS=(tests w1 w2 w3)
+STATUS=()
+
+step() {  # step NAME LIMIT COMMAND...: run COMMAND under a time limit, record how it ended
+  local name=$1 limit=$2 start=$SECONDS rc=0
+  shift 2
+  echo "=== $name (limit ${limit}s): $*"
+  timeout --kill-after=20 "$limit" "$@" || rc=$?
+  local how="ok"
+  [[ $rc -eq 0 ]] || how="exit $rc"
+  [[ $rc -ne 124 ]] || how="timed out"
+  STATUS+=("$(printf '%-6s %-10s %4ss' "$name" "$how" $((SECONDS - start)))")
+}
+
+bench() {  # bench NAME LIMIT MODULE EXTRA_ARGS ARGS...: one benchmark as a step
+  local name=$1 limit=$2 module=$3 extra
+  read -r -a extra <<< "${BENCH_ARGS:-} $4"
+  shift 4
+  step "$name" "$limit" python -m "benchmarks.$module" --model "$CKPT" --results-dir "$RESULTS" \
+    "${extra[@]}" "$@"
+}
+
+main() {
+  nvidia-smi -L || true
+  python -c 'import sys, torch, transformers, triton
+print("python", sys.version.split()[0], "| torch", torch.__version__, "| transformers",
+      transformers.__version__, "| triton", triton.__version__, "| cuda", torch.cuda.is_available())' \
+    || true
+  python -m benchmarks.make_checkpoint --shape "$SHAPE" --out "$CKPT" --dtype bfloat16
+
+  for s in "${STEPS[@]}"; do
+    case $s in
+      tests) step tests "${T_TESTS:-60}" python -m pytest tests/gpu tests/kernels -m gpu -q -x ;;
+      w1) bench w1 "${T_W1:-270}" bench_throughput "${W1_ARGS:-}" "${BASELINE_ARGS[@]}" ;;
+      w2) bench w2 "${T_W2:-150}" bench_latency "${W2_ARGS:-}" "${BASELINE_ARGS[@]}" \
+            --repeats "${REPEATS:-3}" ;;
+      w3) bench w3 "${T_W3:-60}" bench_throughput "${W3_ARGS:-}" --workload w3 --baselines ;;
+      *) echo "unknown step $s (steps: tests w1 w2 w3)"; STATUS+=("$s unknown") ;;
+    esac
+  done
+
+  echo "=== results"
+  if python -m benchmarks.report --results-dir "$RESULTS" && [[ -n ${OUT:-} ]]; then
+    cp "$RESULTS/README-table.md" "$OUT/"
+    [[ ! -f $RESULTS/throughput.png ]] || cp "$RESULTS/throughput.png" "$OUT/"
+  fi
+  echo "=== steps"
+  printf '%s\n' "${STATUS[@]}"
+}
+
+if [[ -n ${OUT:-} ]]; then
+  main 2>&1 | tee -a "$OUT/run.log"
+else
+  main
+fi
