@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tests and the benchmarks on a CUDA machine, in one call from the repository root:
 #
-#   scripts/gpu_run.sh [STEP...]      STEP: tests w1 w2 w3 (default: all four, in this order)
+#   scripts/gpu_run.sh [STEP...]      STEP: tests w1 w2 w3 preempt (default: the first four)
 #
 # Everything printed also goes to $OUT/run.log, and the result JSONs, README-table.md and
 # throughput.png are copied into $OUT, when OUT is set. Each step runs under a time limit (a
@@ -70,7 +70,9 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
       w2) bench w2 "${T_W2:-150}" bench_latency "${W2_ARGS:-}" "${BASELINE_ARGS[@]}" \
             --repeats "${REPEATS:-3}" ;;
       w3) bench w3 "${T_W3:-60}" bench_throughput "${W3_ARGS:-}" --workload w3 --baselines ;;
-      *) echo "unknown step $s (steps: tests w1 w2 w3)"; STATUS+=("$s unknown") ;;
+      preempt) step preempt "${T_PRE:-240}" python -m benchmarks.check_preemption \
+            --model "$CKPT" --results-dir "$RESULTS" ;;
+      *) echo "unknown step $s (steps: tests w1 w2 w3 preempt)"; STATUS+=("$s unknown") ;;
     esac
   done
 
