@@ -1,11 +1,71 @@
-"""Kernel dispatch (placeholder until the Triton kernels land): reference versions only."""
+"""Kernel dispatch: the Triton kernels for CUDA tensors, the plain-torch reference otherwise.
 
-from hf_paged.kernels.reference import (  # noqa: F401
-    add_rms_norm,
-    paged_attention,
-    rms_norm,
-    rope,
-    sample,
-    silu_and_mul,
-    store_kv,
-)
+``HF_PAGED_TRITON_ON_CPU=1`` sends CPU tensors to Triton too (for tests under
+``TRITON_INTERPRET=1``). Kernel modules, and Triton with them, are imported on first use: the
+package imports without Triton, and ``TRITON_INTERPRET`` may be set after it is imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+
+import torch
+
+from hf_paged.kernels import reference
+
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+_TRITON_ON_CPU = os.environ.get("HF_PAGED_TRITON_ON_CPU") == "1"
+
+
+def _use_triton(tensor: torch.Tensor) -> bool:
+    return _HAS_TRITON and (tensor.is_cuda or _TRITON_ON_CPU)
+
+
+@functools.cache
+def _triton_kernel(module: str, name: str):
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
+
+def _dispatch(module: str, name: str):
+    ref = getattr(reference, name)
+
+    @functools.wraps(ref)
+    def run(*args, **kwargs):
+        fn = _triton_kernel(module, name) if _use_triton(args[0]) else ref
+        return fn(*args, **kwargs)
+
+    return run
+
+
+store_kv = _dispatch("kv_write", "store_kv")
+rms_norm = _dispatch("rmsnorm", "rms_norm")
+add_rms_norm = _dispatch("rmsnorm", "add_rms_norm")
+rope = _dispatch("rotary", "rope")
+silu_and_mul = _dispatch("activation", "silu_and_mul")
+sample = _dispatch("sampling", "sample")
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    **hints,
+) -> torch.Tensor:
+    """``reference.paged_attention``; keyword ``hints`` (``max_query_len``, ``num_splits``) only
+    steer the Triton kernel."""
+    args = (query, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
+    if _use_triton(query):
+        return _triton_kernel("attention", "paged_attention")(*args, **hints)
+    return reference.paged_attention(*args)
+
+
+__all__ = [
+    "add_rms_norm", "paged_attention", "rms_norm", "rope", "sample", "silu_and_mul", "store_kv",
+]

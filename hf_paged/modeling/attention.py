@@ -35,7 +35,7 @@ def attention_function(backend: str):
     if backend == "sdpa":
         return lambda *args, max_query_len: reference.paged_attention(*args)
     if backend == "triton":
-        from hf_paged.kernels.paged_attention import paged_attention
+        from hf_paged.kernels.attention import paged_attention
 
         return paged_attention
     raise ValueError(f"attention_backend {backend!r} is not available")

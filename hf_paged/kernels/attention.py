@@ -1,0 +1,263 @@
+"""Causal attention of variable-length queries over the paged KV cache.
+
+One kernel serves prefill, chunked prefill and decode. A program owns a tile of query rows:
+``BLOCK_Q`` consecutive query tokens of one sequence times the ``GROUP`` query heads that share
+a KV head (row ``r`` is token ``r // GROUP``, head ``r % GROUP`` of the group), so every key and
+value tile it gathers through the block table is read once for the whole group. Scores go
+through ``tl.dot``, rows padded to at least 16: a decode tile is 1 token x GROUP heads, and the
+tensor cores' wasted rows cost nothing in a kernel bound by reading the cache, while a
+broadcast-multiply would hold a ``[GROUP, BLOCK_N, D]`` product in registers.
+
+Decode (``max_query_len == 1``) runs one program per (sequence, KV head). When those are too few
+to fill the GPU, the keys are split across ``num_splits`` programs (flash-decoding) that write
+partial results and their log-sum-exp, merged by a second kernel. The split count depends only
+on the shapes, so decode is safe to capture in a CUDA graph: no host sync, no value-dependent
+allocation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_MAX_SPLITS = 32
+# (query rows, keys per iteration, warps, pipeline stages); a decode program holds one token's
+# GQA group.
+_DECODE_TILE = (16, 64, 4, 2)
+_PREFILL_TILE = (64, 64, 4, 3)
+
+
+@triton.jit
+def _find_sequence(cu_q_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence owning query tile ``tile``, when sequence ``b``'s tiles start at
+    ``cu_q[b] // BLOCK_Q + b`` (room for its ``cdiv(q_len, BLOCK_Q)`` tiles, known on device)."""
+    lo = 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        owns = tl.load(cu_q_ptr + mid) // BLOCK_Q + mid <= tile
+        lo = tl.where(owns, mid, lo)
+        hi = tl.where(owns, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _attend_tiles(
+    acc, m, denom, q, k_ptr, v_ptr, table, pos, kv_end, tile_lo, tile_hi,
+    k_s0, k_s1, v_s0, v_s1, scale_log2,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
+    MASKED: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Online-softmax update of ``(acc, m, denom)`` over key tiles ``[tile_lo, tile_hi)``.
+    ``MASKED``: the tiles may hold keys past a row's position or past the context."""
+    dims = tl.arange(0, BLOCK_D)
+    for tile in range(tile_lo, tile_hi):
+        keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        kv_mask = (dims < HEAD_DIM)[None, :]
+        if MASKED:
+            kv_mask &= (keys < kv_end)[:, None]
+        # Key t lives in cache block table[t // PAGE] at offset t % PAGE.
+        block = tl.load(table + keys // PAGE, mask=keys < kv_end, other=0).to(tl.int64)
+        offset = keys % PAGE
+        k = tl.load(k_ptr + block[:, None] * k_s0 + offset[:, None] * k_s1 + dims[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + block[:, None] * v_s0 + offset[:, None] * v_s1 + dims[None, :],
+                    mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        if MASKED:
+            s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        # A row with no visible key yet keeps m = -inf: shift it by 0 rather than inf - inf.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - shift)
+        p = tl.exp2(s - shift[:, None])
+        denom = denom * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+    return acc, m, denom
+
+
+@triton.jit
+def _attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    cu_q_ptr, seq_lens_ptr, block_tables_ptr,
+    scale_log2, num_seqs, num_heads, num_splits,
+    q_s0, q_s1, o_s0, o_s1, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, bt_s0,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, DECODE: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if DECODE:  # at most one query token per sequence: program i serves sequence i
+        seq = tl.program_id(0)
+        q_tile = 0
+    else:
+        # Last tiles first: causal tiles late in a sequence carry the most keys, and starting
+        # them early keeps the GPU busy to the end.
+        tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
+        seq = _find_sequence(cu_q_ptr, tile_id, num_seqs, BLOCK_Q)
+        q_tile = tile_id - (tl.load(cu_q_ptr + seq) // BLOCK_Q + seq)
+    q_start = tl.load(cu_q_ptr + seq)
+    q_len = tl.load(cu_q_ptr + seq + 1) - q_start
+    first = q_tile * BLOCK_Q
+    if first >= q_len:
+        return
+    ctx = tl.load(seq_lens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = first + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    dims = tl.arange(0, BLOCK_D)
+    mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
+    # Query i sits at position ctx - q_len + i; the tile sees keys up to its last query.
+    kv_end = ctx - q_len + tl.minimum(first + BLOCK_Q, q_len)
+    pos = tl.minimum(ctx - q_len + tok, kv_end - 1)  # clamped: padding rows stay finite
+    q_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * q_s0 + head[:, None] * q_s1 + dims[None, :], mask=mask,
+                other=0.0)
+
+    # This program's share of the key tiles (all of them without split-K); those wholly at or
+    # before the tile's first query need no mask.
+    n_tiles = tl.cdiv(kv_end, BLOCK_N)
+    per_split = tl.cdiv(n_tiles, num_splits)
+    tile_lo = per_split * split
+    tile_hi = tl.minimum(tile_lo + per_split, n_tiles)
+    unmasked_hi = tl.minimum(tl.maximum((ctx - q_len + first + 1) // BLOCK_N, tile_lo), tile_hi)
+    k_ptr = k_cache_ptr + kv_head * k_s2
+    v_ptr = v_cache_ptr + kv_head * v_s2
+    table = block_tables_ptr + seq.to(tl.int64) * bt_s0
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc, m, denom = _attend_tiles(
+        acc, m, denom, q, k_ptr, v_ptr, table, pos, kv_end, tile_lo, unmasked_hi,
+        k_s0, k_s1, v_s0, v_s1, scale_log2, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE, False, PRECISION)
+    acc, m, denom = _attend_tiles(
+        acc, m, denom, q, k_ptr, v_ptr, table, pos, kv_end, unmasked_hi, tile_hi,
+        k_s0, k_s1, v_s0, v_s1, scale_log2, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE, True, PRECISION)
+
+    # A row that saw no key (an empty split, a padded sequence of length 0) comes out as zeros.
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    out = acc / denom[:, None]
+    if SPLIT:  # partial result and its log-sum-exp (base 2; -inf when empty)
+        part = (q_rows * num_heads + head) * num_splits + split
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=mask)
+        tl.store(part_lse_ptr + part, m + tl.log2(denom), mask=row_ok)
+    else:
+        tl.store(out_ptr + q_rows[:, None] * o_s0 + head[:, None] * o_s1 + dims[None, :], out,
+                 mask=mask)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, num_heads, num_splits, o_s0, o_s1,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # token * num_heads + head
+    splits = tl.arange(0, BLOCK_S)
+    dims = tl.arange(0, BLOCK_D)
+    split_ok = splits < num_splits
+    lse = tl.load(part_lse_ptr + row * num_splits + splits, mask=split_ok, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
+    parts = tl.load(
+        part_out_ptr + (row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
+        mask=split_ok[:, None] & (dims < HEAD_DIM)[None, :], other=0.0,
+    )
+    total = tl.sum(weight, axis=0)
+    out = tl.sum(weight[:, None] * parts, axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + (row // num_heads) * o_s0 + (row % num_heads) * o_s1 + dims, out,
+             mask=dims < HEAD_DIM)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # CPU tensors (Triton's interpreter): act as a 132-SM GPU would
+
+
+def _decode_splits(programs: int, max_tiles: int, device: torch.device) -> int:
+    """Split-K factor for ``programs`` (sequence, KV head) pairs: none once they fill the SMs,
+    else enough for about two programs per SM, never more than the key tiles the block table
+    can address (its width, not its contents, so the choice is fixed per graph batch)."""
+    sms = _sm_count(device)
+    if programs >= sms:
+        return 1
+    return max(1, min(_MAX_SPLITS, max_tiles, triton.cdiv(2 * sms, programs)))
+
+
+def paged_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Triton twin of ``reference.paged_attention``.
+
+    ``max_query_len``: the longest query run of the batch, which the scheduler knows; 1 selects
+    the decode kernel (CUDA-graph safe), so it must not understate. Without it the general
+    kernel runs, right for any batch and free of host syncs as well. ``num_splits`` overrides
+    the split-K policy (decode defaults to ``_decode_splits``; prefill to no split).
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group, num_seqs = num_heads // num_kv_heads, seq_lens.shape[0]
+    assert query.dtype == k_cache.dtype == v_cache.dtype
+    assert query.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+
+    decode = max_query_len == 1
+    block_m, block_n, num_warps, num_stages = _DECODE_TILE if decode else _PREFILL_TILE
+    block_m = max(block_m, triton.next_power_of_2(group))
+    block_q = block_m // group
+    # General path: sequence b's query tiles start at cu_q[b] // block_q + b (see
+    # _find_sequence), so this many programs cover every tile without reading cu_q here.
+    programs = num_seqs if decode else num_tokens // block_q + num_seqs
+    if num_splits is None:
+        num_splits = 1
+        if decode:
+            max_tiles = triton.cdiv(block_tables.shape[1] * page, block_n)
+            num_splits = _decode_splits(num_seqs * num_kv_heads, max_tiles, query.device)
+    split = num_splits > 1
+    if split:
+        part_out = torch.empty((num_tokens, num_heads, num_splits, head_dim),
+                               dtype=torch.float32, device=query.device)
+        part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32,
+                               device=query.device)
+    else:
+        part_out = part_lse = out  # unused
+
+    block_d = triton.next_power_of_2(head_dim)
+    _attention_kernel[(programs, num_kv_heads, num_splits)](
+        query, k_cache, v_cache, out, part_out, part_lse, cu_seqlens_q, seq_lens, block_tables,
+        scale * _LOG2E, num_seqs, num_heads, num_splits,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        HEAD_DIM=head_dim, PAGE=page, DECODE=decode, SPLIT=split,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if split:
+        _combine_splits_kernel[(num_tokens * num_heads,)](
+            part_out, part_lse, out, num_heads, num_splits, out.stride(0), out.stride(1),
+            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, HEAD_DIM=head_dim,
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,81 @@
+"""RMSNorm, with an optional fused residual add, over the last dimension of ``[..., D]``."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr,
+    heads, x_s0, x_s1, r_s0, r_s1, o_s0, o_s1, dim, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program per row; a row is (i, j) of a [rows, heads, D] view, so per-head norms can
+    # read strided views of a fused projection without a copy.
+    row = tl.program_id(0)
+    i, j = (row // heads).to(tl.int64), row % heads
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < dim
+    x = tl.load(x_ptr + i * x_s0 + j * x_s1 + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual_ptrs = residual_ptr + i * r_s0 + j * r_s1 + cols
+        residual = tl.load(residual_ptrs, mask=mask, other=0.0)
+        # The sum is rounded to the model dtype, as the reference's plain ``x + residual``.
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(residual_ptrs, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / dim + eps)
+    # Cast back before scaling, as transformers does: the product is rounded once more.
+    normed = (xf * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i * o_s0 + j * o_s1 + cols, normed * weight, mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``[..., D]`` as a ``[rows, heads, D]`` view (leading dims beyond two are flattened)."""
+    if x.dim() == 1:
+        return x[None, None]
+    return x[:, None] if x.dim() == 2 else x.flatten(0, -3)
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+            out: torch.Tensor, eps: float) -> None:
+    x3, o3 = _rows(x), _rows(out)
+    r3 = x3 if residual is None else _rows(residual)
+    assert x3.stride(-1) == r3.stride(-1) == o3.stride(-1) == weight.stride(-1) == 1
+    rows, heads, dim = x3.shape
+    if rows * heads == 0:
+        return
+    block_d = triton.next_power_of_2(dim)
+    _rms_norm_kernel[(rows * heads,)](
+        x3, r3, weight, o3,
+        heads, x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
+        o3.stride(0), o3.stride(1), dim, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK_D=block_d,
+        num_warps=max(1, min(8, block_d // 256)),
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Triton twin of ``reference.rms_norm``; ``x`` may be a strided ``[T, H, D]`` view."""
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    _launch(x, None, weight, out, eps)
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of ``reference.add_rms_norm``, in place: ``residual <- x + residual`` and
+    ``x <- rms_norm(residual)``; returns ``(x, residual)``.
+
+    Should ``weight`` have a wider dtype than ``x``, the normed output gets a new tensor of that
+    dtype, as in the reference, rather than being rounded into ``x``.
+    """
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    out = x if out_dtype == x.dtype else torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    _launch(x, residual, weight, out, eps)
+    return out, residual

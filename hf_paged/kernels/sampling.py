@@ -1,0 +1,138 @@
+"""Token sampling with temperature, top-k and top-p, without sorting the vocabulary.
+
+One program per row. Top-k and top-p each keep the tokens whose logit reaches a threshold, and
+the kernel finds each threshold by searching the order-preserving int32 image of the float32
+logits (temperature preserves the order, so raw logits serve): each pass over the row counts
+(top-k) or weighs by probability (top-p) the tokens above ``PROBES`` candidate keys at once,
+narrowing the interval ``PROBES``-fold: a 32-bit search takes 11 passes of 8 probes (more
+probes per pass cost more registers and arithmetic than the passes they save). A token is kept
+when the tokens strictly above it number fewer than ``k`` / hold less than ``top_p`` of the
+mass, as in the reference, except that tokens tied at the threshold are all kept (the
+reference's sort keeps an arbitrary subset of them). The draw is an exponential race:
+``argmax(x / T - log E)`` with ``E ~ Exp(1)`` per token picks token ``i`` with probability
+``softmax(x / T)_i`` over the kept set.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# (vocabulary tile, probes per pass, warps)
+_TILE = (4096, 8, 16)
+
+
+@triton.jit
+def _tile(row_ptr, start, vocab, BLOCK_V: tl.constexpr):
+    """Indices, validity, logits and their order-preserving int32 keys (sign-magnitude to
+    two's complement) of one tile of the row."""
+    idx = start + tl.arange(0, BLOCK_V)
+    ok = idx < vocab
+    x = tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32)
+    bits = x.to(tl.int32, bitcast=True)
+    return idx, ok, x, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _threshold(row_ptr, vocab, lo, hi, floor, row_max, log2e_over_t, bound,
+               WEIGHTED: tl.constexpr, BLOCK_V: tl.constexpr, PROBES: tl.constexpr):
+    """Smallest key ``v`` in ``(lo, hi]`` such that the tokens with key above ``v`` count, or
+    when ``WEIGHTED`` those also at least ``floor`` weigh ``exp((x - row_max) / T)``, less than
+    ``bound``. The test must fail at ``lo``; it is monotone in ``v``, so the answer is ``hi``
+    if it never holds inside."""
+    steps = tl.arange(0, PROBES).to(tl.int64) + 1
+    floor = floor.to(tl.int32)
+    while hi - lo > 1:
+        # PROBES increasing keys in (lo, hi], the last one hi.
+        probes = (lo + ((hi - lo) * steps + PROBES - 1) // PROBES).to(tl.int32)
+        # Per-lane sums, reduced once after the pass.
+        mass = tl.zeros([PROBES, BLOCK_V], tl.float32)
+        for start in range(0, vocab, BLOCK_V):
+            _, ok, x, key = _tile(row_ptr, start, vocab, BLOCK_V)
+            if WEIGHTED:
+                weight = tl.where(ok & (key >= floor), tl.exp2((x - row_max) * log2e_over_t), 0.0)
+            else:
+                weight = tl.where(ok, 1.0, 0.0)
+            mass += tl.where(key[None, :] > probes[:, None], weight[None, :], 0.0)
+        below = tl.sum(mass, axis=1) < bound
+        hi = tl.min(tl.where(below, probes.to(tl.int64), hi), axis=0)
+        lo = tl.max(tl.where(below, lo, probes.to(tl.int64)), axis=0)
+    return hi
+
+
+@triton.jit
+def _sample_kernel(
+    logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, out_ptr, vocab, stride,
+    BLOCK_V: tl.constexpr, PROBES: tl.constexpr,
+):
+    row = tl.program_id(0)
+    temperature = tl.load(temperature_ptr + row)
+    if temperature <= 0:  # greedy row: the caller's argmax stands
+        return
+    log2e_over_t = 1.4426950408889634 / temperature
+    top_k = tl.load(top_k_ptr + row)
+    top_p = tl.load(top_p_ptr + row)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride
+
+    floor = tl.full([], -(2**31), tl.int64)  # keys >= floor are kept
+    if (top_k > 0) & (top_k < vocab):
+        floor = _threshold(row_ptr, vocab, floor - 1, tl.full([], 2**31 - 1, tl.int64), floor,
+                           0.0, log2e_over_t, top_k.to(tl.float32), False, BLOCK_V, PROBES)
+    if top_p < 1.0:
+        # Max and total probability weight of the kept logits, in one pass (online rescaling).
+        run_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        run_sum = tl.zeros([BLOCK_V], tl.float32)
+        for start in range(0, vocab, BLOCK_V):
+            _, ok, x, key = _tile(row_ptr, start, vocab, BLOCK_V)
+            x = tl.where(ok & (key >= floor.to(tl.int32)), x, float("-inf"))
+            new_max = tl.maximum(run_max, x)
+            safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+            run_sum = run_sum * tl.exp2((run_max - safe) * log2e_over_t) + tl.exp2(
+                (x - safe) * log2e_over_t)
+            run_max = new_max
+        row_max = tl.max(run_max, axis=0)
+        total = tl.sum(run_sum * tl.exp2((run_max - row_max) * log2e_over_t), axis=0)
+        # top_p = 0 still keeps the most likely token, as in the reference.
+        bound = tl.maximum(top_p, 1e-7) * total
+        floor = _threshold(row_ptr, vocab, floor - 1, tl.full([], 2**31 - 1, tl.int64), floor,
+                           row_max, log2e_over_t, bound, True, BLOCK_V, PROBES)
+
+    seed = tl.load(seed_ptr)
+    best = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    best_idx = tl.zeros([BLOCK_V], tl.int32)
+    for start in range(0, vocab, BLOCK_V):
+        idx, ok, x, key = _tile(row_ptr, start, vocab, BLOCK_V)
+        exp1 = -tl.log(tl.rand(seed, row * vocab + idx))  # Exp(1); u = 0 gives inf: never wins
+        kept = ok & (key >= floor.to(tl.int32))
+        score = tl.where(kept, x / temperature - tl.log(exp1), float("-inf"))
+        wins = score > best
+        best = tl.where(wins, score, best)
+        best_idx = tl.where(wins, idx, best_idx)
+    winner = tl.argmax(best, axis=0)
+    tl.store(out_ptr + row, tl.sum(tl.where(tl.arange(0, BLOCK_V) == winner, best_idx, 0), 0))
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Triton twin of ``reference.sample``; no host sync (greedy rows: ``logits.argmax``).
+
+    ``generator`` (on the logits' device) seeds the random stream of the call.
+    """
+    assert logits.stride(-1) == 1
+    out = logits.argmax(-1)
+    seed = torch.randint(2**31 - 1, (1,), device=logits.device, generator=generator)
+    rows, vocab = logits.shape
+    block_v, probes, num_warps = _TILE
+    if rows:
+        _sample_kernel[(rows,)](
+            logits, temperature, top_k, top_p, seed, out, vocab, logits.stride(0),
+            BLOCK_V=min(block_v, triton.next_power_of_2(vocab)), PROBES=probes,
+            num_warps=num_warps,
+        )
+    return out

@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+import torch
+
+from hf_paged import kernels
+from hf_paged.kernels import reference
+from tests.kernels.conftest import DEVICE
+
+
+def test_routes_by_device_and_switch(monkeypatch):
+    monkeypatch.setattr(kernels, "_triton_kernel", lambda module, name: lambda *args: "triton")
+    x, weight = torch.randn(3, 16, device=DEVICE), torch.randn(16, device=DEVICE)
+    monkeypatch.setattr(kernels, "_TRITON_ON_CPU", False)
+    assert (kernels.rms_norm(x, weight, 1e-6) == "triton") is (DEVICE.type == "cuda")
+    monkeypatch.setattr(kernels, "_TRITON_ON_CPU", True)
+    assert kernels.rms_norm(x, weight, 1e-6) == "triton"
+
+
+def test_attention_hints_are_dropped_for_the_reference(monkeypatch):
+    monkeypatch.setattr(kernels, "_TRITON_ON_CPU", False)
+    query = torch.randn(2, 2, 8)
+    cache = torch.randn(4, 8, 1, 8)
+    cu, lens = torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([3, 9], dtype=torch.int32)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    args = query, cache, cache, cu, lens, tables, 0.5
+    out = kernels.paged_attention(*args, max_query_len=1)
+    torch.testing.assert_close(out, reference.paged_attention(*args))

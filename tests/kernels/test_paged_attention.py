@@ -1,0 +1,126 @@
+"""Paged attention: decode (with and without split-K), prefill, chunked prefill, mixed batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_paged.kernels import reference
+from hf_paged.kernels.attention import paged_attention
+from tests.kernels.conftest import DEVICE, HALF, assert_close
+
+
+def paged_batch(seq_lens, q_lens, heads, kv_heads, head_dim, page, dtype, seed=0):
+    """Random queries and a paged cache holding each sequence's context in shuffled blocks.
+
+    Unused cache slots are NaN, so any read past a context poisons the output; padded
+    sequences (``seq_len == 0``) have all-zero block-table rows.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [-(-n // page) for n in seq_lens]
+    num_blocks = sum(blocks) + 3
+    caches = [torch.full((num_blocks, page, kv_heads, head_dim), float("nan"), dtype=dtype)
+              for _ in range(2)]
+    tables = torch.zeros(len(seq_lens), max(blocks) + 2, dtype=torch.int32)
+    ids = torch.randperm(num_blocks, generator=gen).int()
+    for b, n in enumerate(blocks):
+        tables[b, :n], ids = ids[:n], ids[n:]
+    slots = torch.cat([tables[b, torch.arange(n) // page] * page + torch.arange(n) % page
+                       for b, n in enumerate(seq_lens)])
+    kv = torch.randn(2, len(slots), kv_heads, head_dim, generator=gen).to(dtype)
+    reference.store_kv(kv[0], kv[1], caches[0], caches[1], slots)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(int(cu[-1]), heads, head_dim, generator=gen).to(dtype)
+    args = query, *caches, cu, torch.tensor(seq_lens, dtype=torch.int32), tables
+    return [t.to(DEVICE) for t in args]
+
+
+def check(seq_lens, q_lens, heads, kv_heads, head_dim, page, dtype=torch.float32, **hints):
+    query, k_cache, v_cache, cu, lens, tables = paged_batch(
+        seq_lens, q_lens, heads, kv_heads, head_dim, page, dtype)
+    scale = head_dim**-0.5
+    out = paged_attention(query, k_cache, v_cache, cu, lens, tables, scale, **hints)
+    # The reference in float32, without the padded sequences (it has no answer for them).
+    real = torch.tensor(seq_lens) > 0
+    rows = real.repeat_interleave(torch.tensor(q_lens)).to(DEVICE)
+    real_cu = torch.tensor([0, *torch.tensor(q_lens)[real].cumsum(0).tolist()], dtype=torch.int32)
+    expected = reference.paged_attention(
+        query[rows].float(), k_cache.float(), v_cache.float(), real_cu.to(DEVICE),
+        lens[real.to(DEVICE)], tables[real.to(DEVICE)], scale)
+    assert_close(out[rows], expected)
+    assert out[~rows].isfinite().all()
+
+
+DECODE_LENS = [1, 7, 8, 9, 33, 70]  # inside, at and across block boundaries
+
+
+@pytest.mark.parametrize("page,group", [(8, 1), (16, 2), (32, 4)])
+@pytest.mark.parametrize("num_splits", [1, 3, None])  # None: the automatic split-K policy
+def test_decode(page, group, num_splits):
+    n = len(DECODE_LENS)
+    check(DECODE_LENS, [1] * n, 2 * group, 2, 32, page, max_query_len=1, num_splits=num_splits)
+
+
+def test_decode_half_precision_odd_head_dim():
+    check(DECODE_LENS, [1] * len(DECODE_LENS), 4, 2, 48, 16, HALF, max_query_len=1, num_splits=2)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_padded_graph_rows(num_splits):
+    # A CUDA-graph batch: padded rows have seq_len 0 and block-table rows of zeros.
+    check([0, 12, 0, 40, 0], [1] * 5, 4, 2, 32, 8, max_query_len=1, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("page,group", [(8, 4), (16, 1), (32, 2)])
+def test_prefill_whole_prompts(page, group):
+    lens = [3, 17, 70]
+    check(lens, lens, 2 * group, 2, 32, page)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_chunked_prefill_mixed_with_decode(num_splits, dtype):
+    # Chunks that start mid-context (cached prefix) beside decode rows and whole prompts.
+    seq_lens, q_lens = [40, 9, 75, 33, 5], [13, 1, 70, 1, 5]
+    check(seq_lens, q_lens, 4, 2, 64, 16, dtype, num_splits=num_splits)
+
+
+def test_prefill_without_hint_handles_decode_batch():
+    check(DECODE_LENS, [1] * len(DECODE_LENS), 4, 2, 32, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 4, 64])
+def test_decode_real_shapes(batch):
+    lens = torch.randint(900, 1100, (batch,)).tolist()
+    check(lens, [1] * batch, 16, 8, 128, 16, torch.bfloat16, max_query_len=1)
+
+
+@pytest.mark.gpu
+def test_chunked_prefill_real_shapes():
+    seq_lens, q_lens = [1000, 700, 1024, 513], [512, 700, 1, 257]
+    check(seq_lens, q_lens, 32, 8, 128, 16, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_decode_cuda_graph_replay():
+    """Captured once, replayed on new contexts: no host sync, no value-dependent shapes."""
+    batch, width = 8, 80
+    query, k_cache, v_cache, cu, lens, tables = paged_batch(
+        [1000] * batch, [1] * batch, 16, 8, 128, 16, torch.bfloat16)
+    static_lens, static_tables = torch.zeros_like(lens), torch.zeros_like(tables[:, :width])
+    run = lambda: paged_attention(  # noqa: E731
+        query, k_cache, v_cache, cu, static_lens, static_tables, 0.1, max_query_len=1)
+    torch.cuda.synchronize()
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for seed in range(2):
+        new_lens = torch.randint(1, 1001, (batch,), generator=torch.Generator().manual_seed(seed))
+        new_lens[0] = 0  # a padded row
+        static_lens.copy_(new_lens)
+        static_tables.copy_(tables[:, :width])
+        graph.replay()
+        expected = paged_attention(query, k_cache, v_cache, cu, static_lens, static_tables, 0.1)
+        assert_close(out, expected)

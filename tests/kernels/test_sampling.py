@@ -1,0 +1,104 @@
+"""Sampling: greedy rows exact, sampled rows drawn from the reference's kept-set distribution."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_paged.kernels import reference
+from hf_paged.kernels.sampling import sample
+from tests.kernels.conftest import DEVICE
+
+# Draws per distribution check: the interpreter runs one row at a time, slowly.
+DRAWS = 20000 if DEVICE.type == "cuda" else 100
+
+
+def expected_probs(row: torch.Tensor, temperature: float, top_k: int, top_p: float):
+    """The distribution ``reference.sample`` draws from, for one row (ties have probability 0
+    with continuous random logits)."""
+    x, rank = row.double() / temperature, torch.arange(row.numel(), device=row.device)
+    sorted_x, order = x.sort(descending=True)
+    if top_k > 0:
+        sorted_x[rank >= top_k] = -math.inf
+    probs = sorted_x.softmax(-1)
+    sorted_x[(probs.cumsum(-1) - probs >= top_p) & (rank > 0)] = -math.inf
+    return torch.zeros_like(x).scatter(0, order, sorted_x.softmax(-1))
+
+
+def draw(fn, row, temperature, top_k, top_p, n, seed):
+    """``n`` tokens from ``fn`` on ``n`` copies of ``row`` (a stride-0 view: no copies)."""
+    gen = torch.Generator(device=row.device).manual_seed(seed)
+    full = lambda value, dtype: torch.full((n,), value, dtype=dtype, device=row.device)  # noqa: E731
+    return fn(row.expand(n, -1), full(temperature, torch.float32), full(top_k, torch.long),
+              full(top_p, torch.float32), generator=gen)
+
+
+def assert_follows(tokens: torch.Tensor, probs: torch.Tensor) -> None:
+    """Never a token outside the kept set; frequencies within 4.5 standard errors (+0.005)
+    of ``probs``, and a chi-square statistic far from its tail."""
+    n = tokens.numel()
+    counts = torch.bincount(tokens, minlength=probs.numel()).double()
+    kept = probs > 0
+    assert counts[~kept].sum() == 0, "token outside the top-k/top-p set"
+    p = probs[kept]
+    freq = counts[kept] / n
+    assert ((freq - p).abs() <= 4.5 * (p * (1 - p) / n).sqrt() + 0.005).all(), (freq, p)
+    dof = max(int(kept.sum()) - 1, 1)
+    chi2 = ((counts[kept] - n * p) ** 2 / (n * p)).sum().item()
+    assert chi2 < dof + 6 * math.sqrt(2 * dof) + 6, chi2
+
+
+CONFIGS = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.5, 0, 0.6), (0.9, 8, 0.75)]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", CONFIGS)
+def test_sampled_distribution(temperature, top_k, top_p):
+    row = torch.randn(24, generator=torch.Generator().manual_seed(top_k)).to(DEVICE) * 1.5
+    probs = expected_probs(row, temperature, top_k, top_p)
+    # The oracle above is the reference's distribution...
+    assert_follows(draw(reference.sample, row, temperature, top_k, top_p, 20000, 0), probs)
+    # ...and the kernel draws from it.
+    assert_follows(draw(sample, row, temperature, top_k, top_p, DRAWS, 1), probs)
+
+
+def test_greedy_rows_exact_and_sampled_rows_kept():
+    vocab = 300
+    logits = torch.randn(6, vocab, device=DEVICE)
+    logits[0, [17, 200]] = logits[1, [5, 9]] = 10.0  # ties: the lowest index wins
+    temperature = torch.tensor([0.0, 0.0, 0.8, 0.0, 1.2, 0.5], device=DEVICE)
+    top_k = torch.tensor([0, 3, 4, 0, 0, 1], device=DEVICE)
+    top_p = torch.tensor([1.0, 0.5, 1.0, 1.0, 0.3, 1.0], device=DEVICE)
+    out = sample(logits, temperature, top_k, top_p)
+    assert out.dtype == torch.int64
+    greedy = temperature == 0
+    assert torch.equal(out[greedy], logits.argmax(-1)[greedy])
+    assert out[0] == 17 and out[1] == 5
+    for row in (2, 4, 5):
+        probs = expected_probs(logits[row], *(t[row].item() for t in (temperature, top_k, top_p)))
+        assert probs[out[row]] > 0
+    assert out[5] == logits[5].argmax()  # top_k = 1
+
+
+def test_generator_makes_draws_reproducible():
+    row = torch.randn(40, device=DEVICE)
+    first, second = (draw(sample, row, 1.0, 0, 0.9, 8, seed=3) for _ in range(2))
+    assert torch.equal(first, second)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 50, 1.0), (0.8, 0, 0.9),
+                                                      (1.0, 20, 0.8), (1.0, 0, 1.0)])
+def test_full_vocabulary(temperature, top_k, top_p):
+    # Peaked logits over Qwen3's vocabulary: the kept set stays small enough to count.
+    row = torch.randn(151936, device=DEVICE) * 2
+    row[torch.randperm(151936, device=DEVICE)[:30]] += 12
+    probs = expected_probs(row, temperature, top_k, top_p)
+    if probs.count_nonzero() > 200:  # plain temperature: too many tokens to count; check the top
+        tokens = draw(sample, row, temperature, top_k, top_p, DRAWS, 0)
+        top = probs.topk(10).indices
+        freq = (tokens[:, None] == top[None, :]).double().mean(0)
+        assert (freq - probs[top]).abs().max() < 0.02
+    else:
+        assert_follows(draw(sample, row, temperature, top_k, top_p, DRAWS, 0), probs)
