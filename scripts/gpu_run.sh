@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tests and the benchmarks on a CUDA machine, in one call from the repository root:
 #
-#   scripts/gpu_run.sh [STEP...]      STEP: tests w1 w2 w3 preempt (default: the first four)
+#   scripts/gpu_run.sh [STEP...]      STEP: tests w1 w2 w3 preempt profile (default: the first four)
 #
 # Everything printed also goes to $OUT/run.log, and the result JSONs, README-table.md and
 # throughput.png are copied into $OUT, when OUT is set. Each step runs under a time limit (a
@@ -14,7 +14,7 @@
 #                        figures of the result JSON already in $RESULTS for this workload and device
 #   SHAPE=0.6b CKPT=/tmp/ckpt/0.6b   the random bf16 checkpoint, built once
 #   RESULTS=benchmarks/results       where the benchmarks write their JSON
-#   T_TESTS=60 T_W1=270 T_W2=150 T_W3=60   time limits of the steps, in seconds
+#   T_TESTS=60 T_W1=270 T_W2=150 T_W3=60 T_PRE=240 T_PROF=120   time limits of the steps (s)
 #   REPEATS=3            repeats of each w2 latency measurement
 #   BENCH_ARGS=...       more arguments for every benchmark, e.g. "-E max_num_seqs=128"
 #   W1_ARGS W2_ARGS W3_ARGS=...      more arguments for one benchmark, e.g. W1_ARGS="--baselines cb"
@@ -65,14 +65,16 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
 
   for s in "${STEPS[@]}"; do
     case $s in
-      tests) step tests "${T_TESTS:-60}" python -m pytest tests/gpu tests/kernels -m gpu -q -x ;;
+      tests) step tests "${T_TESTS:-60}" python -m pytest tests/gpu tests/kernels -m gpu -q ;;
       w1) bench w1 "${T_W1:-270}" bench_throughput "${W1_ARGS:-}" "${BASELINE_ARGS[@]}" ;;
       w2) bench w2 "${T_W2:-150}" bench_latency "${W2_ARGS:-}" "${BASELINE_ARGS[@]}" \
             --repeats "${REPEATS:-3}" ;;
       w3) bench w3 "${T_W3:-60}" bench_throughput "${W3_ARGS:-}" --workload w3 --baselines ;;
       preempt) step preempt "${T_PRE:-240}" python -m benchmarks.check_preemption \
             --model "$CKPT" --results-dir "$RESULTS" ;;
-      *) echo "unknown step $s (steps: tests w1 w2 w3 preempt)"; STATUS+=("$s unknown") ;;
+      profile) step profile "${T_PROF:-120}" python -m benchmarks.profile_steps \
+            --model "$CKPT" --results-dir "$RESULTS" ;;
+      *) echo "unknown step $s (steps: tests w1 w2 w3 preempt profile)"; STATUS+=("$s unknown") ;;
     esac
   done
 

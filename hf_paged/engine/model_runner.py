@@ -241,34 +241,32 @@ class ModelRunner:
         return self.graph_batch_sizes[i] if i < len(self.graph_batch_sizes) else 0
 
     def _capture_decode_graphs(self) -> None:
+        """Capture one decode graph per ladder size. The inputs of a graph of size ``bs`` are
+        views of one int32 buffer laid out as ids, positions, slots and context lengths
+        (``bs`` each) then the block tables (``bs`` full-width rows), so a replay fills a
+        pinned host twin and sends it in a single copy."""
         cfg = self.config
         max_bs = cfg.max_graph_batch_size or min(cfg.max_num_seqs, 512)
         sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 16)) + [max_bs]
-        dev = self.device
-        self.static = {
-            "input_ids": torch.zeros(max_bs, dtype=torch.long, device=dev),
-            "positions": torch.zeros(max_bs, dtype=torch.long, device=dev),
-            "slot_mapping": torch.full((max_bs,), -1, dtype=torch.long, device=dev),
-            "seq_lens": torch.zeros(max_bs, dtype=torch.int32, device=dev),
-            "block_tables": torch.zeros(
-                (max_bs, self.max_blocks_per_seq), dtype=torch.int32, device=dev
-            ),
-            "cu_seqlens_q": torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
-        }
+        width = self.max_blocks_per_seq
+        size = max_bs * (4 + width)
+        self.graph_inputs = torch.zeros(size, dtype=torch.int32, device=self.device)
+        self.host_inputs = torch.zeros(size, dtype=torch.int32).pin_memory()
+        cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device)
         pool = None
-        s = self.static
         for bs in reversed(sizes):  # largest first, so the smaller graphs reuse its pool
+            ids, positions, slots, seq_lens = self.graph_inputs[: 4 * bs].view(4, bs)
+            slots.fill_(-1)  # nothing stored while capturing
             meta = AttentionMetadata(
-                slot_mapping=s["slot_mapping"][:bs],
-                cu_seqlens_q=s["cu_seqlens_q"][: bs + 1],
-                seq_lens=s["seq_lens"][:bs],
-                block_tables=s["block_tables"][:bs],
+                slot_mapping=slots,
+                cu_seqlens_q=cu_seqlens[: bs + 1],
+                seq_lens=seq_lens,
+                block_tables=self.graph_inputs[4 * bs : bs * (4 + width)].view(bs, width),
                 max_query_len=1,
             )
 
-            def step(bs=bs, meta=meta, s=s):
-                hidden = self.model.forward(s["input_ids"][:bs], s["positions"][:bs], meta)
-                return self.model.compute_logits(hidden)
+            def step(ids=ids, positions=positions, meta=meta):
+                return self.model.compute_logits(self.model.forward(ids, positions, meta))
 
             with torch.inference_mode():
                 step()  # warm-up outside capture: kernel compilation, lazy allocations
@@ -282,15 +280,15 @@ class ModelRunner:
         torch.cuda.synchronize()
 
     def _replay(self, graph_bs, ids, positions, slots, seq_lens, tables) -> torch.Tensor:
-        n = len(ids)
-        s = self.static
-        s["input_ids"][:n].copy_(torch.tensor(ids, dtype=torch.long), non_blocking=True)
-        s["positions"][:n].copy_(torch.tensor(positions, dtype=torch.long), non_blocking=True)
-        s["slot_mapping"][:n].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
-        s["slot_mapping"][n:graph_bs].fill_(-1)
-        s["seq_lens"][:n].copy_(torch.tensor(seq_lens, dtype=torch.int32), non_blocking=True)
-        s["seq_lens"][n:graph_bs].fill_(0)
-        s["block_tables"][:n, : tables.shape[1]].copy_(torch.from_numpy(tables), non_blocking=True)
+        # The previous step's copy out of host_inputs has finished: its tokens were read back.
+        n, bs, width = len(ids), graph_bs, self.max_blocks_per_seq
+        host = self.host_inputs.numpy()
+        head = host[: 4 * bs].reshape(4, bs)
+        head[:, :n] = (ids, positions, slots, seq_lens)
+        head[:, n:] = ((0,), (0,), (-1,), (0,))  # padding rows: no store, empty context
+        host[4 * bs : 4 * bs + n * width].reshape(n, width)[:, : tables.shape[1]] = tables
+        used = bs * 4 + n * width
+        self.graph_inputs[:used].copy_(self.host_inputs[:used], non_blocking=True)
         graph, logits = self.graphs[graph_bs]
         graph.replay()
         return logits[:n]

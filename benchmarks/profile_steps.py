@@ -1,0 +1,130 @@
+"""Where a step's time goes: host phases (schedule, input preparation, forward launch, sampling
+with its device sync, bookkeeping) and device kernels, for three cases of the W1/W2 workloads:
+decode at batch 1, decode at batch 256, and a 1,024-token prefill.
+
+    python -m benchmarks.profile_steps --model /tmp/ckpt/0.6b
+
+Writes ``<results>/profile-<device>.json``: per case, milliseconds per step of each host phase
+and of device kernel time (CUDA events around the step), and the ten costliest kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+import hf_paged
+from benchmarks import common
+from hf_paged.sampling_params import SamplingParams
+
+PHASES = [("scheduler", "schedule"), ("runner", "_prepare"), ("runner", "_replay"),
+          ("runner", "_sample"), ("scheduler", "postprocess")]
+
+
+def run_case(engine, prompts, new_tokens, measure_steps, on_measured) -> None:
+    """Run ``prompts`` to the end, calling ``on_measured(step)`` for the selected steps."""
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    index = 0
+    while engine.has_unfinished_requests():
+        if measure_steps(index):
+            on_measured(engine.step)
+        else:
+            engine.step()
+        index += 1
+
+
+def profile_case(engine, make_prompts, new_tokens: int, measure_steps) -> dict:
+    """Host phases and wall time of the steps selected by ``measure_steps(step_index)``, then
+    their device kernels in a second run of the same shapes (fresh prompts: no prefix cache
+    hits) under the profiler."""
+    totals: dict[str, float] = defaultdict(float)
+    on = [False]
+    for owner, name in PHASES:
+        obj = getattr(engine, owner)
+        fn = getattr(obj, name)
+
+        def wrapper(*args, fn=fn, name=name, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if on[0]:
+                    totals[name] += time.perf_counter() - start
+
+        setattr(obj, name, wrapper)
+    steps = [0]
+
+    def timed_step(step):
+        on[0] = True
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        totals["step"] += time.perf_counter() - start
+        on[0] = False
+        steps[0] += 1
+
+    run_case(engine, make_prompts(), new_tokens, measure_steps, timed_step)
+    for owner, name in PHASES:
+        getattr(engine, owner).__dict__.pop(name)
+
+    kernels: dict[str, float] = defaultdict(float)
+
+    def profiled_step(step):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        for e in prof.key_averages():
+            if e.device_type == DeviceType.CUDA:
+                kernels[e.key] += e.device_time_total / 1e3  # ms
+
+    run_case(engine, make_prompts(), new_tokens, measure_steps, profiled_step)
+    n = max(steps[0], 1)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:10]
+    return {
+        "measured_steps": steps[0],
+        "wall_ms_per_step": 1e3 * totals.pop("step") / n,
+        "host_ms_per_step": {k: 1e3 * v / n for k, v in totals.items()},
+        "device_kernel_ms_per_step": sum(kernels.values()) / n,
+        "top_kernels_ms_per_step": {k: v / n for k, v in top},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    engine = hf_paged.from_pretrained(args.model, dtype=torch.bfloat16, progress_bar=False)
+    gen = torch.Generator().manual_seed(0)
+
+    def prompts(n: int, length: int):
+        return lambda: torch.randint(0, 10000, (n, length), generator=gen).tolist()
+
+    engine.generate_tokens(prompts(4, 1024)(), SamplingParams(max_new_tokens=8))  # warm-up
+    cases = {
+        # steps 20..69: decode only
+        "decode_batch_1": profile_case(engine, prompts(1, 512), 80, lambda i: 20 <= i < 70),
+        "decode_batch_256": profile_case(engine, prompts(256, 256), 80, lambda i: 60 <= i < 70),
+        # step 0 of a lone 1,024-token prompt is its whole prefill
+        "prefill_1024": profile_case(engine, prompts(1, 1024), 1, lambda i: i == 0),
+    }
+    result = {"device": common.device_info(device), "git_commit": common.git_commit(),
+              "cases": cases}
+    out = args.results_dir / f"profile-{result['device']['slug']}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(cases, indent=1))
+
+
+if __name__ == "__main__":
+    main()
