@@ -252,14 +252,15 @@ class ModelRunner:
         size = max_bs * (4 + width)
         self.graph_inputs = torch.zeros(size, dtype=torch.int32, device=self.device)
         self.host_inputs = torch.zeros(size, dtype=torch.int32).pin_memory()
-        cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device)
+        # Every tensor a graph reads must live as long as the graph: kept on self.
+        self.graph_cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device)
         pool = None
         for bs in reversed(sizes):  # largest first, so the smaller graphs reuse its pool
             ids, positions, slots, seq_lens = self.graph_inputs[: 4 * bs].view(4, bs)
             slots.fill_(-1)  # nothing stored while capturing
             meta = AttentionMetadata(
                 slot_mapping=slots,
-                cu_seqlens_q=cu_seqlens[: bs + 1],
+                cu_seqlens_q=self.graph_cu_seqlens[: bs + 1],
                 seq_lens=seq_lens,
                 block_tables=self.graph_inputs[4 * bs : bs * (4 + width)].view(bs, width),
                 max_query_len=1,
