@@ -40,10 +40,9 @@ def _dispatch(module: str, name: str):
     return run
 
 
-store_kv = _dispatch("kv_write", "store_kv")
+norm_rope_store = _dispatch("attention_inputs", "norm_rope_store")
 rms_norm = _dispatch("rmsnorm", "rms_norm")
 add_rms_norm = _dispatch("rmsnorm", "add_rms_norm")
-rope = _dispatch("rotary", "rope")
 silu_and_mul = _dispatch("activation", "silu_and_mul")
 sample = _dispatch("sampling", "sample")
 
@@ -67,5 +66,5 @@ def paged_attention(
 
 
 __all__ = [
-    "add_rms_norm", "paged_attention", "rms_norm", "rope", "sample", "silu_and_mul", "store_kv",
+    "add_rms_norm", "norm_rope_store", "paged_attention", "rms_norm", "sample", "silu_and_mul",
 ]

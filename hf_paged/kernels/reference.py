@@ -112,6 +112,29 @@ def rope(
     return rotate(query), rotate(key)
 
 
+def norm_rope_store(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's attention inputs: per-head ``rms_norm`` of query and key, ``rope`` on both, and
+    ``store_kv`` of the rotated key and the value. Returns ``(query, key)``; the Triton twin
+    writes them in place of its inputs."""
+    query = rms_norm(query, q_weight, eps)
+    key = rms_norm(key, k_weight, eps)
+    query, key = rope(query, key, positions, cos_sin_cache)
+    store_kv(key, value, k_cache, v_cache, slot_mapping)
+    return query, key
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :I]) * x[..., I:]`` for the merged gate/up projection output."""
     gate, up = x.chunk(2, dim=-1)

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hf_paged.kernels import reference, store_kv
+from hf_paged import kernels
+from hf_paged.kernels import reference
 from hf_paged.modeling.linear import QKVParallelLinear, RowParallelLinear
 from hf_paged.modeling.norm import RMSNorm
 from hf_paged.modeling.rotary import RotaryEmbedding
@@ -75,11 +76,13 @@ class Qwen3PagedAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
-        store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        q, _ = kernels.norm_rope_store(
+            q.reshape(-1, self.num_heads, self.head_dim),
+            k.reshape(-1, self.num_kv_heads, self.head_dim),
+            v.reshape(-1, self.num_kv_heads, self.head_dim),
+            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+            positions, rotary.cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping,
+        )
         out = self.attend(
             q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
             self.scale, max_query_len=meta.max_query_len,

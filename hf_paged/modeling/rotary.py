@@ -8,8 +8,6 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from hf_paged import kernels
-
 # These recompute frequencies from the running sequence length: no static table exists.
 _DYNAMIC_ROPE = ("dynamic", "longrope")
 
@@ -34,6 +32,3 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq.to(device, torch.float32)[None, :]
         self.cos_sin_cache = torch.cat((freqs.cos() * scaling, freqs.sin() * scaling), dim=-1)
-
-    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        return kernels.rope(query, key, positions, self.cos_sin_cache)

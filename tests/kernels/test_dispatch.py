@@ -1,10 +1,23 @@
 from __future__ import annotations
 
+import importlib
+import types
+from pathlib import Path
+
 import torch
 
 from hf_paged import kernels
 from hf_paged.kernels import reference
 from tests.kernels.conftest import DEVICE
+
+
+def test_no_kernel_module_shadows_a_dispatcher():
+    """Importing ``hf_paged.kernels.X`` binds X on the package: no module may share a
+    dispatcher's name."""
+    for path in Path(kernels.__file__).parent.glob("*.py"):
+        importlib.import_module(f"hf_paged.kernels.{path.stem}")
+    for name in kernels.__all__:
+        assert isinstance(getattr(kernels, name), types.FunctionType), name
 
 
 def test_routes_by_device_and_switch(monkeypatch):

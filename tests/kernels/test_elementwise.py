@@ -1,4 +1,5 @@
-"""RMSNorm (plain, fused residual add, per-head on strided views), RoPE and SiLU-and-mul."""
+"""RMSNorm (plain, fused residual add, per-head on strided views), SiLU-and-mul, and the fused
+per-head norm + RoPE + KV store of the attention inputs."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import torch
 
 from hf_paged.kernels import reference
 from hf_paged.kernels.activation import silu_and_mul
+from hf_paged.kernels.attention_inputs import norm_rope_store
 from hf_paged.kernels.rmsnorm import add_rms_norm, rms_norm
-from hf_paged.kernels.rotary import rope
 from tests.kernels.conftest import DEVICE, HALF, assert_close
 
 DTYPES = [torch.float32, HALF]
@@ -60,23 +61,40 @@ def cos_sin_cache(max_positions: int, head_dim: int) -> torch.Tensor:
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 6)])
-def test_rope_in_place_on_strided_views(dtype, heads, kv_heads):
-    tokens, head_dim = 11, 64
+def attention_inputs(tokens, heads, kv_heads, head_dim, page, num_blocks, dtype):
+    """q, k, v as strided views of one fused projection (as the attention layer passes them),
+    norm weights, positions, a RoPE table, NaN-filled caches and slots with padding rows."""
     qkv = rand(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
-    q_size, kv_size = heads * head_dim, kv_heads * head_dim
-    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
-    v_before = v.clone()
+    v = v.view(tokens, kv_heads, head_dim)
+    weights = [1 + 0.1 * rand(head_dim, dtype=dtype) for _ in range(2)]
     positions = torch.randint(0, 500, (tokens,), device=DEVICE)
-    cache = cos_sin_cache(512, head_dim)
-    expected_q, expected_k = reference.rope(q, k, positions, cache)
-    out_q, out_k = rope(q, k, positions, cache)
+    caches = [torch.full((num_blocks, page, kv_heads, head_dim), float("nan"), dtype=dtype,
+                         device=DEVICE) for _ in range(2)]
+    slots = torch.randperm(num_blocks * page, device=DEVICE)[:tokens]
+    slots[::5] = -1  # padding rows: not stored
+    return qkv, (q, k, v, *weights, 1e-6, positions, cos_sin_cache(512, head_dim), *caches, slots)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,page", [(4, 2, 64, 16), (6, 6, 48, 8)])
+def test_norm_rope_store_in_place(dtype, heads, kv_heads, head_dim, page):
+    qkv, args = attention_inputs(11, heads, kv_heads, head_dim, page, 4, dtype)
+    q, k, v = args[:3]
+    v_before = v.clone()
+    expected_caches = [c.clone() for c in args[8:10]]
+    ref_args = (*[a.clone() for a in args[:3]], *args[3:8], *expected_caches, args[10])
+    expected_q, expected_k = reference.norm_rope_store(*ref_args)
+    out_q, out_k = norm_rope_store(*args)
     assert out_q is q and out_k is k
     assert_close(q, expected_q)
     assert_close(k, expected_k)
     assert torch.equal(v, v_before)
+    for got, want in zip(args[8:10], expected_caches):
+        # Untouched slots stay NaN on both sides: nothing else was written.
+        assert got.isnan().equal(want.isnan()) and got.isnan().any()
+        assert_close(got.nan_to_num(), want.nan_to_num())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -96,10 +114,12 @@ def test_real_shapes_bf16():
     expected = reference.add_rms_norm(x, residual, weight, 1e-6)
     for got, want in zip(add_rms_norm(x, residual, weight, 1e-6), expected):
         assert_close(got, want)
-    q, k = rand(256, 32, 128, dtype=bf16), rand(256, 8, 128, dtype=bf16)
-    positions, cache = torch.randint(0, 4096, (256,), device=DEVICE), cos_sin_cache(4096, 128)
-    for got, want in zip(rope(q.clone(), k.clone(), positions, cache),
-                         reference.rope(q, k, positions, cache)):
+    _, args = attention_inputs(256, 16, 8, 128, 16, 40, bf16)
+    ref_args = (*[a.clone() for a in args[:3]], *args[3:8], *[c.clone() for c in args[8:10]],
+                args[10])
+    for got, want in zip(norm_rope_store(*args), reference.norm_rope_store(*ref_args)):
         assert_close(got, want)
+    for got, want in zip(args[8:10], ref_args[8:10]):
+        assert_close(got.nan_to_num(), want.nan_to_num())
     gate_up = rand(256, 2 * 12288, dtype=bf16)
     assert_close(silu_and_mul(gate_up), reference.silu_and_mul(gate_up))

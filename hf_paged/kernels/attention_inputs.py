@@ -1,0 +1,111 @@
+"""Qwen3's attention inputs in one pass per token: per-head RMSNorm of q and k, RoPE on both
+(in place), and k and v written into the paged cache. Four kernels would each launch once per
+layer and step; at small batches launches, not bytes, bound the step."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mul(a, b, dtype: tl.constexpr):
+    """A product rounded to ``dtype``, as a tensor op in that dtype would."""
+    return (a.to(tl.float32) * b.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _norm_rope(ptr, token, s0, s1, num_heads, weight_ptr, cos, sin, eps,
+               HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Normalise and rotate the heads of one token in place; returns the rotated halves and
+    their mask. Every rounding point follows ``reference.rms_norm`` then ``reference.rope``."""
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < num_heads) & (dims < HALF)
+    first = ptr + token * s0 + heads * s1 + dims
+    dtype = ptr.dtype.element_ty
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
+    w1 = tl.load(weight_ptr + dims, mask=dims < HALF, other=0.0)
+    w2 = tl.load(weight_ptr + HALF + dims, mask=dims < HALF, other=0.0)
+    # Normalised in float32, cast back, then scaled: transformers' Qwen3RMSNorm.
+    n1 = _mul((x1 * inv_rms[:, None]).to(dtype), w1, dtype)
+    n2 = _mul((x2 * inv_rms[:, None]).to(dtype), w2, dtype)
+    out1 = (_mul(n1, cos, dtype).to(tl.float32) - _mul(n2, sin, dtype).to(tl.float32)).to(dtype)
+    out2 = (_mul(n2, cos, dtype).to(tl.float32) + _mul(n1, sin, dtype).to(tl.float32)).to(dtype)
+    tl.store(first, out1, mask=mask)
+    tl.store(first + HALF, out2, mask=mask)
+    return out1, out2, mask
+
+
+@triton.jit
+def _norm_rope_store_kernel(
+    q_ptr, k_ptr, v_ptr, q_weight_ptr, k_weight_ptr, positions_ptr, cos_sin_ptr,
+    k_cache_ptr, v_cache_ptr, slot_ptr,
+    q_s0, q_s1, k_s0, k_s1, v_s0, v_s1, cos_sin_s0, cache_s0, cache_s1, cache_s2,
+    num_heads, num_kv_heads, eps,
+    HALF: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    dims = tl.arange(0, BLOCK_HALF)[None, :]
+    row = cos_sin_ptr + position * cos_sin_s0 + dims
+    # The table is float32; the reference casts cos/sin to the input dtype first.
+    cos = tl.load(row, mask=dims < HALF).to(q_ptr.dtype.element_ty)
+    sin = tl.load(row + HALF, mask=dims < HALF).to(q_ptr.dtype.element_ty)
+    _norm_rope(q_ptr, token, q_s0, q_s1, num_heads, q_weight_ptr, cos, sin, eps,
+               HALF, BLOCK_H, BLOCK_HALF)
+    k1, k2, mask = _norm_rope(k_ptr, token, k_s0, k_s1, num_kv_heads, k_weight_ptr, cos, sin,
+                              eps, HALF, BLOCK_HKV, BLOCK_HALF)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot >= 0:  # a negative slot: padding row of a graph batch, not stored
+        heads = tl.arange(0, BLOCK_HKV)[:, None]
+        cache = (slot // PAGE) * cache_s0 + (slot % PAGE) * cache_s1 + heads * cache_s2 + dims
+        tl.store(k_cache_ptr + cache, k1, mask=mask)
+        tl.store(k_cache_ptr + cache + HALF, k2, mask=mask)
+        value = v_ptr + token * v_s0 + heads * v_s1 + dims
+        tl.store(v_cache_ptr + cache, tl.load(value, mask=mask), mask=mask)
+        tl.store(v_cache_ptr + cache + HALF, tl.load(value + HALF, mask=mask), mask=mask)
+
+
+def norm_rope_store(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of ``reference.norm_rope_store``, in place on (possibly strided)
+    ``[T, H, D]`` views of a fused projection; returns ``(query, key)``."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    assert query.dtype == key.dtype == value.dtype == q_weight.dtype == k_weight.dtype
+    assert k_cache.stride() == v_cache.stride(), "K and V caches must share one layout"
+    assert cos_sin_cache.shape[1] == head_dim and head_dim % 2 == 0
+    for t in (query, key, value, k_cache, cos_sin_cache):
+        assert t.stride(-1) == 1
+    if num_tokens:
+        half = head_dim // 2
+        block_h = triton.next_power_of_2(num_heads)
+        _norm_rope_store_kernel[(num_tokens,)](
+            query, key, value, q_weight, k_weight, positions, cos_sin_cache,
+            k_cache, v_cache, slot_mapping,
+            query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+            value.stride(0), value.stride(1), cos_sin_cache.stride(0),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            num_heads, num_kv_heads, eps,
+            HALF=half, PAGE=k_cache.shape[1], BLOCK_H=block_h,
+            BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
+            BLOCK_HALF=triton.next_power_of_2(half),
+            num_warps=4 if block_h * half >= 1024 else 1,
+        )
+    return query, key
