@@ -14,7 +14,7 @@ from tests.kernels.conftest import DEVICE
 def test_no_kernel_module_shadows_a_dispatcher():
     """Importing ``hf_paged.kernels.X`` binds X on the package: no module may share a
     dispatcher's name."""
-    for path in Path(kernels.__file__).parent.glob("*.py"):
+    for path in Path(kernels.__file__).parent.glob("[!_]*.py"):
         importlib.import_module(f"hf_paged.kernels.{path.stem}")
     for name in kernels.__all__:
         assert isinstance(getattr(kernels, name), types.FunctionType), name
