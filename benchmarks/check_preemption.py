@@ -43,6 +43,8 @@ def run(path: str, workload, dtype: torch.dtype, **options) -> tuple[list[list[i
              "output_tokens_per_s": sum(map(len, outputs)) / seconds}
     del engine
     common.free_memory()
+    print(f"{options or 'unconstrained'}: {seconds:.1f} s, "
+          f"{stats['num_preemptions']} preemptions", flush=True)
     return outputs, stats
 
 

@@ -18,6 +18,7 @@
 #   REPEATS=3            repeats of each w2 latency measurement
 #   BENCH_ARGS=...       more arguments for every benchmark, e.g. "-E max_num_seqs=128"
 #   W1_ARGS W2_ARGS W3_ARGS=...      more arguments for one benchmark, e.g. W1_ARGS="--baselines cb"
+#   PRE_ARGS="--num-requests 64 --num-kv-blocks 1000"   the preemption check (float32: slow)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
@@ -71,7 +72,7 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
             --repeats "${REPEATS:-3}" ;;
       w3) bench w3 "${T_W3:-60}" bench_throughput "${W3_ARGS:-}" --workload w3 --baselines ;;
       preempt) step preempt "${T_PRE:-240}" python -m benchmarks.check_preemption \
-            --model "$CKPT" --results-dir "$RESULTS" ;;
+            --model "$CKPT" --results-dir "$RESULTS" ${PRE_ARGS:---num-requests 64 --num-kv-blocks 1000} ;;
       profile) step profile "${T_PROF:-120}" python -m benchmarks.profile_steps \
             --model "$CKPT" --results-dir "$RESULTS" ;;
       *) echo "unknown step $s (steps: tests w1 w2 w3 preempt profile)"; STATUS+=("$s unknown") ;;

@@ -72,7 +72,7 @@ class ModelRunner:
         self.dtype = model.embed_tokens.weight.dtype
         self.num_blocks = self._allocate_kv_cache()
         self.block_tables = BlockTableMirror(self.max_blocks_per_seq)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.graph_batch_sizes: list[int] = []
         graphs_possible = self.device.type == "cuda" and config.attention_backend == "triton"
         if graphs_possible and not config.enforce_eager:
@@ -194,8 +194,9 @@ class ModelRunner:
         dev = self.device
         sampling = [s.params for s, sample in zip(batch.seqs, batch.sample) if sample]
         graph_bs = self._graph_batch_size(batch)
+        greedy = None
         if graph_bs:
-            logits = self._replay(graph_bs, ids, positions, slots, seq_lens, tables)
+            logits, greedy = self._replay(graph_bs, ids, positions, slots, seq_lens, tables)
         else:
             meta = AttentionMetadata(
                 slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
@@ -219,11 +220,13 @@ class ModelRunner:
             [p.temperature for p in sampling],
             [p.top_k for p in sampling],
             [p.top_p for p in sampling],
+            greedy,
         )
 
-    def _sample(self, logits, temperature, top_k, top_p) -> list[int]:
+    def _sample(self, logits, temperature, top_k, top_p, greedy=None) -> list[int]:
+        """``greedy``: the argmax of ``logits`` when a decode graph already took it."""
         if not any(temperature):
-            return logits.argmax(-1).tolist()
+            return (logits.argmax(-1) if greedy is None else greedy).tolist()
         dev = logits.device
         return kernels.sample(
             logits,
@@ -252,6 +255,7 @@ class ModelRunner:
         size = max_bs * (4 + width)
         self.graph_inputs = torch.zeros(size, dtype=torch.int32, device=self.device)
         self.host_inputs = torch.zeros(size, dtype=torch.int32).pin_memory()
+        self.host_array = self.host_inputs.numpy()
         # Every tensor a graph reads must live as long as the graph: kept on self.
         self.graph_cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device)
         pool = None
@@ -267,29 +271,31 @@ class ModelRunner:
             )
 
             def step(ids=ids, positions=positions, meta=meta):
-                return self.model.compute_logits(self.model.forward(ids, positions, meta))
+                logits = self.model.compute_logits(self.model.forward(ids, positions, meta))
+                return logits, logits.argmax(-1)  # greedy tokens too: one launch fewer
 
             with torch.inference_mode():
                 step()  # warm-up outside capture: kernel compilation, lazy allocations
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    logits = step()
+                    outputs = step()
             pool = graph.pool()
-            self.graphs[bs] = (graph, logits)
+            self.graphs[bs] = (graph, *outputs)
         self.graph_batch_sizes = sorted(self.graphs)
         torch.cuda.synchronize()
 
-    def _replay(self, graph_bs, ids, positions, slots, seq_lens, tables) -> torch.Tensor:
+    def _replay(self, graph_bs, ids, positions, slots, seq_lens, tables):
+        """Logits and greedy tokens of the first ``len(ids)`` rows of graph ``graph_bs``."""
         # The previous step's copy out of host_inputs has finished: its tokens were read back.
         n, bs, width = len(ids), graph_bs, self.max_blocks_per_seq
-        host = self.host_inputs.numpy()
+        host = self.host_array
         head = host[: 4 * bs].reshape(4, bs)
         head[:, :n] = (ids, positions, slots, seq_lens)
         head[:, n:] = ((0,), (0,), (-1,), (0,))  # padding rows: no store, empty context
         host[4 * bs : 4 * bs + n * width].reshape(n, width)[:, : tables.shape[1]] = tables
         used = bs * 4 + n * width
         self.graph_inputs[:used].copy_(self.host_inputs[:used], non_blocking=True)
-        graph, logits = self.graphs[graph_bs]
+        graph, logits, greedy = self.graphs[graph_bs]
         graph.replay()
-        return logits[:n]
+        return logits[:n], greedy[:n]
