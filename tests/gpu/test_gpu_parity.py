@@ -17,9 +17,9 @@ pytestmark = pytest.mark.gpu
 
 # Two tokens whose bf16 logits lie closer than this are a near-tie: summation order alone can
 # swap them. The logits reach 8-16, where bf16 steps by 0.0625, and another summation order
-# through 28 layers moves them by several steps (gaps of exactly 0.5 were seen between
-# transformers' teacher-forced and incremental logits); the first test checks the threshold
-# on transformers' own two attention implementations.
+# through 28 layers moves them by several steps (one of our tokens sat exactly 0.5 below the
+# best under transformers' teacher-forced logits, which it sums in another order than its own
+# decode); the first test checks the threshold on transformers' two attention implementations.
 NEAR_TIE = 0.75
 LENGTHS = [13, 100, 257, 600]
 NEW = 48
