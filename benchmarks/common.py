@@ -142,17 +142,18 @@ def _version(module: str) -> str | None:
 
 
 def git_commit() -> str | None:
+    """HEAD, with "+modified" when tracked files differ from it (a run over unlanded work)."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+
     try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).parent,
-        )
+        head = git("rev-parse", "HEAD")
+        modified = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.CalledProcessError):
         return None
-    return out.stdout.strip()
+    return head + ("+modified" if modified else "")
 
 
 def synchronize(device: torch.device) -> None:
