@@ -62,6 +62,7 @@ class PagedSystem:
     def describe(self) -> dict[str, Any]:
         return {
             "engine_config": dataclasses.asdict(self.engine.config),
+            "startup_seconds": self.engine.startup_seconds,
             "last_run_counters": self.last_run,
             "stats": self.engine.stats(),
         }

@@ -69,6 +69,7 @@ class PagedEngine:
         generation_config: GenerationConfig,
         max_model_len: int,
         tokenizer=None,
+        load_seconds: float = 0.0,
     ):
         self.model = model
         self.hf_config: PretrainedConfig = model.config
@@ -77,6 +78,8 @@ class PagedEngine:
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.runner = ModelRunner(model, config, max_model_len)
+        # Start-up phases: weights loaded, KV cache sized and allocated, decode graphs captured.
+        self.startup_seconds = {"load": load_seconds, **self.runner.startup_seconds}
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -118,12 +121,14 @@ class PagedEngine:
                 f"max_position_embeddings ({max_positions})"
             )
         config.attention_backend = resolve_backend(config.attention_backend, device)
+        start = time.perf_counter()
         model = build_model(hf_config, path, dtype, device, config.attention_backend, max_model_len)
+        load_seconds = time.perf_counter() - start
         try:
             generation_config = GenerationConfig.from_pretrained(path)
         except OSError:
             generation_config = GenerationConfig.from_model_config(hf_config)
-        return cls(model, config, generation_config, max_model_len)
+        return cls(model, config, generation_config, max_model_len, load_seconds=load_seconds)
 
     # ---- requests -------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ slot is -1 (not stored) and whose context is empty.
 from __future__ import annotations
 
 import bisect
+import time
 
 import numpy as np
 import torch
@@ -70,13 +71,17 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
+        start = time.perf_counter()
         self.num_blocks = self._allocate_kv_cache()
+        self.startup_seconds = {"kv_cache": time.perf_counter() - start, "graphs": 0.0}
         self.block_tables = BlockTableMirror(self.max_blocks_per_seq)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.graph_batch_sizes: list[int] = []
         graphs_possible = self.device.type == "cuda" and config.attention_backend == "triton"
         if graphs_possible and not config.enforce_eager:
+            start = time.perf_counter()
             self._capture_decode_graphs()
+            self.startup_seconds["graphs"] = time.perf_counter() - start
 
     # ---- KV cache -------------------------------------------------------------------------
 
