@@ -1,4 +1,5 @@
 """Kernel dispatch: the Triton kernels for CUDA tensors, the plain-torch reference otherwise.
+Attention is chosen by the engine's ``attention_backend`` instead (``modeling.attention``).
 
 ``HF_PAGED_TRITON_ON_CPU=1`` sends CPU tensors to Triton too (for tests under
 ``TRITON_INTERPRET=1``). Kernel modules, and Triton with them, are imported on first use: the
@@ -46,25 +47,6 @@ add_rms_norm = _dispatch("rmsnorm", "add_rms_norm")
 silu_and_mul = _dispatch("activation", "silu_and_mul")
 sample = _dispatch("sampling", "sample")
 
-
-def paged_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    **hints,
-) -> torch.Tensor:
-    """``reference.paged_attention``; keyword ``hints`` (``max_query_len``, ``num_splits``) only
-    steer the Triton kernel."""
-    args = (query, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, scale)
-    if _use_triton(query):
-        return _triton_kernel("attention", "paged_attention")(*args, **hints)
-    return reference.paged_attention(*args)
-
-
 __all__ = [
-    "add_rms_norm", "norm_rope_store", "paged_attention", "rms_norm", "sample", "silu_and_mul",
+    "add_rms_norm", "norm_rope_store", "rms_norm", "sample", "silu_and_mul",
 ]

@@ -8,6 +8,7 @@ import torch
 
 from hf_paged import kernels
 from hf_paged.kernels import reference
+from hf_paged.modeling.attention import attention_function
 from tests.kernels.conftest import DEVICE
 
 
@@ -29,12 +30,11 @@ def test_routes_by_device_and_switch(monkeypatch):
     assert kernels.rms_norm(x, weight, 1e-6) == "triton"
 
 
-def test_attention_hints_are_dropped_for_the_reference(monkeypatch):
-    monkeypatch.setattr(kernels, "_TRITON_ON_CPU", False)
+def test_sdpa_backend_drops_the_triton_hints():
     query = torch.randn(2, 2, 8)
     cache = torch.randn(4, 8, 1, 8)
     cu, lens = torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([3, 9], dtype=torch.int32)
     tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
     args = query, cache, cache, cu, lens, tables, 0.5
-    out = kernels.paged_attention(*args, max_query_len=1)
+    out = attention_function("sdpa")(*args, max_query_len=1)
     torch.testing.assert_close(out, reference.paged_attention(*args))
