@@ -101,8 +101,9 @@ class BlockManager:
             block = self.blocks[self._take_free_block()]
             block.ref_count = 1
             seq.block_table.append(block.block_id)
-        if self.enable_prefix_caching and total // bs > seq.num_published_blocks:
-            self._cache_full_blocks(seq, total)
+        known = min(total, len(seq.token_ids))  # a pending token's value is not known yet
+        if self.enable_prefix_caching and known // bs > seq.num_published_blocks:
+            self._cache_full_blocks(seq, known)
         return True
 
     def free(self, seq: Sequence) -> None:

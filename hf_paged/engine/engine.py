@@ -11,7 +11,7 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from hf_paged.config import EngineConfig
 from hf_paged.engine.block_manager import BlockManager
-from hf_paged.engine.model_runner import ModelRunner
+from hf_paged.engine.model_runner import LaunchedStep, ModelRunner
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.sequence import Sequence
 from hf_paged.modeling.swap import PagedQwen3, build_model, check_supported
@@ -86,6 +86,8 @@ class PagedEngine:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, max_model_len
         )
+        self.in_flight: LaunchedStep | None = None  # launched, tokens not collected yet
+        self._last_batch = None
 
     @property
     def device(self) -> torch.device:
@@ -167,13 +169,27 @@ class PagedEngine:
             )
 
     def step(self) -> list[Sequence]:
-        """Schedule, run the model once, and return the requests that finished."""
-        batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return []
-        sampled = self.runner.run(batch)
-        self._last_batch = batch
-        finished = self.scheduler.postprocess(batch, sampled)
+        """Launch the next step, then collect the previous one's tokens while the device runs
+        it; return the requests that finished. A request's last token therefore arrives one
+        ``step`` after the step that computed it."""
+        previous, self.in_flight = self.in_flight, None
+        batch = None
+        try:
+            batch = self.scheduler.schedule()
+            if batch.seqs:
+                self.in_flight = self.runner.launch(batch)
+                self._last_batch = batch
+            if previous is None:
+                return []
+            finished = self.scheduler.postprocess(previous.batch, self.runner.collect(previous))
+        except BaseException:
+            # These steps' results are lost: drop every request they touched.
+            for touched in (previous.batch if previous else None, batch):
+                for seq in touched.seqs if touched else ():
+                    if not seq.is_finished:
+                        self.abort(seq)
+            self.in_flight = None
+            raise
         self.runner.release(finished)
         return finished
 
@@ -182,7 +198,7 @@ class PagedEngine:
         self.runner.release([seq])
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.in_flight is not None
 
     def generate_tokens(
         self,
@@ -202,9 +218,7 @@ class PagedEngine:
             self.validate_request(prompt, p)
         return [self._enqueue(prompt, p) for prompt, p in zip(prompts, params_list)]
 
-    def run(
-        self, seqs: list[Sequence], progress_bar: bool | None = None, on_step=None
-    ) -> list[Sequence]:
+    def run(self, seqs: list[Sequence], progress_bar: bool | None = None) -> list[Sequence]:
         """Step until every one of ``seqs`` has finished. If anything fails, the requests
         are dropped so that the engine stays usable."""
         show = self.config.progress_bar if progress_bar is None else progress_bar
@@ -216,8 +230,6 @@ class PagedEngine:
             while pending:
                 t0 = time.perf_counter()
                 finished = self.step()
-                if on_step is not None:
-                    on_step(self._last_batch)
                 pending.difference_update(s.seq_id for s in finished)
                 if show:
                     self._update_bar(bar, len(finished), time.perf_counter() - t0)

@@ -4,12 +4,18 @@ Owns the KV cache (sized from free GPU memory on CUDA, from ``cpu_kv_cache_gib``
 the decode CUDA graphs: one per batch size of a ladder, captured at start-up over static
 input buffers; a decode batch replays the smallest graph that fits, padded with rows whose
 slot is -1 (not stored) and whose context is empty.
+
+``launch`` only enqueues a step: its sampled tokens stay on the device (the next step reads
+its pending input tokens from there) and reach the host through a pinned buffer that
+``collect`` waits for, so the host prepares step N+1 while the device runs step N. Host
+buffers that a copy may still be reading alternate between two twins.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -20,6 +26,7 @@ from hf_paged.engine.scheduler import ScheduledBatch
 from hf_paged.engine.sequence import Sequence
 from hf_paged.modeling.attention import AttentionMetadata
 from hf_paged.modeling.swap import PagedQwen3
+from hf_paged.sampling_params import SamplingParams
 
 
 class BlockTableMirror:
@@ -62,6 +69,16 @@ class BlockTableMirror:
         return self.free_rows.pop()
 
 
+@dataclass
+class LaunchedStep:
+    """A step enqueued on the device; ``tokens`` (one per sampled row) is valid once ``done``
+    has passed."""
+
+    batch: ScheduledBatch
+    tokens: torch.Tensor | None
+    done: torch.cuda.Event | None
+
+
 class ModelRunner:
     def __init__(self, model: PagedQwen3, config: EngineConfig, max_model_len: int):
         self.model = model
@@ -75,6 +92,14 @@ class ModelRunner:
         self.num_blocks = self._allocate_kv_cache()
         self.startup_seconds = {"kv_cache": time.perf_counter() - start, "graphs": 0.0}
         self.block_tables = BlockTableMirror(self.max_blocks_per_seq)
+        # The last step's sampled tokens, on the device, and the row of each sequence in them.
+        self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.long, device=self.device)
+        self.last_rows: dict[int, int] = {}
+        self.flip = 0  # which twin of each double-buffered host buffer this step uses
+        if self.device.type == "cuda":
+            self.host_tokens = [
+                torch.zeros(config.max_num_seqs, dtype=torch.long).pin_memory() for _ in "ab"
+            ]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.graph_batch_sizes: list[int] = []
         graphs_possible = self.device.type == "cuda" and config.attention_backend == "triton"
@@ -152,30 +177,37 @@ class ModelRunner:
         )
         hidden = self.model.forward(tokens, positions, meta)
         logits = self.model.compute_logits(hidden[: len(batch_seqs)])
-        n = len(batch_seqs)
-        self._sample(logits, [0.0] * n, [0] * n, [1.0] * n)
+        self._sample(logits, [SamplingParams()] * len(batch_seqs))
         torch.cuda.synchronize()
 
     # ---- inputs ---------------------------------------------------------------------------
 
     def _prepare(self, batch: ScheduledBatch):
         """Flat token ids, positions and slots, plus per-sequence metadata, built with plain
-        ints for the one-token (decode) rows: this runs on the host every step."""
+        ints for the one-token (decode) rows: this runs on the host every step. A token still
+        pending on the device gets id 0 here and ``src`` names its row in ``last_tokens``
+        (-1 everywhere else)."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        src: list[int] = []
         cu_seqlens, seq_lens, logits_rows = [0], [], []
-        for seq, n, sample in zip(batch.seqs, batch.num_tokens, batch.sample):
-            start = seq.num_computed_tokens
+        for seq, start, n, sample in zip(batch.seqs, batch.starts, batch.num_tokens, batch.sample):
             end = start + n
             table = seq.block_table
             if n == 1:
-                input_ids.append(seq.token_ids[start])
+                if start < len(seq.token_ids):
+                    input_ids.append(seq.token_ids[start])
+                    src.append(-1)
+                else:  # only the newest token can be pending, and only in a one-token chunk
+                    input_ids.append(0)
+                    src.append(self.last_rows[seq.seq_id])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
             else:
                 input_ids.extend(seq.token_ids[start:end])
+                src.extend([-1] * n)
                 pos = np.arange(start, end)
                 positions.extend(pos.tolist())
                 slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
@@ -184,7 +216,7 @@ class ModelRunner:
             if sample:
                 logits_rows.append(cu_seqlens[-1] - 1)
         tables = self.block_tables.gather(batch.seqs)
-        return input_ids, positions, slots, cu_seqlens, seq_lens, tables, logits_rows
+        return input_ids, src, positions, slots, cu_seqlens, seq_lens, tables, logits_rows
 
     def release(self, seqs: list[Sequence]) -> None:
         """Forget finished or aborted sequences."""
@@ -193,52 +225,76 @@ class ModelRunner:
     # ---- running --------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[int]:
-        """Compute the batch and return one sampled token per sequence with ``sample`` set."""
-        ids, positions, slots, cu, seq_lens, tables, rows = self._prepare(batch)
+    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        """Enqueue the batch's forward and sampling on the device without waiting for it."""
+        ids, src, positions, slots, cu, seq_lens, tables, rows = self._prepare(batch)
+        self.flip ^= 1
         dev = self.device
-        sampling = [s.params for s, sample in zip(batch.seqs, batch.sample) if sample]
         graph_bs = self._graph_batch_size(batch)
         greedy = None
         if graph_bs:
-            logits, greedy = self._replay(graph_bs, ids, positions, slots, seq_lens, tables)
+            logits, greedy = self._replay(graph_bs, ids, src, positions, slots, seq_lens, tables)
         else:
             meta = AttentionMetadata(
-                slot_mapping=torch.tensor(slots, dtype=torch.long).to(dev, non_blocking=True),
-                cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+                slot_mapping=self._to_device(slots, torch.long),
+                cu_seqlens_q=self._to_device(cu, torch.int32),
+                seq_lens=self._to_device(seq_lens, torch.int32),
                 block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
                 max_query_len=max(batch.num_tokens),
             )
-            hidden = self.model.forward(
-                torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
-                torch.tensor(positions, dtype=torch.long).to(dev, non_blocking=True),
-                meta,
-            )
+            input_ids = self._to_device(ids, torch.long)
+            if max(src) >= 0:
+                src_ids = self._to_device(src, torch.long)
+                input_ids = self._take_pending(input_ids, src_ids)
+            positions = self._to_device(positions, torch.long)
+            hidden = self.model.forward(input_ids, positions, meta)
             if not rows:  # only partial prefill chunks: nothing to sample yet
-                return []
+                return LaunchedStep(batch, None, None)
             if len(rows) != hidden.shape[0]:
-                hidden = hidden[torch.tensor(rows, dtype=torch.long, device=dev)]
+                hidden = hidden[self._to_device(rows, torch.long)]
             logits = self.model.compute_logits(hidden)
-        return self._sample(
-            logits,
-            [p.temperature for p in sampling],
-            [p.top_k for p in sampling],
-            [p.top_p for p in sampling],
-            greedy,
-        )
+        sampled_seqs = [s for s, sample in zip(batch.seqs, batch.sample) if sample]
+        tokens = self._sample(logits, [s.params for s in sampled_seqs], greedy)
+        self.last_tokens[: len(tokens)].copy_(tokens)
+        self.last_rows = {s.seq_id: row for row, s in enumerate(sampled_seqs)}
+        if dev.type != "cuda":
+            return LaunchedStep(batch, tokens, None)
+        host = self.host_tokens[self.flip][: len(tokens)]
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return LaunchedStep(batch, host, done)
 
-    def _sample(self, logits, temperature, top_k, top_p, greedy=None) -> list[int]:
+    @staticmethod
+    def collect(step: LaunchedStep) -> list[int]:
+        """Wait for a launched step and return its sampled tokens."""
+        if step.tokens is None:
+            return []
+        if step.done is not None:
+            step.done.synchronize()
+        return step.tokens.tolist()
+
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A host list on the device without waiting for the device (a blocking copy would
+        wait for the step before)."""
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    def _take_pending(self, ids: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """``ids`` with each pending token (``src >= 0``) read from the last step's samples."""
+        return torch.where(src >= 0, self.last_tokens[src.clamp(min=0)], ids)
+
+    def _sample(
+        self, logits: torch.Tensor, params: list[SamplingParams], greedy=None
+    ) -> torch.Tensor:
         """``greedy``: the argmax of ``logits`` when a decode graph already took it."""
-        if not any(temperature):
-            return (logits.argmax(-1) if greedy is None else greedy).tolist()
-        dev = logits.device
+        if not any(p.temperature for p in params):
+            return logits.argmax(-1) if greedy is None else greedy
         return kernels.sample(
             logits,
-            torch.tensor(temperature, dtype=torch.float32, device=dev),
-            torch.tensor(top_k, dtype=torch.long, device=dev),
-            torch.tensor(top_p, dtype=torch.float32, device=dev),
-        ).tolist()
+            self._to_device([p.temperature for p in params], torch.float32),
+            self._to_device([p.top_k for p in params], torch.long),
+            self._to_device([p.top_p for p in params], torch.float32),
+        )
 
     # ---- CUDA graphs ----------------------------------------------------------------------
 
@@ -250,32 +306,33 @@ class ModelRunner:
 
     def _capture_decode_graphs(self) -> None:
         """Capture one decode graph per ladder size. The inputs of a graph of size ``bs`` are
-        views of one int32 buffer laid out as ids, positions, slots and context lengths
-        (``bs`` each) then the block tables (``bs`` full-width rows), so a replay fills a
-        pinned host twin and sends it in a single copy."""
+        views of one int32 buffer laid out as ids, pending-token rows (``src``), positions,
+        slots and context lengths (``bs`` each) then the block tables (``bs`` full-width rows),
+        so a replay fills a pinned host buffer and sends it in a single copy."""
         cfg = self.config
         max_bs = cfg.max_graph_batch_size or min(cfg.max_num_seqs, 512)
         sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 16)) + [max_bs]
         width = self.max_blocks_per_seq
-        size = max_bs * (4 + width)
+        size = max_bs * (5 + width)
         self.graph_inputs = torch.zeros(size, dtype=torch.int32, device=self.device)
-        self.host_inputs = torch.zeros(size, dtype=torch.int32).pin_memory()
-        self.host_array = self.host_inputs.numpy()
+        self.host_inputs = [torch.zeros(size, dtype=torch.int32).pin_memory() for _ in "ab"]
         # Every tensor a graph reads must live as long as the graph: kept on self.
         self.graph_cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device)
         pool = None
         for bs in reversed(sizes):  # largest first, so the smaller graphs reuse its pool
-            ids, positions, slots, seq_lens = self.graph_inputs[: 4 * bs].view(4, bs)
+            ids, src, positions, slots, seq_lens = self.graph_inputs[: 5 * bs].view(5, bs)
+            src.fill_(-1)
             slots.fill_(-1)  # nothing stored while capturing
             meta = AttentionMetadata(
                 slot_mapping=slots,
                 cu_seqlens_q=self.graph_cu_seqlens[: bs + 1],
                 seq_lens=seq_lens,
-                block_tables=self.graph_inputs[4 * bs : bs * (4 + width)].view(bs, width),
+                block_tables=self.graph_inputs[5 * bs : bs * (5 + width)].view(bs, width),
                 max_query_len=1,
             )
 
-            def step(ids=ids, positions=positions, meta=meta):
+            def step(ids=ids, src=src, positions=positions, meta=meta):
+                ids = self._take_pending(ids, src)
                 logits = self.model.compute_logits(self.model.forward(ids, positions, meta))
                 return logits, logits.argmax(-1)  # greedy tokens too: one launch fewer
 
@@ -290,17 +347,18 @@ class ModelRunner:
         self.graph_batch_sizes = sorted(self.graphs)
         torch.cuda.synchronize()
 
-    def _replay(self, graph_bs, ids, positions, slots, seq_lens, tables):
+    def _replay(self, graph_bs, ids, src, positions, slots, seq_lens, tables):
         """Logits and greedy tokens of the first ``len(ids)`` rows of graph ``graph_bs``."""
-        # The previous step's copy out of host_inputs has finished: its tokens were read back.
+        # This twin's last copy belonged to the step before last, whose tokens were collected.
         n, bs, width = len(ids), graph_bs, self.max_blocks_per_seq
-        host = self.host_array
-        head = host[: 4 * bs].reshape(4, bs)
-        head[:, :n] = (ids, positions, slots, seq_lens)
-        head[:, n:] = ((0,), (0,), (-1,), (0,))  # padding rows: no store, empty context
-        host[4 * bs : 4 * bs + n * width].reshape(n, width)[:, : tables.shape[1]] = tables
-        used = bs * 4 + n * width
-        self.graph_inputs[:used].copy_(self.host_inputs[:used], non_blocking=True)
+        host_inputs = self.host_inputs[self.flip]
+        host = host_inputs.numpy()
+        head = host[: 5 * bs].reshape(5, bs)
+        head[:, :n] = (ids, src, positions, slots, seq_lens)
+        head[:, n:] = ((0,), (-1,), (0,), (-1,), (0,))  # padding rows: no store, empty context
+        host[5 * bs : 5 * bs + n * width].reshape(n, width)[:, : tables.shape[1]] = tables
+        used = bs * 5 + n * width
+        self.graph_inputs[:used].copy_(host_inputs[:used], non_blocking=True)
         graph, logits, greedy = self.graphs[graph_bs]
         graph.replay()
         return logits[:n], greedy[:n]

@@ -7,6 +7,13 @@ long prompt is still being prefilled). Waiting requests are then admitted while 
 chunks over several steps, sharing each with the decodes. When blocks run out even after
 eviction, the most recently admitted request is preempted: its blocks are released (they stay
 in the prefix cache) and it goes back to the front of the queue, to be recomputed.
+
+Scheduling is asynchronous: a step is scheduled while the previous one still runs on the
+device, so the host works beside the device instead of between its steps. ``schedule`` counts
+the batch's tokens as computed at once and each sampled token as pending; ``postprocess``
+receives a step's tokens one step later. A request whose pending token is its last by length
+is not scheduled again; one that stops at an EOS may have computed one more token, which is
+dropped.
 """
 
 from __future__ import annotations
@@ -20,11 +27,12 @@ from hf_paged.engine.sequence import Sequence, Status
 
 @dataclass
 class ScheduledBatch:
-    """One step's work: ``num_tokens[i]`` new tokens of ``seqs[i]``, starting at its
-    ``num_computed_tokens``. ``sample[i]`` says whether that chunk reaches the end of the
-    sequence, so that a token is drawn from its last logits."""
+    """One step's work: ``num_tokens[i]`` new tokens of ``seqs[i]`` from position
+    ``starts[i]``. ``sample[i]`` says whether that chunk reaches the end of the sequence, so
+    that a token is drawn from its last logits."""
 
     seqs: list[Sequence] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     sample: list[bool] = field(default_factory=list)
 
@@ -70,7 +78,10 @@ class Scheduler:
         allocate = self.block_manager.allocate
         while i < len(self.running) and budget:
             seq = self.running[i]
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            if seq.num_pending and self._length_reached(seq, seq.num_tokens):
+                i += 1  # its pending token is its last: nothing more to compute
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not allocate(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -100,29 +111,38 @@ class Scheduler:
         return batch
 
     def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
-        """Record the computed tokens, append the sampled ones (``sampled`` has one entry per
-        sequence with ``sample`` set, in order) and finish what must stop."""
+        """Append a finished step's sampled tokens (one per sequence with ``sample`` set, in
+        order) and finish what must stop."""
         finished = []
         tokens = iter(sampled)
-        for seq, n, sample in zip(batch.seqs, batch.num_tokens, batch.sample):
-            seq.num_computed_tokens += n
+        for seq, sample in zip(batch.seqs, batch.sample):
             if not sample:
                 continue
             token = next(tokens)
+            if seq.is_finished:  # stopped or aborted while this step ran: a token too many
+                continue
+            seq.num_pending -= 1
             seq.token_ids.append(token)
             params = seq.params
             if not params.ignore_eos and token in params.eos_token_ids:
                 seq.finish_reason = "stop"
-            elif seq.num_new_tokens >= params.max_new_tokens or len(seq) >= self.max_model_len:
+            elif self._length_reached(seq, len(seq.token_ids)):
                 seq.finish_reason = "length"
             else:
                 continue
+            if seq.status is Status.RUNNING:
+                self.block_manager.free(seq)
+            else:  # preempted while the step ran
+                self.waiting.remove(seq)
             seq.status = Status.FINISHED
-            self.block_manager.free(seq)
             finished.append(seq)
         if finished:
             self.running = [s for s in self.running if s.status is Status.RUNNING]
         return finished
+
+    def _length_reached(self, seq: Sequence, num_tokens: int) -> bool:
+        new = num_tokens - seq.num_prompt_tokens
+        return new >= seq.params.max_new_tokens or num_tokens >= self.max_model_len
 
     def abort(self, seq: Sequence) -> None:
         """Drop a request wherever it is, releasing its blocks."""
@@ -143,6 +163,13 @@ class Scheduler:
 
     @staticmethod
     def _add_to_batch(batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+        """Count the chunk as computed (the step will have stored its K/V before any later
+        step reads them) and its sampled token, if any, as pending."""
+        start = seq.num_computed_tokens
+        sample = start + n == seq.num_tokens
         batch.seqs.append(seq)
+        batch.starts.append(start)
         batch.num_tokens.append(n)
-        batch.sample.append(seq.num_computed_tokens + n == len(seq.token_ids))
+        batch.sample.append(sample)
+        seq.num_computed_tokens = start + n
+        seq.num_pending += sample

@@ -19,10 +19,12 @@ class Status(enum.Enum):
 class Sequence:
     """A request's state as the scheduler and block manager see it.
 
-    ``token_ids`` holds the prompt followed by every generated token. ``num_computed_tokens``
-    counts the tokens whose K/V are in the cache (prefix-cache hits included); the tokens after
-    it are what the next step must compute. ``block_table[i]`` is the cache block holding
-    tokens ``i*block_size`` to ``(i+1)*block_size - 1``.
+    ``token_ids`` holds the prompt followed by every generated token the host has seen;
+    ``num_pending`` more were sampled by steps still running on the device (their values reach
+    the host one step later: asynchronous scheduling). ``num_computed_tokens`` counts the tokens
+    whose K/V are in the cache or being written by a scheduled step (prefix-cache hits
+    included); the tokens after it are what the next step must compute. ``block_table[i]`` is
+    the cache block holding tokens ``i*block_size`` to ``(i+1)*block_size - 1``.
     """
 
     def __init__(self, token_ids: list[int], params: SamplingParams, request_id: object = None):
@@ -33,6 +35,7 @@ class Sequence:
         self.params = params
         self.status = Status.WAITING
         self.num_computed_tokens = 0
+        self.num_pending = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at admission
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks, in order
@@ -41,6 +44,11 @@ class Sequence:
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens known to the host plus those still being sampled."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_new_tokens(self) -> int:

@@ -132,3 +132,16 @@ def test_same_tokens_different_parent_do_not_match():
     admit(bm, [1, 1, 1, 1, 2, 2, 2, 2, 0])
     other = Sequence([3, 3, 3, 3, 2, 2, 2, 2, 0], PARAMS)
     assert bm.match_prefix(other) == []
+
+
+def test_block_ending_in_a_pending_token_is_published_once_known():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    seq = admit(bm, list(range(7)))  # blocks 0-3 and 4-6 (partial)
+    seq.num_pending = 1  # token 7, filling the second block, was sampled on the device
+    assert bm.allocate(seq, 1)
+    seq.num_computed_tokens = 8
+    assert len(bm.hash_to_block) == 1  # its last token's value is unknown: not published
+    seq.token_ids.append(7)
+    seq.num_pending = 0
+    assert bm.allocate(seq, 1)
+    assert len(bm.hash_to_block) == 2

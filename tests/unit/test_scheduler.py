@@ -1,4 +1,5 @@
-"""Scheduler bookkeeping with a fake model: budgets, chunked prefill, preemption, no leaks."""
+"""Scheduler bookkeeping with a fake model: budgets, chunked prefill, preemption, no leaks,
+driven as the engine drives it (step N+1 scheduled before step N's tokens come back)."""
 
 from __future__ import annotations
 
@@ -16,18 +17,22 @@ def make(num_blocks=64, block_size=4, max_seqs=8, budget=32, max_len=512, cachin
     return Scheduler(bm, max_seqs, budget, max_len)
 
 
-def fake_token(seq: Sequence) -> int:
-    return (len(seq) * 7) % 11  # deterministic in the sequence's own history
+def fake_tokens(batch, eos_at=None) -> list[int]:
+    """The fake model's token at position p is (p * 7) % 11 (``eos_at[p]`` where given)."""
+    eos_at = eos_at or {}
+    positions = [s + n for s, n, smp in zip(batch.starts, batch.num_tokens, batch.sample) if smp]
+    return [eos_at.get(p, (p * 7) % 11) for p in positions]
 
 
-def run_to_end(sched: Scheduler, max_steps=10_000):
-    steps = []
-    while sched.has_work():
+def run_to_end(sched: Scheduler, max_steps=10_000, eos_at=None):
+    steps, in_flight = [], None
+    while sched.has_work() or in_flight:
         batch = sched.schedule()
-        assert batch.seqs, "a step with work must schedule something"
+        assert batch.seqs or in_flight, "a step with work must schedule something"
+        if in_flight:
+            sched.postprocess(*in_flight)
+        in_flight = (batch, fake_tokens(batch, eos_at)) if batch.seqs else None
         steps.append(batch)
-        sampled = [fake_token(s) for s, smp in zip(batch.seqs, batch.sample) if smp]
-        sched.postprocess(batch, sampled)
         assert len(steps) < max_steps
     return steps
 
@@ -38,6 +43,7 @@ def test_chunked_prefill_shares_steps_with_decode():
     sched.add(short)
     run_step = sched.schedule()
     sched.postprocess(run_step, [5])
+    assert short.num_pending == 0 and short.token_ids == [1, 2, 3, 5]
     long = Sequence(list(range(30)), SamplingParams(max_new_tokens=2))
     sched.add(long)
     batch = sched.schedule()
@@ -101,3 +107,35 @@ def test_random_workloads_respect_limits_and_leak_nothing(
             assert t == (len(history) * 7) % 11
             history.append(t)
     assert sched.block_manager.num_free_blocks == num_blocks
+
+
+def test_stop_at_eos_drops_the_token_computed_meanwhile():
+    sched = make()
+    seq = Sequence([1, 2, 3], SamplingParams(max_new_tokens=10, eos_token_ids=(99,)))
+    sched.add(seq)
+    steps = run_to_end(sched, eos_at={4: 99})  # the second new token is the EOS
+    assert seq.output_token_ids == [(3 * 7) % 11, 99] and seq.finish_reason == "stop"
+    assert len(steps) == 4  # prefill, two decodes (the second one wasted), an empty step
+    assert sched.block_manager.num_free_blocks == 64 and not sched.running
+
+
+def test_last_token_by_length_is_not_computed():
+    sched = make()
+    seq = Sequence([1, 2, 3], SamplingParams(max_new_tokens=3))
+    sched.add(seq)
+    steps = run_to_end(sched)
+    assert [b.num_tokens for b in steps] == [[3], [1], [1], []]
+    assert seq.num_new_tokens == 3 and seq.finish_reason == "length"
+
+
+def test_preempted_request_stopping_in_flight_leaves_the_queue():
+    sched = make(num_blocks=4, block_size=4, max_seqs=2, budget=64, caching=False)
+    a = Sequence([1] * 8, SamplingParams(max_new_tokens=8))
+    b = Sequence([2] * 8, SamplingParams(max_new_tokens=8, eos_token_ids=(99,)))
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()  # both admitted, 2 blocks each, both sample a pending token
+    second = sched.schedule()  # a needs a third block: b, admitted last, is preempted
+    assert second.seqs == [a] and list(sched.waiting) == [b] and b.num_pending == 1
+    assert sched.postprocess(first, [0, 99]) == [b]  # b's pending token was its EOS
+    assert not sched.waiting and b.is_finished and b.output_token_ids == [99]
