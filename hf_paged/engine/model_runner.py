@@ -321,6 +321,7 @@ class ModelRunner:
         pool = None
         for bs in reversed(sizes):  # largest first, so the smaller graphs reuse its pool
             ids, src, positions, slots, seq_lens = self.graph_inputs[: 5 * bs].view(5, bs)
+            self.graph_inputs.zero_()  # the larger graphs' layouts overlap this one's rows
             src.fill_(-1)
             slots.fill_(-1)  # nothing stored while capturing
             meta = AttentionMetadata(
