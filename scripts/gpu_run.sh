@@ -66,7 +66,7 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
 
   for s in "${STEPS[@]}"; do
     case $s in
-      tests) step tests "${T_TESTS:-60}" python -m pytest tests/gpu tests/kernels -q ;;
+      tests) step tests "${T_TESTS:-60}" python -m pytest tests/gpu tests/kernels -m gpu -q ;;
       w1) bench w1 "${T_W1:-270}" bench_throughput "${W1_ARGS:-}" "${BASELINE_ARGS[@]}" ;;
       w2) bench w2 "${T_W2:-150}" bench_latency "${W2_ARGS:-}" "${BASELINE_ARGS[@]}" \
             --repeats "${REPEATS:-3}" ;;

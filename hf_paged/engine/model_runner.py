@@ -28,10 +28,6 @@ from hf_paged.modeling.attention import AttentionMetadata
 from hf_paged.modeling.swap import PagedQwen3
 from hf_paged.sampling_params import SamplingParams
 
-# Cascade attention (the shared prefix read once per tile of sequences) runs eagerly, so it
-# must save more than a decode graph does: sequences x shared tokens at least this many.
-_CASCADE_MIN_TOKENS = 1 << 18
-
 
 class BlockTableMirror:
     """Block tables of live sequences as rows of one int32 array, updated incrementally, so a
@@ -234,8 +230,7 @@ class ModelRunner:
         ids, src, positions, slots, cu, seq_lens, tables, rows = self._prepare(batch)
         self.flip ^= 1
         dev = self.device
-        shared = self._shared_prefix_len(batch, tables)
-        graph_bs = 0 if shared else self._graph_batch_size(batch)
+        graph_bs = self._graph_batch_size(batch)
         greedy = None
         if graph_bs:
             logits, greedy = self._replay(graph_bs, ids, src, positions, slots, seq_lens, tables)
@@ -246,7 +241,6 @@ class ModelRunner:
                 seq_lens=self._to_device(seq_lens, torch.int32),
                 block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
                 max_query_len=max(batch.num_tokens),
-                shared_prefix_len=shared,
             )
             input_ids = self._to_device(ids, torch.long)
             if max(src) >= 0:
@@ -279,19 +273,6 @@ class ModelRunner:
         if step.done is not None:
             step.done.synchronize()
         return step.tokens.tolist()
-
-    def _shared_prefix_len(self, batch: ScheduledBatch, tables: np.ndarray) -> int:
-        """Leading context tokens that every sequence of a decode batch holds in the same
-        blocks (a prompt shared through the prefix cache), when enough for cascade attention."""
-        if self.config.attention_backend != "triton" or not batch.is_decode:
-            return 0
-        # Whole blocks before each sequence's newest token (a mirror row may be stale after).
-        limit = min(min(batch.starts) // self.block_size, tables.shape[1])
-        if len(batch.seqs) * limit * self.block_size < _CASCADE_MIN_TOKENS:
-            return 0
-        same = (tables[:, :limit] == tables[:1, :limit]).all(axis=0)
-        shared = (limit if same.all() else int(same.argmin())) * self.block_size
-        return shared if len(batch.seqs) * shared >= _CASCADE_MIN_TOKENS else 0
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A host list on the device without waiting for the device (a blocking copy would

@@ -22,8 +22,6 @@ class AttentionMetadata:
     ``cu_seqlens_q [B+1]``: query rows of each sequence. ``seq_lens [B]``: context length of
     each sequence after this step. ``block_tables [B, max_blocks]``: cache blocks per sequence.
     ``max_query_len``: longest query run in the batch (1 when decoding).
-    ``shared_prefix_len``: leading context tokens that every sequence holds in the same blocks
-    (a decode hint for cascade attention; 0 when none).
     """
 
     slot_mapping: torch.Tensor
@@ -31,14 +29,12 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
     max_query_len: int
-    shared_prefix_len: int = 0
 
 
 def attention_function(backend: str):
-    """The paged attention implementation of a backend, all with reference's signature plus
-    keyword hints that only speed it up."""
+    """The paged attention implementation of a backend, all with reference's signature."""
     if backend == "sdpa":
-        return lambda *args, **hints: reference.paged_attention(*args)
+        return lambda *args, max_query_len: reference.paged_attention(*args)
     if backend == "triton":
         from hf_paged.kernels.attention import paged_attention
 
@@ -90,6 +86,5 @@ class Qwen3PagedAttention(nn.Module):
         out = self.attend(
             q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
             self.scale, max_query_len=meta.max_query_len,
-            shared_prefix_len=meta.shared_prefix_len,
         )
         return self.o_proj(out.reshape(-1, q_size))
