@@ -26,7 +26,8 @@ class EngineConfig:
         max_graph_batch_size: largest decode batch captured as a CUDA graph; larger decode
             batches run eagerly. Defaults to ``min(max_num_seqs, 512)``.
         attention_backend: ``"triton"`` (CUDA default), ``"sdpa"`` (torch only; CPU default)
-            or ``"flash_attn"`` (only when the flash-attn package imports).
+            or ``"flash_attn"`` (only when the flash-attn package imports; needs
+            ``block_size=256``, flash-attn's page granularity).
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes across requests.
         progress_bar: show a tqdm bar with prefill/decode throughput; ``None`` shows it for
             long runs only (at least 4,096 new tokens requested).

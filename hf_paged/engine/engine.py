@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import time
 
@@ -38,17 +39,29 @@ def resolve_dtype(dtype: torch.dtype | str | None, hf_config: PretrainedConfig) 
     return dtype
 
 
-def resolve_backend(backend: str | None, device: torch.device) -> str:
+def resolve_backend(backend: str | None, device: torch.device, block_size: int) -> str:
     if backend is None:
-        return "triton" if device.type == "cuda" and _triton_available() else "sdpa"
-    if backend == "triton" and (device.type != "cuda" or not _triton_available()):
+        return "triton" if device.type == "cuda" and _importable("triton") else "sdpa"
+    if backend == "triton" and (device.type != "cuda" or not _importable("triton")):
         raise ValueError("attention_backend 'triton' needs a CUDA device and the triton package")
+    if backend == "flash_attn":
+        from hf_paged.kernels.flash_attn import PAGE_MULTIPLE
+
+        if device.type != "cuda" or not _importable("flash_attn"):
+            raise ValueError(
+                "attention_backend 'flash_attn' needs a CUDA device and the flash-attn package"
+            )
+        if block_size % PAGE_MULTIPLE:
+            raise ValueError(
+                f"attention_backend 'flash_attn' needs block_size {PAGE_MULTIPLE} (flash-attn's "
+                f"paged cache takes pages of a multiple of {PAGE_MULTIPLE}), got {block_size}"
+            )
     return backend
 
 
-def _triton_available() -> bool:
+def _importable(package: str) -> bool:
     try:
-        import triton  # noqa: F401
+        importlib.import_module(package)
     except ImportError:
         return False
     return True
@@ -122,7 +135,9 @@ class PagedEngine:
                 f"max_model_len ({max_model_len}) exceeds the checkpoint's "
                 f"max_position_embeddings ({max_positions})"
             )
-        config.attention_backend = resolve_backend(config.attention_backend, device)
+        config.attention_backend = resolve_backend(
+            config.attention_backend, device, config.block_size
+        )
         start = time.perf_counter()
         model = build_model(hf_config, path, dtype, device, config.attention_backend, max_model_len)
         load_seconds = time.perf_counter() - start

@@ -39,6 +39,10 @@ def attention_function(backend: str):
         from hf_paged.kernels.attention import paged_attention
 
         return paged_attention
+    if backend == "flash_attn":
+        from hf_paged.kernels.flash_attn import paged_attention
+
+        return paged_attention
     raise ValueError(f"attention_backend {backend!r} is not available")
 
 

@@ -132,6 +132,14 @@ def test_cuda_graph_equals_eager(checkpoint, batch, graph_tokens):
     assert torch.equal(eager, graph_tokens)
 
 
+def test_flash_attn_backend(checkpoint, batch, reference, hf_model):
+    """Runs wherever flash-attn is installed (it is optional: the adapter's mapping is checked
+    on every machine against a stand-in, tests/kernels/test_flash_attn_adapter.py)."""
+    pytest.importorskip("flash_attn")
+    tokens, _ = run(checkpoint, batch, attention_backend="flash_attn", block_size=256)
+    check_parity(tokens, reference, hf_model, batch)
+
+
 @pytest.mark.parametrize("options", [
     dict(attention_backend="sdpa"),
     dict(max_num_batched_tokens=128, block_size=32),  # chunked prefill in mixed steps

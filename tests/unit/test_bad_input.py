@@ -3,10 +3,14 @@ serves the next call as if nothing had happened."""
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 import torch
 
 import hf_paged
+from hf_paged.engine.engine import resolve_backend
 from hf_paged.sampling_params import SamplingParams
 
 IDS = torch.tensor([[5, 6, 7, 8]])
@@ -94,3 +98,16 @@ def test_sampling_params_validate():
                          (dict(top_k=-1), "top_k"), (dict(top_p=0.0), "top_p")]:
         with pytest.raises(ValueError, match=name):
             SamplingParams(**kwargs)
+
+
+def test_flash_attn_backend_states_what_it_needs(monkeypatch):
+    cuda = torch.device("cuda")  # resolve_backend only reads the device type
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # not installed
+    with pytest.raises(ValueError, match="attention_backend 'flash_attn' needs .* flash-attn"):
+        resolve_backend("flash_attn", cuda, 256)
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        resolve_backend("flash_attn", torch.device("cpu"), 256)
+    with pytest.raises(ValueError, match="block_size 256"):
+        resolve_backend("flash_attn", cuda, 16)
+    assert resolve_backend("flash_attn", cuda, 256) == "flash_attn"
