@@ -103,10 +103,21 @@ def w3(
 
 
 def warmup_requests(like: Workload, new_tokens: int = 16) -> Workload:
-    """Fresh random prompts of the same lengths as ``like``'s, ``new_tokens`` each: they warm
-    up a system (compilation, CUDA graphs of the same batch size) without seeding any prefix
-    cache with the measured prompts."""
+    """Fresh random prompts of the same lengths as ``like``'s, ``new_tokens`` each, sharing a
+    fresh prefix as long as the one ``like``'s prompts share: they warm up a system
+    (compilation, CUDA graphs of the same batch size, shared-prefix code paths) without
+    seeding any prefix cache with the measured prompts."""
     rng = random.Random(1)
     top = max(max(p) for p in like.prompts)
-    prompts = [[rng.randint(0, top) for _ in p] for p in like.prompts]
+    shared = _common_prefix_len(like.prompts) if len(like.prompts) > 1 else 0
+    prefix = [rng.randint(0, top) for _ in range(shared)]
+    prompts = [prefix + [rng.randint(0, top) for _ in p[shared:]] for p in like.prompts]
     return Workload(prompts, [new_tokens] * len(prompts))
+
+
+def _common_prefix_len(prompts: list[list[int]]) -> int:
+    first = prompts[0]
+    n = min(map(len, prompts))
+    for p in prompts[1:]:
+        n = next((i for i in range(n) if p[i] != first[i]), n)
+    return n
