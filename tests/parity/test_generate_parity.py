@@ -104,3 +104,34 @@ def test_sampling_is_seeded_and_in_vocab(checkpoints):
     assert torch.equal(a, b)
     assert not torch.equal(a, greedy)
     assert int(a.max()) < TINY_CONFIGS["gqa_tied"]["vocab_size"]
+
+
+def test_a_failed_step_drops_only_its_requests_and_the_engine_goes_on(checkpoints, hf_models):
+    """A step that raises (here: the device launch) aborts the requests that step and the one
+    in flight held; the engine then serves the next call exactly."""
+    ids, mask = left_padded([6, 15, 9], TINY_CONFIGS["gqa_tied"]["vocab_size"], seed=6)
+    engine = engine_for(checkpoints, "gqa_tied")
+    seqs = [engine.add_request(p, hf_paged.SamplingParams(max_new_tokens=10))
+            for p in ([3, 4, 5], [6, 7, 8, 9])]
+    engine.step()  # launched, not collected
+    launch = engine.runner.launch
+    engine.runner.launch = lambda batch: (_ for _ in ()).throw(RuntimeError("device lost"))
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step()
+    engine.runner.launch = launch
+    assert all(s.finish_reason == "abort" for s in seqs) and engine.in_flight is None
+    assert not engine.has_unfinished_requests()
+    assert engine.stats()["num_free_blocks"] == engine.stats()["num_blocks"]
+    ref = hf_models["gqa_tied"].generate(ids, attention_mask=mask, max_new_tokens=12,
+                                         do_sample=False)
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=12), ref)
+
+
+def test_step_by_step_tokens_arrive_one_step_later(checkpoints):
+    engine = engine_for(checkpoints, "gqa_tied")
+    seq = engine.add_request([3, 4, 5, 6], hf_paged.SamplingParams(max_new_tokens=3))
+    assert engine.step() == [] and seq.num_pending == 1 and seq.output_token_ids == []
+    assert engine.step() == [] and len(seq.output_token_ids) == 1  # second token in flight
+    assert engine.step() == [] and len(seq.output_token_ids) == 2  # third (last) in flight
+    assert engine.step() == [seq] and len(seq.output_token_ids) == 3
+    assert not engine.has_unfinished_requests()
