@@ -15,6 +15,7 @@ from hf_paged.engine.block_manager import BlockManager
 from hf_paged.engine.model_runner import LaunchedStep, ModelRunner
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.sequence import Sequence
+from hf_paged.kernels.flash_attn import PAGE_MULTIPLE
 from hf_paged.modeling.swap import PagedQwen3, build_model, check_supported
 from hf_paged.sampling_params import SamplingParams
 
@@ -45,8 +46,6 @@ def resolve_backend(backend: str | None, device: torch.device, block_size: int) 
     if backend == "triton" and (device.type != "cuda" or not _importable("triton")):
         raise ValueError("attention_backend 'triton' needs a CUDA device and the triton package")
     if backend == "flash_attn":
-        from hf_paged.kernels.flash_attn import PAGE_MULTIPLE
-
         if device.type != "cuda" or not _importable("flash_attn"):
             raise ValueError(
                 "attention_backend 'flash_attn' needs a CUDA device and the flash-attn package"

@@ -162,7 +162,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warmup(self, num_seqs: int, per_seq: int) -> None:
-        batch_seqs = [list(range(per_seq)) for _ in range(num_seqs)]
         tokens = torch.zeros(num_seqs * per_seq, dtype=torch.long, device=self.device)
         positions = torch.arange(per_seq, device=self.device).repeat(num_seqs)
         bps = -(-per_seq // self.block_size)
@@ -176,8 +175,8 @@ class ModelRunner:
             max_query_len=per_seq,
         )
         hidden = self.model.forward(tokens, positions, meta)
-        logits = self.model.compute_logits(hidden[: len(batch_seqs)])
-        self._sample(logits, [SamplingParams()] * len(batch_seqs))
+        logits = self.model.compute_logits(hidden[:num_seqs])
+        self._sample(logits, [SamplingParams()] * num_seqs)
         torch.cuda.synchronize()
 
     # ---- inputs ---------------------------------------------------------------------------

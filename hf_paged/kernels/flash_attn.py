@@ -31,7 +31,6 @@ def paged_attention(
     scale: float,
     *,
     max_query_len: int,
-    **hints,
 ) -> torch.Tensor:
     """``reference.paged_attention`` through flash-attn. Its causal mask is aligned to the
     bottom right, as ours: query ``i`` of ``q`` new tokens sees keys up to
