@@ -49,15 +49,17 @@ def measure(
     cost: common.MemoryCost,
     bandwidth: float,
     device: torch.device,
+    prefix_caching: bool = False,
 ) -> dict:
-    """Build, warm up on ``batch`` other prompts, then time one run over ``workload``."""
+    """Build, warm up on ``batch`` other prompts, then time one run over ``workload``; the
+    floor counts a common prefix once a step when the system caches prefixes."""
     system, startup_s = common.timed(build, device)
     try:
         _, warmup_s = common.timed(
             lambda: system.run(warmup_requests(workload.head(batch))), device
         )
         tokens, seconds = common.timed(lambda: system.run(workload), device)
-        floor_s = cost.floor_bytes(workload) / bandwidth
+        floor_s = cost.floor_bytes(workload, prefix_caching) / bandwidth
         figures = {
             "num_requests": len(workload.prompts),
             "output_tokens": tokens,
@@ -100,23 +102,29 @@ def main(argv: list[str] | None = None) -> None:
     result["baseline_requests"] = len(few.prompts) if with_baselines else None
     common.reuse_baselines(result, args)
 
-    def measure_on(requests: Workload, build: Callable[[], System]) -> Callable[[], dict]:
+    def measure_on(
+        requests: Workload, build: Callable[[], System], prefix_caching: bool = False
+    ) -> Callable[[], dict]:
         bandwidth = result["floor"]["bandwidth_bytes_per_s"]
-        return partial(measure, build, requests, args.batch_size, cost, bandwidth, device)
+        return partial(measure, build, requests, args.batch_size, cost, bandwidth, device,
+                       prefix_caching)
 
     options = common.engine_options(args.engine_option)
-    paged = partial(PagedSystem, args.model, dtype, device, **options)
     if args.workload == "w3":
         settings = {
             f"prefix_caching_{s}": {"enable_prefix_caching": s == "on"} for s in ("on", "off")
         }
     else:
         settings = {"hf_paged": {}}
-    runs = {
-        label: measure_on(workload, partial(paged, **extra)) for label, extra in settings.items()
-    }
+    settings = {label: {**options, **extra} for label, extra in settings.items()}
+
+    def paged(requests: Workload, engine_options: dict) -> Callable[[], dict]:
+        build = partial(PagedSystem, args.model, dtype, device, **engine_options)
+        return measure_on(requests, build, engine_options.get("enable_prefix_caching", True))
+
+    runs = {label: paged(workload, extra) for label, extra in settings.items()}
     if with_baselines:
-        runs[SAME_REQUESTS] = measure_on(few, partial(paged, **next(iter(settings.values()))))
+        runs[SAME_REQUESTS] = paged(few, next(iter(settings.values())))
     for label, run in runs.items():
         print(f"{args.workload} {label}")
         result["hf_paged"][label] = run()

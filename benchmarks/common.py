@@ -40,7 +40,9 @@ FLOOR_MODEL = (
     "W = weight bytes read per step (every weight once, the embedding only as the LM head); "
     "K = KV-cache bytes per token (2 * layers * kv_heads * head_dim * dtype size); p_i, o_i = "
     "prompt and output lengths of request i, whose step t reads the KV of p_i + t - 1 tokens. "
-    "Prefill compute, activations and KV writes are left out: it is a lower bound."
+    "With prefix caching, the C tokens that begin every prompt sit in one copy, read once a "
+    "step: C*K*S bytes instead of C*K*sum_i o_i. Prefill compute, activations and KV writes are "
+    "left out: it is a lower bound."
 )
 
 
@@ -216,12 +218,15 @@ class MemoryCost:
         kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * size
         return cls(weight_bytes=total * size, kv_bytes_per_token=kv)
 
-    def floor_bytes(self, workload: Workload) -> int:
+    def floor_bytes(self, workload: Workload, prefix_caching: bool = False) -> int:
         """Bytes read by the workload's decode steps under ``FLOOR_MODEL``:
-        ``S*W + sum_i (o_i*p_i + o_i*(o_i-1)/2) * K`` with ``S = max_i o_i``."""
-        outputs = workload.max_new_tokens
+        ``S*W + sum_i (o_i*p_i + o_i*(o_i-1)/2) * K`` with ``S = max_i o_i``, where prefix
+        caching reads the common prefix once a step instead of once per request."""
+        outputs, steps = workload.max_new_tokens, max(workload.max_new_tokens)
         kv_tokens = sum(o * len(p) + o * (o - 1) // 2 for p, o in zip(workload.prompts, outputs))
-        return max(outputs) * self.weight_bytes + kv_tokens * self.kv_bytes_per_token
+        if prefix_caching:
+            kv_tokens -= workload.common_prefix_len() * (sum(outputs) - steps)
+        return steps * self.weight_bytes + kv_tokens * self.kv_bytes_per_token
 
 
 def measure_copy_bandwidth(device: torch.device) -> float:

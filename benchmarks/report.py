@@ -23,7 +23,8 @@ NOTES = """\
 Baseline cells read `figure (×speedup)`, the speedup being hf_paged's over that baseline on the
 same requests; the throughput baselines run on the first {requests} requests of the workload.
 Fraction of floor: the time of the memory-traffic floor (weights and KV cache read once per decode
-step at the device's bandwidth; `floor_model` in each JSON) over hf_paged's measured time.
+step at the device's bandwidth, a cached prefix common to all prompts once for all of them;
+`floor_model` in each JSON) over hf_paged's measured time.
 """
 
 

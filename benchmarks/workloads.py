@@ -27,6 +27,14 @@ class Workload(NamedTuple):
         """One workload per request."""
         return [Workload([p], [n]) for p, n in zip(self.prompts, self.max_new_tokens)]
 
+    def common_prefix_len(self) -> int:
+        """Length of the prefix that every prompt starts with."""
+        first = self.prompts[0]
+        n = min(map(len, self.prompts))
+        for p in self.prompts[1:]:
+            n = next((i for i in range(n) if p[i] != first[i]), n)
+        return n
+
     def describe(self) -> dict[str, int]:
         return {
             "num_requests": len(self.prompts),
@@ -109,15 +117,7 @@ def warmup_requests(like: Workload, new_tokens: int = 16) -> Workload:
     seeding any prefix cache with the measured prompts."""
     rng = random.Random(1)
     top = max(max(p) for p in like.prompts)
-    shared = _common_prefix_len(like.prompts) if len(like.prompts) > 1 else 0
+    shared = like.common_prefix_len() if len(like.prompts) > 1 else 0
     prefix = [rng.randint(0, top) for _ in range(shared)]
     prompts = [prefix + [rng.randint(0, top) for _ in p[shared:]] for p in like.prompts]
     return Workload(prompts, [new_tokens] * len(prompts))
-
-
-def _common_prefix_len(prompts: list[list[int]]) -> int:
-    first = prompts[0]
-    n = min(map(len, prompts))
-    for p in prompts[1:]:
-        n = next((i for i in range(n) if p[i] != first[i]), n)
-    return n

@@ -3,7 +3,9 @@
 Owns the KV cache (sized from free GPU memory on CUDA, from ``cpu_kv_cache_gib`` on CPU) and
 the decode CUDA graphs: one per batch size of a ladder, captured at start-up over static
 input buffers; a decode batch replays the smallest graph that fits, padded with rows whose
-slot is -1 (not stored) and whose context is empty.
+slot is -1 (not stored) and whose context is empty. Sizes from ``_CASCADE_MIN_SEQS`` up have a
+second graph with cascade attention, replayed when the batch's sequences all start with the
+same cache blocks (a prompt shared through the prefix cache).
 
 ``launch`` only enqueues a step: its sampled tokens stay on the device (the next step reads
 its pending input tokens from there) and reach the host through a pinned buffer that
@@ -27,6 +29,12 @@ from hf_paged.engine.sequence import Sequence
 from hf_paged.modeling.attention import AttentionMetadata
 from hf_paged.modeling.swap import PagedQwen3
 from hf_paged.sampling_params import SamplingParams
+
+# Cascade attention (kernels.attention) pays two more kernels a layer to read a shared prefix
+# once per tile of sequences instead of once per sequence: worth it from this many sequences
+# times shared tokens and this many sequences (the smallest graph with a cascade twin).
+_CASCADE_MIN_TOKENS = 1 << 13
+_CASCADE_MIN_SEQS = 16
 
 
 class BlockTableMirror:
@@ -100,7 +108,8 @@ class ModelRunner:
             self.host_tokens = [
                 torch.zeros(config.max_num_seqs, dtype=torch.long).pin_memory() for _ in "ab"
             ]
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        # (batch size, cascade) -> the graph, its logits and its greedy tokens
+        self.graphs: dict[tuple[int, bool], tuple] = {}
         self.graph_batch_sizes: list[int] = []
         graphs_possible = self.device.type == "cuda" and config.attention_backend == "triton"
         if graphs_possible and not config.enforce_eager:
@@ -230,9 +239,11 @@ class ModelRunner:
         self.flip ^= 1
         dev = self.device
         graph_bs = self._graph_batch_size(batch)
+        shared = self._shared_prefix_len(batch, tables)
         greedy = None
         if graph_bs:
-            logits, greedy = self._replay(graph_bs, ids, src, positions, slots, seq_lens, tables)
+            logits, greedy = self._replay(
+                graph_bs, shared, ids, src, positions, slots, seq_lens, tables)
         else:
             meta = AttentionMetadata(
                 slot_mapping=self._to_device(slots, torch.long),
@@ -240,6 +251,7 @@ class ModelRunner:
                 seq_lens=self._to_device(seq_lens, torch.int32),
                 block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
                 max_query_len=max(batch.num_tokens),
+                shared_prefix=self._to_device([shared], torch.int32) if shared else None,
             )
             input_ids = self._to_device(ids, torch.long)
             if max(src) >= 0:
@@ -273,6 +285,18 @@ class ModelRunner:
             step.done.synchronize()
         return step.tokens.tolist()
 
+    def _shared_prefix_len(self, batch: ScheduledBatch, tables: np.ndarray) -> int:
+        """Leading context tokens that every sequence of a decode batch holds in the same
+        blocks, when enough for cascade attention (0 otherwise)."""
+        if (self.config.attention_backend != "triton" or not batch.is_decode
+                or len(batch.seqs) < _CASCADE_MIN_SEQS):
+            return 0
+        # Whole blocks before each sequence's newest token (a mirror row may be stale after).
+        limit = min(min(batch.starts) // self.block_size, tables.shape[1])
+        same = (tables[:, :limit] == tables[:1, :limit]).all(axis=0)
+        shared = (limit if same.all() else int(same.argmin())) * self.block_size
+        return shared if len(batch.seqs) * shared >= _CASCADE_MIN_TOKENS else 0
+
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A host list on the device without waiting for the device (a blocking copy would
         wait for the step before)."""
@@ -304,61 +328,68 @@ class ModelRunner:
         return self.graph_batch_sizes[i] if i < len(self.graph_batch_sizes) else 0
 
     def _capture_decode_graphs(self) -> None:
-        """Capture one decode graph per ladder size. The inputs of a graph of size ``bs`` are
-        views of one int32 buffer laid out as ids, pending-token rows (``src``), positions,
-        slots and context lengths (``bs`` each) then the block tables (``bs`` full-width rows),
+        """Capture the decode graphs of every ladder size, with cascade attention and without.
+        The inputs of a graph of size ``bs`` are views of one int32 buffer laid out as the
+        shared prefix length (one entry), then ids, pending-token rows (``src``), positions,
+        slots and context lengths (``bs`` each), then the block tables (``bs`` full-width rows),
         so a replay fills a pinned host buffer and sends it in a single copy."""
         cfg = self.config
         max_bs = cfg.max_graph_batch_size or min(cfg.max_num_seqs, 512)
         sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 16)) + [max_bs]
         width = self.max_blocks_per_seq
-        size = max_bs * (5 + width)
+        size = 1 + max_bs * (5 + width)
         self.graph_inputs = torch.zeros(size, dtype=torch.int32, device=self.device)
         self.host_inputs = [torch.zeros(size, dtype=torch.int32).pin_memory() for _ in "ab"]
         # Every tensor a graph reads must live as long as the graph: kept on self.
         self.graph_cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device)
         pool = None
         for bs in reversed(sizes):  # largest first, so the smaller graphs reuse its pool
-            ids, src, positions, slots, seq_lens = self.graph_inputs[: 5 * bs].view(5, bs)
-            self.graph_inputs.zero_()  # the larger graphs' layouts overlap this one's rows
-            src.fill_(-1)
-            slots.fill_(-1)  # nothing stored while capturing
-            meta = AttentionMetadata(
-                slot_mapping=slots,
-                cu_seqlens_q=self.graph_cu_seqlens[: bs + 1],
-                seq_lens=seq_lens,
-                block_tables=self.graph_inputs[5 * bs : bs * (5 + width)].view(bs, width),
-                max_query_len=1,
-            )
+            for cascade in (False, True) if bs >= _CASCADE_MIN_SEQS else (False,):
+                self.graph_inputs.zero_()  # the larger graphs' layouts overlap this one's rows
+                ids, src, positions, slots, seq_lens = self.graph_inputs[1 : 1 + 5 * bs].view(5, bs)
+                src.fill_(-1)
+                slots.fill_(-1)  # nothing stored while capturing
+                meta = AttentionMetadata(
+                    slot_mapping=slots,
+                    cu_seqlens_q=self.graph_cu_seqlens[: bs + 1],
+                    seq_lens=seq_lens,
+                    block_tables=self.graph_inputs[1 + 5 * bs : 1 + bs * (5 + width)].view(
+                        bs, width),
+                    max_query_len=1,
+                    shared_prefix=self.graph_inputs[:1] if cascade else None,
+                )
 
-            def step(ids=ids, src=src, positions=positions, meta=meta):
-                ids = self._take_pending(ids, src)
-                logits = self.model.compute_logits(self.model.forward(ids, positions, meta))
-                return logits, logits.argmax(-1)  # greedy tokens too: one launch fewer
+                def step(ids=ids, src=src, positions=positions, meta=meta):
+                    ids = self._take_pending(ids, src)
+                    logits = self.model.compute_logits(self.model.forward(ids, positions, meta))
+                    return logits, logits.argmax(-1)  # greedy tokens too: one launch fewer
 
-            with torch.inference_mode():
-                step()  # warm-up outside capture: kernel compilation, lazy allocations
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    outputs = step()
-            pool = graph.pool()
-            self.graphs[bs] = (graph, *outputs)
-        self.graph_batch_sizes = sorted(self.graphs)
+                with torch.inference_mode():
+                    step()  # warm-up outside capture: kernel compilation, lazy allocations
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        outputs = step()
+                pool = graph.pool()
+                self.graphs[bs, cascade] = (graph, *outputs)
+        self.graph_batch_sizes = sizes
         torch.cuda.synchronize()
 
-    def _replay(self, graph_bs, ids, src, positions, slots, seq_lens, tables):
-        """Logits and greedy tokens of the first ``len(ids)`` rows of graph ``graph_bs``."""
+    def _replay(self, graph_bs, shared, ids, src, positions, slots, seq_lens, tables):
+        """Logits and greedy tokens of the first ``len(ids)`` rows of graph ``graph_bs``, the
+        cascade one when ``shared`` (tokens) is set."""
         # This twin's last copy belonged to the step before last, whose tokens were collected.
         n, bs, width = len(ids), graph_bs, self.max_blocks_per_seq
         host_inputs = self.host_inputs[self.flip]
         host = host_inputs.numpy()
-        head = host[: 5 * bs].reshape(5, bs)
+        host[0] = shared
+        head = host[1 : 1 + 5 * bs].reshape(5, bs)
         head[:, :n] = (ids, src, positions, slots, seq_lens)
         head[:, n:] = ((0,), (-1,), (0,), (-1,), (0,))  # padding rows: no store, empty context
-        host[5 * bs : 5 * bs + n * width].reshape(n, width)[:, : tables.shape[1]] = tables
-        used = bs * 5 + n * width
+        tail = host[1 + 5 * bs : 1 + 5 * bs + n * width]
+        tail.reshape(n, width)[:, : tables.shape[1]] = tables
+        used = 1 + bs * 5 + n * width
         self.graph_inputs[:used].copy_(host_inputs[:used], non_blocking=True)
-        graph, logits, greedy = self.graphs[graph_bs]
+        graph, logits, greedy = self.graphs[graph_bs, bool(shared)]
         graph.replay()
         return logits[:n], greedy[:n]

@@ -13,6 +13,13 @@ to fill the GPU, the keys are split across ``num_splits`` programs (flash-decodi
 partial results and their log-sum-exp, merged by a second kernel. The split count depends only
 on the shapes, so decode is safe to capture in a CUDA graph: no host sync, no value-dependent
 allocation.
+
+Cascade decode: when every sequence's context starts with the same cache blocks (a prompt shared
+through the prefix cache), reading those keys once per sequence is the cost of a large batch.
+Given the shared length (a device scalar, so one captured graph serves any), one more kernel
+attends tiles of ``BLOCK_Q`` query tokens to the shared prefix, reading each key once per tile;
+the decode kernel covers only each sequence's own keys after it, and the partial results merge
+as the splits do.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ _MAX_SPLITS = 32
 # GQA group.
 _DECODE_TILE = (16, 64, 4, 2)
 _PREFILL_TILE = (64, 64, 4, 3)
+_SHARED_TILE = (64, 64, 4, 3)  # cascade decode's shared prefix: BLOCK_M // GROUP tokens a tile
 
 
 @triton.jit
@@ -84,12 +92,12 @@ def _attend_tiles(
 @triton.jit
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    cu_q_ptr, seq_lens_ptr, block_tables_ptr,
-    scale_log2, num_seqs, num_heads, num_splits,
+    cu_q_ptr, seq_lens_ptr, block_tables_ptr, shared_ptr,
+    scale_log2, num_seqs, num_heads, num_splits, num_parts,
     q_s0, q_s1, o_s0, o_s1, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, bt_s0,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, DECODE: tl.constexpr,
-    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, CASCADE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -122,11 +130,13 @@ def _attention_kernel(
     q = tl.load(q_ptr + q_rows[:, None] * q_s0 + head[:, None] * q_s1 + dims[None, :], mask=mask,
                 other=0.0)
 
-    # This program's share of the key tiles (all of them without split-K); those wholly at or
-    # before the tile's first query need no mask.
+    # This program's share of the key tiles (all of them without split-K), after a shared
+    # prefix that the cascade kernel covers; those wholly at or before the tile's first query
+    # need no mask.
+    first_tile = tl.load(shared_ptr) // BLOCK_N if CASCADE else 0
     n_tiles = tl.cdiv(kv_end, BLOCK_N)
-    per_split = tl.cdiv(n_tiles, num_splits)
-    tile_lo = per_split * split
+    per_split = tl.cdiv(n_tiles - first_tile, num_splits)
+    tile_lo = first_tile + per_split * split
     tile_hi = tl.minimum(tile_lo + per_split, n_tiles)
     unmasked_hi = tl.minimum(tl.maximum((ctx - q_len + first + 1) // BLOCK_N, tile_lo), tile_hi)
     k_ptr = k_cache_ptr + kv_head * k_s2
@@ -145,13 +155,54 @@ def _attention_kernel(
     # A row that saw no key (an empty split, a padded sequence of length 0) comes out as zeros.
     denom = tl.where(denom == 0.0, 1.0, denom)
     out = acc / denom[:, None]
-    if SPLIT:  # partial result and its log-sum-exp (base 2; -inf when empty)
-        part = (q_rows * num_heads + head) * num_splits + split
+    if SPLIT:  # partial result and its log-sum-exp (base 2; -inf when empty), after the
+        # shared prefix's parts
+        part = (q_rows * num_heads + head) * num_parts + num_parts - num_splits + split
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=mask)
         tl.store(part_lse_ptr + part, m + tl.log2(denom), mask=row_ok)
     else:
         tl.store(out_ptr + q_rows[:, None] * o_s0 + head[:, None] * o_s1 + dims[None, :], out,
                  mask=mask)
+
+
+@triton.jit
+def _shared_prefix_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, table_ptr, shared_ptr,
+    scale_log2, num_tokens, num_heads, num_parts,
+    q_s0, q_s1, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Parts ``0..P-1`` (one per program along axis 2) of every query token's attention over
+    the shared prefix: the first ``shared`` keys, rounded down to whole key tiles, held in the
+    blocks of ``table_ptr`` and visible to every query."""
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = tl.arange(0, BLOCK_M)
+    tok = tl.program_id(0) * BLOCK_Q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (tok < num_tokens)
+    dims = tl.arange(0, BLOCK_D)
+    mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
+    q_rows = tok.to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * q_s0 + head[:, None] * q_s1 + dims[None, :], mask=mask,
+                other=0.0)
+    n_tiles = tl.load(shared_ptr) // BLOCK_N
+    per_split = tl.cdiv(n_tiles, tl.num_programs(2))
+    tile_lo = per_split * split
+    tile_hi = tl.minimum(tile_lo + per_split, n_tiles)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    denom = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    acc, m, denom = _attend_tiles(
+        acc, m, denom, q, k_cache_ptr + kv_head * k_s2, v_cache_ptr + kv_head * v_s2, table_ptr,
+        tok, n_tiles * BLOCK_N, tile_lo, tile_hi, k_s0, k_s1, v_s0, v_s1, scale_log2,
+        BLOCK_N, BLOCK_D, HEAD_DIM, PAGE, False, PRECISION)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    part = (q_rows * num_heads + head) * num_parts + split
+    tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc / denom[:, None],
+             mask=mask)
+    tl.store(part_lse_ptr + part, m + tl.log2(denom), mask=row_ok)
 
 
 @triton.jit
@@ -204,6 +255,7 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     num_splits: int | None = None,
+    shared_prefix: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``reference.paged_attention``.
 
@@ -211,6 +263,9 @@ def paged_attention(
     the decode kernel (CUDA-graph safe), so it must not understate. Without it the general
     kernel runs, right for any batch and free of host syncs as well. ``num_splits`` overrides
     the split-K policy (decode defaults to ``_decode_splits``; prefill to no split).
+    ``shared_prefix`` (decode only): a one-element int32 tensor, a length that every sequence's
+    context exceeds and whose keys sit in the same blocks for all, those of
+    ``block_tables[0]``; with it, decode runs as a cascade (module docstring).
     """
     num_tokens, num_heads, head_dim = query.shape
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -222,42 +277,62 @@ def paged_attention(
         return out
 
     decode = max_query_len == 1
+    cascade = decode and shared_prefix is not None
     block_m, block_n, num_warps, num_stages = _DECODE_TILE if decode else _PREFILL_TILE
     block_m = max(block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     # General path: sequence b's query tiles start at cu_q[b] // block_q + b (see
     # _find_sequence), so this many programs cover every tile without reading cu_q here.
     programs = num_seqs if decode else num_tokens // block_q + num_seqs
+    max_tiles = triton.cdiv(block_tables.shape[1] * page, block_n)
     if num_splits is None:
         num_splits = 1
         if decode:
-            max_tiles = triton.cdiv(block_tables.shape[1] * page, block_n)
             num_splits = _decode_splits(num_seqs * num_kv_heads, max_tiles, query.device)
-    split = num_splits > 1
+    shared_splits = 0
+    if cascade:
+        shared_m, shared_n, shared_warps, shared_stages = _SHARED_TILE
+        assert shared_n == block_n  # both kernels round the shared length to the same tiles
+        shared_m = max(shared_m, triton.next_power_of_2(group))
+        shared_tiles = triton.cdiv(num_tokens, shared_m // group)
+        shared_splits = _decode_splits(shared_tiles * num_kv_heads, max_tiles, query.device)
+    num_parts = shared_splits + num_splits
+    split = num_parts > 1
     if split:
-        part_out = torch.empty((num_tokens, num_heads, num_splits, head_dim),
+        part_out = torch.empty((num_tokens, num_heads, num_parts, head_dim),
                                dtype=torch.float32, device=query.device)
-        part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32,
+        part_lse = torch.empty((num_tokens, num_heads, num_parts), dtype=torch.float32,
                                device=query.device)
     else:
         part_out = part_lse = out  # unused
 
     block_d = triton.next_power_of_2(head_dim)
+    precision = "ieee" if query.dtype == torch.float32 else "tf32"
+    if cascade:
+        _shared_prefix_kernel[(shared_tiles, num_kv_heads, shared_splits)](
+            query, k_cache, v_cache, part_out, part_lse, block_tables, shared_prefix,
+            scale * _LOG2E, num_tokens, num_heads, num_parts,
+            query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            GROUP=group, BLOCK_Q=shared_m // group, BLOCK_M=shared_m, BLOCK_N=shared_n,
+            BLOCK_D=block_d, HEAD_DIM=head_dim, PAGE=page, PRECISION=precision,
+            num_warps=shared_warps, num_stages=shared_stages,
+        )
     _attention_kernel[(programs, num_kv_heads, num_splits)](
         query, k_cache, v_cache, out, part_out, part_lse, cu_seqlens_q, seq_lens, block_tables,
-        scale * _LOG2E, num_seqs, num_heads, num_splits,
+        shared_prefix if cascade else seq_lens,
+        scale * _LOG2E, num_seqs, num_heads, num_splits, num_parts,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        HEAD_DIM=head_dim, PAGE=page, DECODE=decode, SPLIT=split,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        HEAD_DIM=head_dim, PAGE=page, DECODE=decode, SPLIT=split, CASCADE=cascade,
+        PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
     )
     if split:
         _combine_splits_kernel[(num_tokens * num_heads,)](
-            part_out, part_lse, out, num_heads, num_splits, out.stride(0), out.stride(1),
-            BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d, HEAD_DIM=head_dim,
+            part_out, part_lse, out, num_heads, num_parts, out.stride(0), out.stride(1),
+            BLOCK_S=triton.next_power_of_2(num_parts), BLOCK_D=block_d, HEAD_DIM=head_dim,
             num_warps=4,
         )
     return out

@@ -22,6 +22,8 @@ class AttentionMetadata:
     ``cu_seqlens_q [B+1]``: query rows of each sequence. ``seq_lens [B]``: context length of
     each sequence after this step. ``block_tables [B, max_blocks]``: cache blocks per sequence.
     ``max_query_len``: longest query run in the batch (1 when decoding).
+    ``shared_prefix [1]``: a decode hint, set when every sequence's context starts with the
+    same blocks: how many tokens they hold (cascade attention; see ``kernels.attention``).
     """
 
     slot_mapping: torch.Tensor
@@ -29,12 +31,14 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
     max_query_len: int
+    shared_prefix: torch.Tensor | None = None
 
 
 def attention_function(backend: str):
-    """The paged attention implementation of a backend, all with reference's signature."""
+    """The paged attention implementation of a backend, all with reference's signature plus
+    the hints ``max_query_len`` and ``shared_prefix``."""
     if backend == "sdpa":
-        return lambda *args, max_query_len: reference.paged_attention(*args)
+        return lambda *args, max_query_len, shared_prefix=None: reference.paged_attention(*args)
     if backend == "triton":
         from hf_paged.kernels.attention import paged_attention
 
@@ -42,7 +46,7 @@ def attention_function(backend: str):
     if backend == "flash_attn":
         from hf_paged.kernels.flash_attn import paged_attention
 
-        return paged_attention
+        return lambda *args, shared_prefix=None, **hints: paged_attention(*args, **hints)
     raise ValueError(f"attention_backend {backend!r} is not available")
 
 
@@ -89,6 +93,6 @@ class Qwen3PagedAttention(nn.Module):
         )
         out = self.attend(
             q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-            self.scale, max_query_len=meta.max_query_len,
+            self.scale, max_query_len=meta.max_query_len, shared_prefix=meta.shared_prefix,
         )
         return self.o_proj(out.reshape(-1, q_size))

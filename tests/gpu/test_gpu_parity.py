@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_paged
+from hf_paged.engine import model_runner
 from hf_paged.random_checkpoint import make_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -30,16 +31,20 @@ def checkpoint(tmp_path_factory):
     return make_checkpoint("0.6b", str(tmp_path_factory.mktemp("qwen3-0.6b")), dtype="bfloat16")
 
 
+def left_padded(prompts: list[torch.Tensor]):
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), 151643, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = p
+        mask[i, width - len(p) :] = 1
+    return ids, mask
+
+
 @pytest.fixture(scope="module")
 def batch():
     gen = torch.Generator().manual_seed(0)
-    width = max(LENGTHS)
-    ids = torch.full((len(LENGTHS), width), 151643, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(LENGTHS):
-        ids[i, width - n :] = torch.randint(0, 10000, (n,), generator=gen)
-        mask[i, width - n :] = 1
-    return ids, mask
+    return left_padded([torch.randint(0, 10000, (n,), generator=gen) for n in LENGTHS])
 
 
 def load_transformers(checkpoint, attn_implementation="sdpa"):
@@ -151,3 +156,24 @@ def test_backends_and_scheduling_modes(checkpoint, batch, reference, hf_model, o
     check_parity(tokens, reference, hf_model, batch)
     if "num_kv_blocks" in options:
         assert stats["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_cascade_attention_over_a_shared_prompt(checkpoint, hf_model, monkeypatch,
+                                                enforce_eager):
+    """Prompts sharing 520 tokens: decode reads the 512 of them in whole shared blocks once
+    per tile of sequences (forced on at this small batch, in a graph and eagerly), and every
+    token stays a greedy choice."""
+    gen = torch.Generator().manual_seed(1)
+    prefix = torch.randint(0, 10000, (520,), generator=gen)
+    shared = left_padded([torch.cat([prefix, torch.randint(0, 10000, (n,), generator=gen)])
+                          for n in (5, 40, 77, 130)])
+    monkeypatch.setattr(model_runner, "_CASCADE_MIN_TOKENS", 1)
+    monkeypatch.setattr(model_runner, "_CASCADE_MIN_SEQS", 4)
+    seen = []
+    measure = model_runner.ModelRunner._shared_prefix_len
+    monkeypatch.setattr(model_runner.ModelRunner, "_shared_prefix_len",
+                        lambda self, *args: seen.append(measure(self, *args)) or seen[-1])
+    tokens, stats = run(checkpoint, shared, enforce_eager=enforce_eager)
+    assert seen.count(512) >= NEW - 1 and stats["prefix_cache_hits"] == 3 * 512
+    check_parity(tokens, transformers_generate(hf_model, shared), hf_model, shared)

@@ -36,5 +36,5 @@ def test_sdpa_backend_drops_the_triton_hints():
     cu, lens = torch.tensor([0, 1, 2], dtype=torch.int32), torch.tensor([3, 9], dtype=torch.int32)
     tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
     args = query, cache, cache, cu, lens, tables, 0.5
-    out = attention_function("sdpa")(*args, max_query_len=1)
+    out = attention_function("sdpa")(*args, max_query_len=1, shared_prefix=torch.tensor([8]))
     torch.testing.assert_close(out, reference.paged_attention(*args))

@@ -10,11 +10,12 @@ from hf_paged.kernels.attention import paged_attention
 from tests.kernels.conftest import DEVICE, HALF, assert_close
 
 
-def paged_batch(seq_lens, q_lens, heads, kv_heads, head_dim, page, dtype, seed=0):
+def paged_batch(seq_lens, q_lens, heads, kv_heads, head_dim, page, dtype, seed=0, shared=0):
     """Random queries and a paged cache holding each sequence's context in shuffled blocks.
 
     Unused cache slots are NaN, so any read past a context poisons the output; padded
-    sequences (``seq_len == 0``) have all-zero block-table rows.
+    sequences (``seq_len == 0``) have all-zero block-table rows. The first ``shared`` blocks
+    of every sequence are the first sequence's (a shared prompt).
     """
     gen = torch.Generator().manual_seed(seed)
     blocks = [-(-n // page) for n in seq_lens]
@@ -25,6 +26,7 @@ def paged_batch(seq_lens, q_lens, heads, kv_heads, head_dim, page, dtype, seed=0
     ids = torch.randperm(num_blocks, generator=gen).int()
     for b, n in enumerate(blocks):
         tables[b, :n], ids = ids[:n], ids[n:]
+    tables[:, :shared] = tables[0, :shared]
     slots = torch.cat([tables[b, torch.arange(n) // page] * page + torch.arange(n) % page
                        for b, n in enumerate(seq_lens)])
     kv = torch.randn(2, len(slots), kv_heads, head_dim, generator=gen).to(dtype)
@@ -35,10 +37,17 @@ def paged_batch(seq_lens, q_lens, heads, kv_heads, head_dim, page, dtype, seed=0
     return [t.to(DEVICE) for t in args]
 
 
-def check(seq_lens, q_lens, heads, kv_heads, head_dim, page, dtype=torch.float32, **hints):
+def check(seq_lens, q_lens, heads, kv_heads, head_dim, page, dtype=torch.float32, shared=0,
+          **hints):
+    """Triton against the float32 reference; ``shared``: blocks shared by every sequence, whose
+    tokens go to the kernel as ``shared_prefix`` when the hints name none."""
     query, k_cache, v_cache, cu, lens, tables = paged_batch(
-        seq_lens, q_lens, heads, kv_heads, head_dim, page, dtype)
+        seq_lens, q_lens, heads, kv_heads, head_dim, page, dtype, shared=shared)
     scale = head_dim**-0.5
+    if shared:
+        hints.setdefault("shared_prefix", shared * page)
+        hints["shared_prefix"] = torch.tensor([hints["shared_prefix"]], dtype=torch.int32,
+                                              device=DEVICE)
     out = paged_attention(query, k_cache, v_cache, cu, lens, tables, scale, **hints)
     # The reference in float32, without the padded sequences (it has no answer for them).
     real = torch.tensor(seq_lens) > 0
@@ -71,6 +80,16 @@ def test_decode_padded_graph_rows(num_splits):
     check([0, 12, 0, 40, 0], [1] * 5, 4, 2, 32, 8, max_query_len=1, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("shared_len", [0, 128, 150])  # 150: rounded down to whole key tiles
+@pytest.mark.parametrize("num_splits", [1, None])
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_decode_cascade_over_shared_prefix(shared_len, num_splits, dtype):
+    # 10 blocks of 16 shared; the shortest sequence has one key of its own; a padded row
+    lens = [161, 129, 170, 230, 151, 300, 0]
+    check(lens, [1] * len(lens), 8, 2, 32, 16, dtype, shared=10, max_query_len=1,
+          num_splits=num_splits, shared_prefix=shared_len)
+
+
 @pytest.mark.parametrize("page,group", [(8, 4), (16, 1), (32, 2)])
 def test_prefill_whole_prompts(page, group):
     lens = [3, 17, 70]
@@ -94,6 +113,12 @@ def test_prefill_without_hint_handles_decode_batch():
 def test_decode_real_shapes(batch):
     lens = torch.randint(900, 1100, (batch,)).tolist()
     check(lens, [1] * batch, 16, 8, 128, 16, torch.bfloat16, max_query_len=1)
+
+
+@pytest.mark.gpu
+def test_decode_cascade_real_shapes():
+    lens = torch.randint(2100, 2300, (128,)).tolist()
+    check(lens, [1] * 128, 16, 8, 128, 16, torch.bfloat16, shared=128, max_query_len=1)
 
 
 @pytest.mark.gpu
