@@ -21,7 +21,7 @@ BASELINES = {
 }
 NOTES = """\
 Baseline cells read `figure (×speedup)`, the speedup being hf_paged's over that baseline on the
-same requests; the throughput baselines run on the first {requests} requests of the workload.
+same requests; the throughput baselines run on the first {requests} of the workload.
 Fraction of floor: the time of the memory-traffic floor (weights and KV cache read once per decode
 step at the device's bandwidth, a cached prefix common to all prompts once for all of them;
 `floor_model` in each JSON) over hf_paged's measured time.
@@ -60,7 +60,8 @@ def table(results: list[dict]) -> str:
             cells.append("—" if fraction is None else f"{fraction:.1%}")
             lines.append("| " + " | ".join(cells) + " |")
     requests = sorted({r["baseline_requests"] for r in results if r.get("baseline_requests")})
-    notes = NOTES.format(requests=" / ".join(map(str, requests)) or "first")
+    notes = NOTES.format(requests=" / ".join(map(str, requests)) + " requests" if requests
+                         else "requests")
     return "\n".join(lines) + "\n\n" + notes
 
 
