@@ -47,9 +47,12 @@ def test_preemption_with_few_blocks(checkpoints, hf_models):
                                            do_sample=False)
     # 12 blocks of 8 tokens: one sequence needs up to 9, so the four cannot run together.
     engine = engine_for(checkpoints, "mha_untied", num_kv_blocks=12)
+    bm, evictions = engine.block_manager, []
+    take = bm._take_free_block
+    bm._take_free_block = lambda: evictions.append(not bm.free_uncached) or take()
     out = engine.generate(ids, attention_mask=mask, max_new_tokens=30)
     assert torch.equal(out, ref)
-    assert engine.stats()["num_preemptions"] > 0
+    assert engine.stats()["num_preemptions"] > 0 and any(evictions)
     assert engine.stats()["num_free_blocks"] == 12
 
 
@@ -66,6 +69,26 @@ def test_chunked_prefill_and_prefix_cache(checkpoints, hf_models, caching):
     assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=12), ref)
     stats = engine.stats()
     assert (stats["prefix_cache_hits"] > 0) == caching
+
+
+def test_second_call_prefills_only_the_uncached_tail(checkpoints, hf_models, capsys):
+    """A repeated 70-token prompt finds its 8 full blocks (64 tokens) cached: the second call
+    computes its 6-token tail, then one token a decode step, and matches transformers; its
+    progress bar shows the hit rate so far (64 of 140 prompt tokens)."""
+    ids, mask = left_padded([70], TINY_CONFIGS["gqa_tied"]["vocab_size"], seed=5)
+    ref = hf_models["gqa_tied"].generate(ids, attention_mask=mask, max_new_tokens=4,
+                                         do_sample=False)
+    engine = engine_for(checkpoints, "gqa_tied")
+    assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=4), ref)
+    assert engine.stats()["prefix_cache_hits"] == 0
+    computed, launch = [], engine.runner.launch
+    engine.runner.launch = lambda batch: computed.append(batch.num_tokens) or launch(batch)
+    second = engine.generate(ids, attention_mask=mask, max_new_tokens=4, progress_bar=True)
+    assert torch.equal(second, ref)
+    stats = engine.stats()
+    assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (140, 64)
+    assert computed == [[6], [1], [1], [1]]
+    assert "cache hit 46%" in capsys.readouterr().err
 
 
 def test_generation_arguments(checkpoints, hf_models):

@@ -66,6 +66,18 @@ def test_one_bad_prompt_queues_nothing(engine, expected):
     assert torch.equal(engine.generate(IDS, max_new_tokens=5), expected)
 
 
+def test_request_larger_than_the_whole_cache_is_refused(checkpoints):
+    """4 blocks of 8 tokens hold 32: a 30-token prompt with 10 new tokens can never run, so it
+    is refused up front instead of preempting forever; a request that fits still runs."""
+    engine = hf_paged.from_pretrained(checkpoints["gqa_tied"], block_size=8, max_model_len=64,
+                                      num_kv_blocks=4)
+    prompt = torch.arange(3, 33)[None]
+    with pytest.raises(ValueError, match="max_new_tokens: the request needs 5 KV blocks"):
+        engine.generate(prompt, max_new_tokens=10)
+    assert engine.generate(prompt, max_new_tokens=2).shape == (1, 32)
+    assert engine.stats()["num_running"] == engine.stats()["num_waiting"] == 0
+
+
 @pytest.mark.parametrize("options,name", [
     (dict(block_size=12), "block_size"),
     (dict(max_num_seqs=0), "max_num_seqs"),
