@@ -49,7 +49,6 @@ def measure(
     cost: common.MemoryCost,
     bandwidth: float,
     device: torch.device,
-    prefix_caching: bool = False,
 ) -> dict:
     """Build, warm up on ``batch`` other prompts, then time one run over ``workload``; the
     floor counts a common prefix once a step when the system caches prefixes."""
@@ -59,7 +58,9 @@ def measure(
             lambda: system.run(warmup_requests(workload.head(batch))), device
         )
         tokens, seconds = common.timed(lambda: system.run(workload), device)
-        floor_s = cost.floor_bytes(workload, prefix_caching) / bandwidth
+        described = system.describe()
+        caching = described.get("engine_config", {}).get("enable_prefix_caching", False)
+        floor_s = cost.floor_bytes(workload, caching) / bandwidth
         figures = {
             "num_requests": len(workload.prompts),
             "output_tokens": tokens,
@@ -69,7 +70,7 @@ def measure(
             "warmup_s": warmup_s,
             "floor_s": floor_s,
             "fraction_of_floor": floor_s / seconds,
-            **system.describe(),
+            **described,
         }
     finally:
         system.close()
@@ -102,29 +103,23 @@ def main(argv: list[str] | None = None) -> None:
     result["baseline_requests"] = len(few.prompts) if with_baselines else None
     common.reuse_baselines(result, args)
 
-    def measure_on(
-        requests: Workload, build: Callable[[], System], prefix_caching: bool = False
-    ) -> Callable[[], dict]:
+    def measure_on(requests: Workload, build: Callable[[], System]) -> Callable[[], dict]:
         bandwidth = result["floor"]["bandwidth_bytes_per_s"]
-        return partial(measure, build, requests, args.batch_size, cost, bandwidth, device,
-                       prefix_caching)
+        return partial(measure, build, requests, args.batch_size, cost, bandwidth, device)
 
     options = common.engine_options(args.engine_option)
+    paged = partial(PagedSystem, args.model, dtype, device, **options)
     if args.workload == "w3":
         settings = {
             f"prefix_caching_{s}": {"enable_prefix_caching": s == "on"} for s in ("on", "off")
         }
     else:
         settings = {"hf_paged": {}}
-    settings = {label: {**options, **extra} for label, extra in settings.items()}
-
-    def paged(requests: Workload, engine_options: dict) -> Callable[[], dict]:
-        build = partial(PagedSystem, args.model, dtype, device, **engine_options)
-        return measure_on(requests, build, engine_options.get("enable_prefix_caching", True))
-
-    runs = {label: paged(workload, extra) for label, extra in settings.items()}
+    runs = {
+        label: measure_on(workload, partial(paged, **extra)) for label, extra in settings.items()
+    }
     if with_baselines:
-        runs[SAME_REQUESTS] = paged(few, next(iter(settings.values())))
+        runs[SAME_REQUESTS] = measure_on(few, partial(paged, **next(iter(settings.values()))))
     for label, run in runs.items():
         print(f"{args.workload} {label}")
         result["hf_paged"][label] = run()
