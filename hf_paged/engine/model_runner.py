@@ -345,39 +345,35 @@ class ModelRunner:
         pool = None
         for bs in reversed(sizes):  # largest first, so the smaller graphs reuse its pool
             for cascade in (False, True) if bs >= _CASCADE_MIN_SEQS else (False,):
-                pool = self._capture(bs, cascade, pool)
+                self.graph_inputs.zero_()  # the larger graphs' layouts overlap this one's rows
+                ids, src, positions, slots, seq_lens = self.graph_inputs[1 : 1 + 5 * bs].view(5, bs)
+                src.fill_(-1)
+                slots.fill_(-1)  # nothing stored while capturing
+                meta = AttentionMetadata(
+                    slot_mapping=slots,
+                    cu_seqlens_q=self.graph_cu_seqlens[: bs + 1],
+                    seq_lens=seq_lens,
+                    block_tables=self.graph_inputs[1 + 5 * bs : 1 + bs * (5 + width)].view(
+                        bs, width),
+                    max_query_len=1,
+                    shared_prefix=self.graph_inputs[:1] if cascade else None,
+                )
+
+                def step(ids=ids, src=src, positions=positions, meta=meta):
+                    ids = self._take_pending(ids, src)
+                    logits = self.model.compute_logits(self.model.forward(ids, positions, meta))
+                    return logits, logits.argmax(-1)  # greedy tokens too: one launch fewer
+
+                with torch.inference_mode():
+                    step()  # warm-up outside capture: kernel compilation, lazy allocations
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        outputs = step()
+                pool = graph.pool()
+                self.graphs[bs, cascade] = (graph, *outputs)
         self.graph_batch_sizes = sizes
         torch.cuda.synchronize()
-
-    def _capture(self, bs: int, cascade: bool, pool):
-        """Capture the decode graph of ``bs`` rows over the input buffer; returns its pool."""
-        width = self.max_blocks_per_seq
-        self.graph_inputs.zero_()  # the larger graphs' layouts overlap this one's rows
-        ids, src, positions, slots, seq_lens = self.graph_inputs[1 : 1 + 5 * bs].view(5, bs)
-        src.fill_(-1)
-        slots.fill_(-1)  # nothing stored while capturing
-        meta = AttentionMetadata(
-            slot_mapping=slots,
-            cu_seqlens_q=self.graph_cu_seqlens[: bs + 1],
-            seq_lens=seq_lens,
-            block_tables=self.graph_inputs[1 + 5 * bs : 1 + bs * (5 + width)].view(bs, width),
-            max_query_len=1,
-            shared_prefix=self.graph_inputs[:1] if cascade else None,
-        )
-
-        def step():
-            logits = self.model.compute_logits(
-                self.model.forward(self._take_pending(ids, src), positions, meta))
-            return logits, logits.argmax(-1)  # greedy tokens too: one launch fewer
-
-        with torch.inference_mode():
-            step()  # warm-up outside capture: kernel compilation, lazy allocations
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                outputs = step()
-        self.graphs[bs, cascade] = (graph, *outputs)
-        return graph.pool()
 
     def _replay(self, graph_bs, shared, ids, src, positions, slots, seq_lens, tables):
         """Logits and greedy tokens of the first ``len(ids)`` rows of graph ``graph_bs``, the
@@ -390,7 +386,8 @@ class ModelRunner:
         head = host[1 : 1 + 5 * bs].reshape(5, bs)
         head[:, :n] = (ids, src, positions, slots, seq_lens)
         head[:, n:] = ((0,), (-1,), (0,), (-1,), (0,))  # padding rows: no store, empty context
-        host[1 + 5 * bs : 1 + 5 * bs + n * width].reshape(n, width)[:, : tables.shape[1]] = tables
+        tail = host[1 + 5 * bs : 1 + 5 * bs + n * width]
+        tail.reshape(n, width)[:, : tables.shape[1]] = tables
         used = 1 + bs * 5 + n * width
         self.graph_inputs[:used].copy_(host_inputs[:used], non_blocking=True)
         graph, logits, greedy = self.graphs[graph_bs, bool(shared)]
