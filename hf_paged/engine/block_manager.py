@@ -4,6 +4,11 @@ A full block is named by a chained hash (xxhash of its parent's hash and its tok
 hash names a whole prefix. A block whose last user lets go keeps its hash and contents and
 joins the evictable LRU; allocation takes never-used (or hash-less) blocks first, then evicts
 the least recently used cached block. Every operation is O(1) per block.
+
+Forked sequences (beams, several samples of one prompt) share their blocks by reference count.
+A write into a shared, partly filled last block first copies it (copy-on-write): ``allocate``
+gives the writer a private block and records ``(source, destination)`` in ``copies``, which
+the scheduler hands to the model runner to copy on the device before the step's forward.
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ class BlockManager:
         self.free_uncached: deque[int] = deque(range(num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
         self.hash_to_block: dict[int, int] = {}
+        self.copies: list[tuple[int, int]] = []  # copy-on-write block copies not yet taken
+        self.num_shared_blocks = 0  # blocks held by more than one sequence
+        self.num_blocks_saved = 0  # sum over blocks of (holders - 1): blocks sharing saves
 
     @property
     def num_blocks(self) -> int:
@@ -84,6 +92,13 @@ class BlockManager:
         bs = self.block_size
         total = seq.num_computed_tokens + len(cached_blocks) * bs + num_new_tokens
         needed = -(-total // bs) - len(seq.block_table) - len(cached_blocks)
+        written = seq.num_computed_tokens // bs  # the block the first new token goes into
+        copy = bool(num_new_tokens and seq.num_computed_tokens % bs
+                    and self.blocks[seq.block_table[written]].ref_count > 1)
+        if copy:
+            if needed + 1 > self.num_free_blocks:
+                return False
+            self._copy_on_write(seq, written)
         if cached_blocks:
             reviving = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
             if needed > self.num_free_blocks - reviving:
@@ -92,7 +107,7 @@ class BlockManager:
                 block = self.blocks[block_id]
                 if block.ref_count == 0:
                     del self.evictable[block_id]
-                block.ref_count += 1
+                self._hold(block)
                 seq.block_table.append(block_id)
             seq.num_computed_tokens += len(cached_blocks) * bs
         elif needed > 0 and needed > self.num_free_blocks:
@@ -106,11 +121,24 @@ class BlockManager:
             self._cache_full_blocks(seq, known)
         return True
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give ``child`` (a copy of ``parent``'s tokens) ``parent``'s blocks, shared."""
+        for block_id in parent.block_table:
+            self._hold(self.blocks[block_id])
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_published_blocks = parent.num_published_blocks
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write copies recorded since the last call, in order."""
+        copies, self.copies = self.copies, []
+        return copies
+
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks. Later blocks are released first so they are evicted first."""
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
-            block.ref_count -= 1
+            self._release(block)
             if block.ref_count == 0:
                 if block.hash is None:
                     self.free_uncached.appendleft(block_id)
@@ -118,6 +146,28 @@ class BlockManager:
                     self.evictable[block_id] = None
         seq.block_table = []
         seq.num_published_blocks = 0
+
+    def _hold(self, block: Block) -> None:
+        block.ref_count += 1
+        if block.ref_count > 1:
+            self.num_blocks_saved += 1
+            self.num_shared_blocks += block.ref_count == 2
+
+    def _release(self, block: Block) -> None:
+        block.ref_count -= 1
+        if block.ref_count > 0:
+            self.num_blocks_saved -= 1
+            self.num_shared_blocks -= block.ref_count == 1
+
+    def _copy_on_write(self, seq: Sequence, i: int) -> None:
+        """Replace ``seq``'s shared block ``i`` by a private copy. The table becomes a new list
+        so that views of the old one (the runner's mirror) see the change."""
+        source = self.blocks[seq.block_table[i]]
+        self._release(source)  # others still hold it: it stays allocated
+        copy = self.blocks[self._take_free_block()]
+        copy.ref_count = 1
+        seq.block_table = seq.block_table[:i] + [copy.block_id] + seq.block_table[i + 1 :]
+        self.copies.append((source.block_id, copy.block_id))
 
     def _take_free_block(self) -> int:
         if self.free_uncached:

@@ -182,20 +182,41 @@ class PagedEngine:
                 f"{self.block_manager.num_blocks}; raise num_kv_blocks or gpu_memory_utilization"
             )
 
+    def add_forked_requests(
+        self, prompt_token_ids: list[int], params: SamplingParams, n: int
+    ) -> list[Sequence]:
+        """Queue ``n`` requests with one prompt, prefilled once: when its last logits are
+        computed the requests fork (sharing the prompt's KV blocks) and each samples its own
+        first token from those logits, then they go their own ways (as transformers' batch
+        expanded by ``num_return_sequences`` does). Returns the ``n`` sequences."""
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.config.max_num_seqs:
+            raise ValueError(
+                f"n must be an integer from 1 to max_num_seqs ({self.config.max_num_seqs}), "
+                f"got {n!r}"
+            )
+        self.validate_request(prompt_token_ids, params)
+        seqs = [Sequence(prompt_token_ids, params) for _ in range(n)]
+        self.scheduler.add(seqs[0], seqs[1:])
+        return seqs
+
     def step(self) -> list[Sequence]:
         """Launch the next step, then collect the previous one's tokens while the device runs
         it; return the requests that finished. A request's last token therefore arrives one
-        ``step`` after the step that computed it."""
+        ``step`` after the step that computed it. A step holding beam-search rows is collected
+        before the next is scheduled instead: the host's choice of beams is that step's input."""
         previous, self.in_flight = self.in_flight, None
         batch = None
+        finished: list[Sequence] = []
         try:
+            if previous is not None and previous.has_group_rows:
+                finished = self._postprocess(previous)
+                previous = None
             batch = self.scheduler.schedule()
             if batch.seqs:
                 self.in_flight = self.runner.launch(batch)
                 self._last_batch = batch
-            if previous is None:
-                return []
-            finished = self.scheduler.postprocess(previous.batch, self.runner.collect(previous))
+            if previous is not None:
+                finished = self._postprocess(previous)
         except BaseException:
             # These steps' results are lost: drop every request they touched.
             for touched in (previous.batch if previous else None, batch):
@@ -204,12 +225,17 @@ class PagedEngine:
                         self.abort(seq)
             self.in_flight = None
             raise
-        self.runner.release(finished)
+        self.runner.release(finished + self.scheduler.take_dropped())
         return finished
+
+    def _postprocess(self, step: LaunchedStep) -> list[Sequence]:
+        tokens, candidates = self.runner.collect(step)
+        return self.scheduler.postprocess(step.batch, tokens, candidates)
 
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)
-        self.runner.release([seq])
+        root = seq.group.root if seq.group is not None else seq
+        self.runner.release([seq, root, *self.scheduler.take_dropped()])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or self.in_flight is not None
@@ -281,6 +307,8 @@ class PagedEngine:
             "num_blocks": bm.num_blocks,
             "num_free_blocks": bm.num_free_blocks,
             "num_cached_blocks": bm.num_cached_blocks,
+            "num_shared_blocks": bm.num_shared_blocks,
+            "num_blocks_saved": bm.num_blocks_saved,
             "num_preemptions": s.num_preemptions,
             "num_running": len(s.running),
             "num_waiting": len(s.waiting),

@@ -11,6 +11,10 @@ same cache blocks (a prompt shared through the prefix cache).
 its pending input tokens from there) and reach the host through a pinned buffer that
 ``collect`` waits for, so the host prepares step N+1 while the device runs step N. Host
 buffers that a copy may still be reading alternate between two twins.
+
+A step first makes its copy-on-write block copies. Rows of a ``SequenceGroup`` member (beam
+search) are not sampled: their log-softmax, through the group's processors, goes to the host
+as its top candidates (and as whole rows when the group keeps them).
 """
 
 from __future__ import annotations
@@ -85,6 +89,12 @@ class LaunchedStep:
     batch: ScheduledBatch
     tokens: torch.Tensor | None
     done: torch.cuda.Event | None
+    # Group members' rows: (top scores, their token ids, whole score rows, whole logit rows).
+    candidates: tuple | None = None
+
+    @property
+    def has_group_rows(self) -> bool:
+        return self.candidates is not None
 
 
 class ModelRunner:
@@ -236,6 +246,8 @@ class ModelRunner:
     def launch(self, batch: ScheduledBatch) -> LaunchedStep:
         """Enqueue the batch's forward and sampling on the device without waiting for it."""
         ids, src, positions, slots, cu, seq_lens, tables, rows = self._prepare(batch)
+        if batch.block_copies:
+            self._copy_blocks(batch.block_copies)
         self.flip ^= 1
         dev = self.device
         graph_bs = self._graph_batch_size(batch)
@@ -265,25 +277,90 @@ class ModelRunner:
                 hidden = hidden[self._to_device(rows, torch.long)]
             logits = self.model.compute_logits(hidden)
         sampled_seqs = [s for s, sample in zip(batch.seqs, batch.sample) if sample]
+        candidates = None
+        if batch.sample_copies or any(s.group is not None for s in sampled_seqs):
+            logits, greedy, sampled_seqs, candidates = self._split_rows(
+                batch, logits, greedy, sampled_seqs)
         tokens = self._sample(logits, [s.params for s in sampled_seqs], greedy)
         self.last_tokens[: len(tokens)].copy_(tokens)
         self.last_rows = {s.seq_id: row for row, s in enumerate(sampled_seqs)}
         if dev.type != "cuda":
-            return LaunchedStep(batch, tokens, None)
+            return LaunchedStep(batch, tokens, None, candidates)
         host = self.host_tokens[self.flip][: len(tokens)]
         host.copy_(tokens, non_blocking=True)
+        if candidates is not None:
+            candidates = tuple(None if t is None else self._to_host(t) for t in candidates)
         done = torch.cuda.Event()
         done.record()
-        return LaunchedStep(batch, host, done)
+        return LaunchedStep(batch, host, done, candidates)
+
+    def _split_rows(self, batch: ScheduledBatch, logits, greedy, sampled_seqs):
+        """Rows to sample (plain sequences, then each follower on its leader's row) and the
+        group members' candidates."""
+        row_of = {}  # batch index -> row of logits
+        for i, sample in enumerate(batch.sample):
+            if sample:
+                row_of[i] = len(row_of)
+        plain = [r for r, s in enumerate(sampled_seqs) if s.group is None]
+        grouped = [r for r, s in enumerate(sampled_seqs) if s.group is not None]
+        rows = plain + [row_of[i] for i, _ in batch.sample_copies]
+        members = [sampled_seqs[r] for r in grouped]
+        candidates = self._candidates(logits[self._to_device(grouped, torch.long)], members)
+        index = self._to_device(rows, torch.long)
+        seqs = [sampled_seqs[r] for r in plain] + [f for _, f in batch.sample_copies]
+        greedy = None if greedy is None else greedy[index]
+        return logits[index], greedy, seqs, candidates
+
+    def _candidates(self, logits: torch.Tensor, members: list[Sequence]):
+        """Each member's top ``num_candidates`` log-probabilities after its group's processors,
+        as (scores, token ids, whole score rows or None, whole logit rows or None)."""
+        if not members:
+            return None
+        logits = logits.float()
+        scores = torch.log_softmax(logits, dim=-1)
+        groups: dict[int, list[int]] = {}
+        for row, seq in enumerate(members):
+            groups.setdefault(id(seq.group), []).append(row)
+        for rows in groups.values():
+            group = members[rows[0]].group
+            if group.processes_scores:
+                index = self._to_device(rows, torch.long)
+                scores[index] = group.process([members[r] for r in rows], scores[index])
+        k = max(seq.group.num_candidates for seq in members)
+        top, ids = scores.topk(min(k, scores.shape[-1]), dim=-1)
+        if any(seq.group.keep_rows for seq in members):
+            return top, ids, scores, logits
+        return top, ids, None, None
+
+    def _to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        return host.copy_(tensor, non_blocking=True)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write copies in the order made. A block that one copy reads may have been
+        freed (preemption) and become a later copy's destination: such reads go first, so no
+        launch has a block both as a source and a destination."""
+        destinations = {d for _, d in copies}
+        first = [c for c in copies if c[0] in destinations]
+        for wave in (first, [c for c in copies if c[0] not in destinations]):
+            if wave:
+                src, dst = (self._to_device(list(x), torch.long) for x in zip(*wave))
+                for layer in self.model.attention_layers:
+                    kernels.copy_blocks(layer.k_cache, layer.v_cache, src, dst)
 
     @staticmethod
-    def collect(step: LaunchedStep) -> list[int]:
-        """Wait for a launched step and return its sampled tokens."""
+    def collect(step: LaunchedStep) -> tuple[list[int], list[tuple]]:
+        """Wait for a launched step; return its sampled tokens and, for each group member's
+        row, (scores, token ids, score row, logit row) (the rows None unless kept)."""
         if step.tokens is None:
-            return []
+            return [], []
         if step.done is not None:
             step.done.synchronize()
-        return step.tokens.tolist()
+        if step.candidates is None:
+            return step.tokens.tolist(), []
+        top, ids, scores, logits = step.candidates
+        rows = [(None, None)] * len(top) if scores is None else list(zip(scores, logits))
+        return step.tokens.tolist(), [(t, i, *r) for t, i, r in zip(top, ids, rows)]
 
     def _shared_prefix_len(self, batch: ScheduledBatch, tables: np.ndarray) -> int:
         """Leading context tokens that every sequence of a decode batch holds in the same

@@ -14,6 +14,13 @@ the batch's tokens as computed at once and each sampled token as pending; ``post
 receives a step's tokens one step later. A request whose pending token is its last by length
 is not scheduled again; one that stops at an EOS may have computed one more token, which is
 dropped.
+
+Forks. Requests added as followers of a leader share its prompt: when the leader's prompt is
+first sampled they are forked from it (sharing its blocks) and each samples its own token from
+the same logits row. The members of a ``SequenceGroup`` (beam search) report candidates
+instead of sampling; once all have reported, the group's choice forks the members that
+continue and frees the others. Admission reserves the most sequences a request may become
+(``Sequence.num_seq_slots``) so that forks never exceed ``max_num_seqs``.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from hf_paged.engine.block_manager import BlockManager
-from hf_paged.engine.sequence import Sequence, Status
+from hf_paged.engine.sequence import Sequence, SequenceGroup, Status
 
 
 @dataclass
@@ -35,6 +42,10 @@ class ScheduledBatch:
     starts: list[int] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     sample: list[bool] = field(default_factory=list)
+    # Followers forked by this step, each sampling the logits row of batch entry ``index``.
+    sample_copies: list[tuple[int, Sequence]] = field(default_factory=list)
+    # Copy-on-write block copies (source, destination) to make before the forward, in order.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
@@ -63,8 +74,15 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.num_seq_slots = 0  # of max_num_seqs, reserved by admitted requests
+        self.dropped: list[Sequence] = []  # group members freed since the last take_dropped
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence, followers: list[Sequence] = ()) -> None:
+        """Queue a request; ``followers`` (requests with the same prompt) fork from it when
+        its prompt is first sampled."""
+        seq.followers = list(followers)
+        for follower in followers:
+            follower.leader = seq
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -82,6 +100,9 @@ class Scheduler:
                 i += 1  # its pending token is its last: nothing more to compute
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n == 0:  # a group member waiting for its group's choice
+                i += 1
+                continue
             while not allocate(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -93,14 +114,20 @@ class Scheduler:
                 budget -= n
                 i += 1
         # Admitting right after a preemption would only take the blocks back.
-        while self.waiting and budget and not preempted and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget and not preempted:
             seq = self.waiting[0]
+            slots = seq.num_seq_slots
+            if self.num_seq_slots + slots > self.max_num_seqs:
+                break
             hits = self.block_manager.match_prefix(seq)
             cached = len(hits) * self.block_manager.block_size
             n = min(len(seq) - cached, budget)
             if not self.block_manager.allocate(seq, n, hits):
                 break
             self.waiting.popleft()
+            self.num_seq_slots += slots
+            if seq.group is not None:
+                seq.group.admitted = True
             seq.status = Status.RUNNING
             seq.num_cached_tokens = cached
             self.prefix_cache_queries += len(seq)
@@ -108,47 +135,153 @@ class Scheduler:
             self.running.append(seq)
             self._add_to_batch(batch, seq, n)
             budget -= n
+        # Followers forked by this step run from the next one (their tokens are being sampled).
+        self.running.extend(follower for _, follower in batch.sample_copies)
+        batch.block_copies = self.block_manager.take_copies()
         return batch
 
-    def postprocess(self, batch: ScheduledBatch, sampled: list[int]) -> list[Sequence]:
-        """Append a finished step's sampled tokens (one per sequence with ``sample`` set, in
-        order) and finish what must stop."""
-        finished = []
-        tokens = iter(sampled)
+    def postprocess(
+        self, batch: ScheduledBatch, sampled: list[int], candidates: list[tuple] = ()
+    ) -> list[Sequence]:
+        """Append a finished step's sampled tokens (one per sequence with ``sample`` set that
+        belongs to no group, in order, then one per follower in ``sample_copies``), hand group
+        members their ``candidates`` (in order), and finish what must stop."""
+        finished: list[Sequence] = []
+        tokens, reports = iter(sampled), iter(candidates)
+        ready: dict[int, SequenceGroup] = {}
         for seq, sample in zip(batch.seqs, batch.sample):
             if not sample:
                 continue
-            token = next(tokens)
-            if seq.is_finished:  # stopped or aborted while this step ran: a token too many
-                continue
-            seq.num_pending -= 1
-            seq.token_ids.append(token)
-            params = seq.params
-            if not params.ignore_eos and token in params.eos_token_ids:
-                seq.finish_reason = "stop"
-            elif self._length_reached(seq, len(seq.token_ids)):
-                seq.finish_reason = "length"
+            if seq.group is None:
+                self._append(seq, next(tokens), finished)
             else:
-                continue
-            if seq.status is Status.RUNNING:
-                self.block_manager.free(seq)
-            else:  # preempted while the step ran
-                self.waiting.remove(seq)
-            seq.status = Status.FINISHED
-            finished.append(seq)
-        if finished:
+                report = next(reports)
+                if not seq.is_finished and seq.group.report(seq, report):
+                    ready[id(seq.group)] = seq.group
+        for _, follower in batch.sample_copies:
+            self._append(follower, next(tokens), finished)
+        for group in ready.values():
+            self._advance(group, finished)
+        if finished or ready:
             self.running = [s for s in self.running if s.status is Status.RUNNING]
         return finished
+
+    def _append(self, seq: Sequence, token: int, finished: list[Sequence]) -> None:
+        if seq.is_finished:  # stopped or aborted while this step ran: a token too many
+            return
+        seq.num_pending -= 1
+        seq.token_ids.append(token)
+        params = seq.params
+        if not params.ignore_eos and token in params.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif self._length_reached(seq, len(seq.token_ids)):
+            seq.finish_reason = "length"
+        else:
+            return
+        self._release(seq)
+        seq.status = Status.FINISHED
+        finished.append(seq)
+
+    def _advance(self, group: SequenceGroup, finished: list[Sequence]) -> None:
+        """Apply a group's choice: each chosen member continues with its token (a member
+        chosen again is forked first, sharing its blocks); the members not chosen leave."""
+        choices = group.advance()
+        group.reports = {}
+        if not choices:
+            for seq in group.members:
+                self._drop(seq)
+            self.num_seq_slots -= group.width
+            group.admitted = False
+            root = group.root
+            root.status, root.finish_reason = Status.FINISHED, root.finish_reason or "stop"
+            finished.append(root)
+            return
+        chosen: set[int] = set()
+        members = []
+        for parent, token in choices:  # forks first: they copy the parent's tokens
+            if parent.seq_id in chosen:
+                child = self.fork(parent)
+                child.token_ids.append(token)
+                members.append(child)
+            else:
+                chosen.add(parent.seq_id)
+                members.append(parent)
+        for parent, token in reversed(choices):
+            if parent.seq_id in chosen:
+                chosen.discard(parent.seq_id)
+                parent.token_ids.append(token)
+        kept = {s.seq_id for s in members}
+        for seq in group.members:
+            if seq.seq_id not in kept:
+                self._drop(seq)
+        group.members = members
+
+    def fork(self, parent: Sequence) -> Sequence:
+        """A copy of ``parent`` sharing its blocks, next to it in the running or waiting queue."""
+        child = parent.fork()
+        if parent.status is Status.RUNNING:
+            self.block_manager.fork(parent, child)
+            self.running.append(child)
+        else:
+            self.waiting.insert(self.waiting.index(parent) + 1, child)
+        return child
+
+    def _drop(self, seq: Sequence) -> None:
+        """A group member leaves (its group holds the slots)."""
+        if seq.status is Status.RUNNING:
+            self.block_manager.free(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED
+        self.dropped.append(seq)
+
+    def take_dropped(self) -> list[Sequence]:
+        dropped, self.dropped = self.dropped, []
+        return dropped
+
+    def _release(self, seq: Sequence) -> None:
+        """Free a request that stops while running, or take it off the queue if it was
+        preempted meanwhile; give back its slots."""
+        if seq.status is Status.RUNNING:
+            self.block_manager.free(seq)
+            self.num_seq_slots -= 1 + len(seq.followers)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
 
     def _length_reached(self, seq: Sequence, num_tokens: int) -> bool:
         new = num_tokens - seq.num_prompt_tokens
         return new >= seq.params.max_new_tokens or num_tokens >= self.max_model_len
 
     def abort(self, seq: Sequence) -> None:
-        """Drop a request wherever it is, releasing its blocks."""
+        """Drop a request wherever it is, releasing its blocks (a group: all its members)."""
+        group = seq.group
+        if group is not None:
+            for member in group.members:
+                if member is not group.root:
+                    self._drop(member)
+            if group.admitted:
+                self.num_seq_slots -= group.width
+                group.admitted = False
+            group.members = [group.root]
+            seq = group.root
+        elif seq.leader is not None:  # a follower not forked yet: in no queue
+            seq.leader.followers.remove(seq)
+            self.num_seq_slots -= seq.leader.status is Status.RUNNING
+            seq.leader, seq.status, seq.finish_reason = None, Status.FINISHED, "abort"
+            return
+        elif seq.followers:  # the first follower takes the prompt over, from the queue's front
+            heir, *rest = seq.followers
+            heir.leader, heir.followers = None, rest
+            for follower in rest:
+                follower.leader = heir
+            seq.followers = []
+            if seq.status is Status.RUNNING:
+                self.num_seq_slots -= 1 + len(rest)
+            self.waiting.appendleft(heir)
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
             self.block_manager.free(seq)
+            self.num_seq_slots -= seq.group is None
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
         seq.status = Status.FINISHED
@@ -160,11 +293,13 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        if seq.group is None:  # a group keeps its slots for its members
+            self.num_seq_slots -= 1 + len(seq.followers)
 
-    @staticmethod
-    def _add_to_batch(batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+    def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
         """Count the chunk as computed (the step will have stored its K/V before any later
-        step reads them) and its sampled token, if any, as pending."""
+        step reads them) and its sampled token, if any, as pending. A group member's step
+        yields candidates, not a token. Followers are forked when the prompt is sampled."""
         start = seq.num_computed_tokens
         sample = start + n == seq.num_tokens
         batch.seqs.append(seq)
@@ -172,4 +307,12 @@ class Scheduler:
         batch.num_tokens.append(n)
         batch.sample.append(sample)
         seq.num_computed_tokens = start + n
-        seq.num_pending += sample
+        seq.num_pending += sample and seq.group is None
+        if sample and seq.followers:
+            for follower in seq.followers:
+                self.block_manager.fork(seq, follower)
+                follower.num_computed_tokens = seq.num_computed_tokens
+                follower.num_pending = 1
+                follower.status, follower.leader = Status.RUNNING, None
+                batch.sample_copies.append((len(batch.seqs) - 1, follower))
+            seq.followers = []

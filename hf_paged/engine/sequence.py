@@ -41,6 +41,21 @@ class Sequence:
         self.block_hashes: list[int] = []  # chained hashes of the full blocks, in order
         self.num_published_blocks = 0  # leading blocks of block_table already offered for reuse
         self.finish_reason: str | None = None
+        # Requests added together that share this one's prompt: forked from it when its
+        # prompt's logits are first sampled, each then draws its own token from them.
+        self.followers: list[Sequence] = []
+        self.leader: Sequence | None = None  # set on a follower until it is forked
+        self.group: SequenceGroup | None = None  # beam search: whose host picks next tokens
+
+    def fork(self) -> Sequence:
+        """A new sequence with this one's tokens and progress (the caller shares the blocks)."""
+        child = Sequence(self.token_ids, self.params, self.request_id)
+        child.num_prompt_tokens = self.num_prompt_tokens
+        child.num_computed_tokens = self.num_computed_tokens
+        child.num_cached_tokens = self.num_cached_tokens
+        child.status = self.status
+        child.group = self.group
+        return child
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -62,8 +77,55 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    @property
+    def num_seq_slots(self) -> int:
+        """Sequences this waiting request may run as at once: what admitting it reserves of
+        ``max_num_seqs`` (nothing for a member of a group already admitted)."""
+        if self.group is not None:
+            return 0 if self.group.admitted else self.group.width
+        return 1 + len(self.followers)
+
     def __repr__(self) -> str:
         return (
             f"Sequence(id={self.seq_id}, status={self.status.value}, len={len(self)}, "
             f"computed={self.num_computed_tokens}, blocks={self.block_table})"
         )
+
+
+class SequenceGroup:
+    """Sequences whose next tokens the host chooses together (beam search).
+
+    A member's step does not sample: its scores (``process`` of the log-softmax of its logits,
+    on the device) go to the host as the ``num_candidates`` best (score, token) pairs, and
+    once every live member has reported for the same length, ``advance`` says which
+    (member, token) continue; the scheduler forks and frees members accordingly. ``root`` is
+    the request's handle: it is reported finished when the group is done.
+    """
+
+    def __init__(self, root: Sequence, width: int, num_candidates: int,
+                 keep_rows: bool = False):
+        self.root = root
+        self.width = width  # most live members at once
+        self.num_candidates = num_candidates
+        self.keep_rows = keep_rows  # also send each member's full score and logit rows
+        self.members: list[Sequence] = [root]
+        self.reports: dict[int, tuple] = {}  # seq_id -> (scores, tokens, score row, logit row)
+        self.admitted = False
+        root.group = self
+
+    processes_scores = False  # whether ``process`` changes anything
+
+    def process(self, seqs: list[Sequence], log_probs):
+        """The group's logits processors on its members' log-probabilities ``[rows, vocab]``
+        (a device tensor), called only when ``processes_scores``."""
+        return log_probs
+
+    def report(self, seq: Sequence, candidates: tuple) -> bool:
+        """Take a member's candidates (a recomputed member reports again: ignored); True once
+        every live member has reported."""
+        self.reports.setdefault(seq.seq_id, candidates)
+        return len(self.reports) == len(self.members)
+
+    def advance(self) -> list[tuple[Sequence, int]]:
+        """The (member, token) pairs that continue, from ``reports``; none ends the group."""
+        raise NotImplementedError

@@ -41,6 +41,7 @@ def _dispatch(module: str, name: str):
     return run
 
 
+copy_blocks = _dispatch("block_copy", "copy_blocks")
 norm_rope_store = _dispatch("attention_inputs", "norm_rope_store")
 rms_norm = _dispatch("rmsnorm", "rms_norm")
 add_rms_norm = _dispatch("rmsnorm", "add_rms_norm")
@@ -48,5 +49,5 @@ silu_and_mul = _dispatch("activation", "silu_and_mul")
 sample = _dispatch("sampling", "sample")
 
 __all__ = [
-    "add_rms_norm", "norm_rope_store", "rms_norm", "sample", "silu_and_mul",
+    "add_rms_norm", "copy_blocks", "norm_rope_store", "rms_norm", "sample", "silu_and_mul",
 ]

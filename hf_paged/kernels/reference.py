@@ -29,6 +29,16 @@ def store_kv(
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value[keep])
 
 
+def copy_blocks(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+) -> None:
+    """Copy cache block ``src[i]`` onto block ``dst[i]`` in both caches ``[N, B, Hkv, D]``
+    (copy-on-write of blocks shared by forked sequences). No block may be both a source and a
+    destination of one call: the Triton twin copies all pairs at once."""
+    for cache in (k_cache, v_cache):
+        cache[dst] = cache[src]
+
+
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,

@@ -1,5 +1,5 @@
-"""Block manager invariants under random interleavings (hypothesis state machine), plus the
-prefix-cache and eviction-order rules checked directly."""
+"""Block manager invariants under random interleavings (hypothesis state machine, with forks
+and copy-on-write), plus the prefix-cache, eviction-order and fork rules checked directly."""
 
 from __future__ import annotations
 
@@ -21,14 +21,34 @@ def admit(bm: BlockManager, tokens: list[int]) -> Sequence | None:
     if not bm.allocate(seq, len(tokens) - len(hits) * BS, hits):
         return None
     seq.num_computed_tokens = len(tokens)
+    seq.num_cached_tokens = len(hits) * BS
     return seq
 
 
+def fork(bm: BlockManager, parent: Sequence) -> Sequence:
+    child = parent.fork()
+    bm.fork(parent, child)
+    return child
+
+
 class BlockManagerMachine(RuleBasedStateMachine):
+    """Drives the block manager as the scheduler does and keeps a model of the device cache
+    (the token each slot holds), so a missed or misdirected copy-on-write shows up as a
+    sequence reading another's tokens."""
+
     def __init__(self):
         super().__init__()
         self.bm = BlockManager(num_blocks=12, block_size=BS)
         self.live: list[Sequence] = []
+        self.cache: dict[int, list] = {}  # block id -> the token in each slot
+
+    def write(self, seq: Sequence, start: int) -> None:
+        """The device's side of a step: copy-on-write copies, then the new tokens' slots."""
+        for src, dst in self.bm.take_copies():
+            self.cache[dst] = list(self.cache[src])
+        for p in range(start, len(seq.token_ids)):
+            block = self.cache.setdefault(seq.block_table[p // BS], [None] * BS)
+            block[p % BS] = seq.token_ids[p]
 
     # Prompts drawn from a small alphabet and shared stems so prefix hits are frequent.
     @rule(stem=st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8]]),
@@ -36,6 +56,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def add(self, stem, tail):
         seq = admit(self.bm, stem + tail)
         if seq is not None:
+            self.write(seq, seq.num_cached_tokens)
             self.live.append(seq)
 
     @precondition(lambda self: self.live)
@@ -45,8 +66,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq.token_ids.append(token)
         if self.bm.allocate(seq, 1):
             seq.num_computed_tokens += 1
+            self.write(seq, seq.num_computed_tokens - 1)
         else:
             seq.token_ids.pop()
+
+    @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 100))
+    def fork(self, i):
+        self.live.append(fork(self.bm, self.live[i % len(self.live)]))
 
     @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 100))
@@ -66,10 +93,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for block in bm.blocks:
             assert block.ref_count == refs[block.block_id]
             assert (block.ref_count == 0) == (block.block_id in free)
+        assert bm.num_shared_blocks == sum(r > 1 for r in refs)
+        assert bm.num_blocks_saved == sum(max(r - 1, 0) for r in refs)
         for h, b in bm.hash_to_block.items():
             assert bm.blocks[b].hash == h
         assert all(bm.blocks[b].hash is not None for b in bm.evictable)
         assert all(bm.blocks[b].hash is None for b in bm.free_uncached)
+
+    @invariant()
+    def every_sequence_reads_its_own_tokens(self):
+        for seq in self.live:
+            for p in range(seq.num_computed_tokens):
+                assert self.cache[seq.block_table[p // BS]][p % BS] == seq.token_ids[p]
 
     @invariant()
     def cached_contents_match(self):
@@ -145,3 +180,32 @@ def test_block_ending_in_a_pending_token_is_published_once_known():
     seq.num_pending = 0
     assert bm.allocate(seq, 1)
     assert len(bm.hash_to_block) == 2
+
+
+def test_fork_shares_blocks_and_a_write_copies_the_partial_last_one():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    parent = admit(bm, list(range(6)))  # a full block and a half-filled one
+    child = fork(bm, parent)
+    assert child.block_table == parent.block_table
+    assert (bm.num_shared_blocks, bm.num_blocks_saved) == (2, 2)
+    table = list(parent.block_table)
+    child.token_ids.append(9)
+    assert bm.allocate(child, 1)
+    assert child.block_table[0] == table[0] and child.block_table[1] != table[1]
+    assert bm.take_copies() == [(table[1], child.block_table[1])]
+    parent.token_ids.append(8)
+    assert bm.allocate(parent, 1)  # the last holder writes in place
+    assert parent.block_table == table and bm.take_copies() == []
+    assert (bm.num_shared_blocks, bm.num_blocks_saved) == (1, 1)
+    bm.free(parent)
+    bm.free(child)
+    assert bm.num_free_blocks == 8 and bm.num_shared_blocks == bm.num_blocks_saved == 0
+
+
+def test_copy_on_write_needs_a_free_block():
+    bm = BlockManager(num_blocks=2, block_size=BS)
+    parent = admit(bm, list(range(6)))
+    child = fork(bm, parent)
+    child.token_ids.append(9)
+    assert not bm.allocate(child, 1)
+    assert child.block_table == parent.block_table and bm.take_copies() == []

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_paged.engine.block_manager import BlockManager
-from hf_paged.engine.scheduler import Scheduler
-from hf_paged.engine.sequence import Sequence, Status
+from hf_paged.engine.scheduler import ScheduledBatch, Scheduler
+from hf_paged.engine.sequence import Sequence, SequenceGroup, Status
 from hf_paged.sampling_params import SamplingParams
 
 
@@ -139,3 +139,94 @@ def test_preempted_request_stopping_in_flight_leaves_the_queue():
     assert second.seqs == [a] and list(sched.waiting) == [b] and b.num_pending == 1
     assert sched.postprocess(first, [0, 99]) == [b]  # b's pending token was its EOS
     assert not sched.waiting and b.is_finished and b.output_token_ids == [99]
+
+
+class ToyGroup(SequenceGroup):
+    """Beam-search-shaped bookkeeping without the search: the first member forks until the
+    group is ``width`` wide; every member continues with the fake model's token; the group
+    ends after ``length`` new tokens."""
+
+    def __init__(self, root, width, length):
+        super().__init__(root, width, num_candidates=2)
+        self.length = length
+
+    def advance(self):
+        members = self.members
+        for seq in members:
+            assert self.reports[seq.seq_id][1] == [(len(seq) * 7) % 11]
+        if members[0].num_new_tokens + 1 >= self.length:
+            return []
+        choices = [(seq, (len(seq) * 7) % 11) for seq in members]
+        return choices[:1] * (self.width - len(members)) + choices
+
+
+def run_with_groups(sched, max_steps=10_000):
+    """``run_to_end`` where group members report the fake model's token as a candidate."""
+    in_flight, finished = None, []
+    while sched.has_work() or in_flight:
+        batch = sched.schedule()
+        assert len(batch.seqs) <= sched.max_num_seqs
+        assert len(sched.running) <= sched.num_seq_slots <= sched.max_num_seqs
+        if in_flight:
+            finished += sched.postprocess(*in_flight)
+        tokens = fake_tokens(batch)
+        plain = [t for t, s in zip(tokens, (s for s, m in zip(batch.seqs, batch.sample) if m))
+                 if s.group is None]
+        groups = [(None, [t], None, None) for t, s in
+                  zip(tokens, (s for s, m in zip(batch.seqs, batch.sample) if m))
+                  if s.group is not None]
+        copies = [fake_tokens(ScheduledBatch([batch.seqs[i]], [batch.starts[i]],
+                                             [batch.num_tokens[i]], [True]))[0]
+                  for i, _ in batch.sample_copies]
+        in_flight = (batch, plain + copies, groups) if batch.seqs else None
+        max_steps -= 1
+        assert max_steps
+    return finished
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    kinds=st.lists(st.sampled_from(["plain", "forked", "group"]), min_size=1, max_size=6),
+    num_blocks=st.integers(16, 40),
+    budget=st.integers(4, 48),
+    caching=st.booleans(),
+)
+def test_forks_and_groups_under_preemption_leak_nothing(kinds, num_blocks, budget, caching):
+    sched = make(num_blocks, 4, 6, budget, caching=caching)
+    requests = []
+    for i, kind in enumerate(kinds):
+        params = SamplingParams(max_new_tokens=6)
+        seq = Sequence([(i + t) % 5 for t in range(5 + 3 * i)], params)
+        if kind == "group":
+            ToyGroup(seq, width=3, length=6)
+            sched.add(seq)
+            requests.append([seq])
+        else:
+            followers = [Sequence(seq.token_ids, params) for _ in range(2 * (kind == "forked"))]
+            sched.add(seq, followers)
+            requests.append([seq, *followers])
+    finished = run_with_groups(sched)
+    assert {s.seq_id for r in requests for s in r} == {s.seq_id for s in finished}
+    for request in requests:
+        for seq in request:
+            history = seq.token_ids[: seq.num_prompt_tokens]
+            for t in seq.output_token_ids:
+                assert t == (len(history) * 7) % 11
+                history.append(t)
+    assert sched.block_manager.num_free_blocks == num_blocks
+    assert sched.num_seq_slots == 0 and not sched.running and not sched.waiting
+
+
+def test_followers_share_the_prefilled_prompt():
+    sched = make(block_size=4)
+    params = SamplingParams(max_new_tokens=3)
+    leader, *followers = (Sequence(list(range(6)), params) for _ in range(3))
+    sched.add(leader, followers)
+    first = sched.schedule()
+    assert first.seqs == [leader] and first.num_tokens == [6]
+    assert first.sample_copies == [(0, followers[0]), (0, followers[1])]
+    assert all(f.block_table == leader.block_table for f in followers)
+    sched.postprocess(first, [7, 8, 9])
+    assert [s.output_token_ids for s in (leader, *followers)] == [[7], [8], [9]]
+    second = sched.schedule()  # each writes its token into the shared half-filled block
+    assert len(second.block_copies) == 2 and sched.block_manager.num_shared_blocks == 1
