@@ -23,6 +23,11 @@ _SUPPORTED_FIELDS = {
     "transformers_version", "_from_model_config", "_commit_hash", "generation_kwargs",
 }
 _ENGINE_KWARGS = {"progress_bar"}
+# Honoured with num_beams > 1 only (beam search, ``hf_paged.beam_search``).
+_BEAM_FIELDS = {
+    "num_beams", "length_penalty", "early_stopping", "num_return_sequences",
+    "return_dict_in_generate", "output_scores", "output_logits",
+}
 
 
 def generate(engine, input_ids, attention_mask=None, generation_config=None, **kwargs):
@@ -50,6 +55,8 @@ def generate(engine, input_ids, attention_mask=None, generation_config=None, **k
         pad = params.eos_token_ids[0]  # transformers does the same
     mask = _attention_mask(input_ids, attention_mask, pad, params.eos_token_ids)
     prompts = _unpadded_rows(input_ids, mask)
+    if config.num_beams > 1:
+        return _beam_search(engine, input_ids, prompts, params, config, progress_bar)
     seqs = engine._add_all(prompts, params)
     engine.run(seqs, progress_bar)
     return _pad_outputs(input_ids, [s.output_token_ids for s in seqs], pad)
@@ -68,13 +75,17 @@ def _merged_config(base: GenerationConfig, passed, kwargs: dict) -> GenerationCo
             f"generate() got argument(s) hf_paged does not support: {', '.join(sorted(unknown))}"
         )
     default = GenerationConfig()
+    beams = isinstance(config.num_beams, int) and config.num_beams > 1
+    supported = _SUPPORTED_FIELDS | _BEAM_FIELDS if beams else _SUPPORTED_FIELDS
     for name, value in config.to_dict().items():
         inactive = value is None or value is False or value == getattr(default, name, None)
-        if name not in _SUPPORTED_FIELDS and not inactive:
+        if name not in supported and not inactive:
             raise ValueError(
                 f"{name}={value!r} is not supported by hf_paged's generate() (supported: "
                 f"{', '.join(sorted(n for n in _SUPPORTED_FIELDS if not n.startswith('_')))})"
             )
+    if beams:
+        _check_beam_fields(config)
     if config.use_cache is False:
         raise ValueError("use_cache=False is not supported: the paged KV cache is always on")
     if config.temperature is not None and config.temperature < 0:
@@ -82,6 +93,45 @@ def _merged_config(base: GenerationConfig, passed, kwargs: dict) -> GenerationCo
     if config.top_p is not None and not 0.0 < config.top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {config.top_p!r}")
     return config
+
+
+def _check_beam_fields(config: GenerationConfig) -> None:
+    if config.do_sample:
+        raise ValueError("do_sample=True with num_beams > 1 (beam sampling) is not supported")
+    n = config.num_return_sequences
+    if not isinstance(n, int) or not 1 <= n <= config.num_beams:
+        raise ValueError(
+            f"num_return_sequences must be an integer from 1 to num_beams ({config.num_beams}), "
+            f"got {n!r}"
+        )
+    if config.early_stopping not in (True, False, "never"):
+        raise ValueError(
+            f"early_stopping must be True, False or 'never', got {config.early_stopping!r}"
+        )
+    if not isinstance(config.length_penalty, (int, float)):
+        raise ValueError(f"length_penalty must be a number, got {config.length_penalty!r}")
+
+
+def _beam_search(engine, input_ids, prompts, params, config, progress_bar):
+    """Beam search over the unpadded ``prompts``; outputs as transformers' ``_beam_search``."""
+    from hf_paged.beam_search import BeamSettings, add_beam_requests, beam_outputs
+
+    as_dict = bool(config.return_dict_in_generate)
+    settings = BeamSettings(
+        num_beams=config.num_beams,
+        length_penalty=config.length_penalty,
+        early_stopping=config.early_stopping,
+        max_new_tokens=params.max_new_tokens,
+        eos_token_ids=params.eos_token_ids,
+        keep_rows=as_dict and bool(config.output_scores or config.output_logits),
+    )
+    groups = add_beam_requests(engine, prompts, params, settings)
+    engine.run([g.root for g in groups], progress_bar)
+    eos = params.eos_token_ids
+    # transformers fills with ``pad_token_id or eos_token_id[0]`` (-1 without an EOS id).
+    fill = (config.pad_token_id or eos[0]) if eos else -1
+    return beam_outputs(input_ids, groups, config.num_return_sequences, fill, as_dict,
+                        bool(config.output_scores), bool(config.output_logits))
 
 
 def _check_input_ids(input_ids) -> torch.Tensor:

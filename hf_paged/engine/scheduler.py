@@ -123,7 +123,9 @@ class Scheduler:
             cached = len(hits) * self.block_manager.block_size
             n = min(len(seq) - cached, budget)
             if not self.block_manager.allocate(seq, n, hits):
-                break
+                if batch.seqs or not self._preempt_idle_member():
+                    break
+                continue
             self.waiting.popleft()
             self.num_seq_slots += slots
             if seq.group is not None:
@@ -206,7 +208,7 @@ class Scheduler:
             else:
                 chosen.add(parent.seq_id)
                 members.append(parent)
-        for parent, token in reversed(choices):
+        for parent, token in choices:  # a parent continues with its first choice
             if parent.seq_id in chosen:
                 chosen.discard(parent.seq_id)
                 parent.token_ids.append(token)
@@ -287,11 +289,22 @@ class Scheduler:
         seq.status = Status.FINISHED
         seq.finish_reason = seq.finish_reason or "abort"
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt_idle_member(self) -> bool:
+        """Preempt the latest group member that waits for its group's choice, when nothing
+        else can run: the request at the queue's head (maybe the member the group waits for)
+        needs its blocks, so the member queues behind that request."""
+        for i in range(len(self.running) - 1, -1, -1):
+            seq = self.running[i]
+            if seq.group is not None and seq.num_computed_tokens == seq.num_tokens:
+                self._preempt(self.running.pop(i), queue_position=1)
+                return True
+        return False
+
+    def _preempt(self, seq: Sequence, queue_position: int = 0) -> None:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        self.waiting.insert(queue_position, seq)
         self.num_preemptions += 1
         if seq.group is None:  # a group keeps its slots for its members
             self.num_seq_slots -= 1 + len(seq.followers)

@@ -161,9 +161,13 @@ class ToyGroup(SequenceGroup):
 
 
 def run_with_groups(sched, max_steps=10_000):
-    """``run_to_end`` where group members report the fake model's token as a candidate."""
+    """``run_to_end`` where group members report the fake model's token as a candidate, and
+    a step with group rows is collected before the next is scheduled (as the engine does)."""
     in_flight, finished = None, []
     while sched.has_work() or in_flight:
+        if in_flight and in_flight[2]:  # as the engine: a group's step is collected first
+            finished += sched.postprocess(*in_flight)
+            in_flight = None
         batch = sched.schedule()
         assert len(batch.seqs) <= sched.max_num_seqs
         assert len(sched.running) <= sched.num_seq_slots <= sched.max_num_seqs
