@@ -84,6 +84,11 @@ def _merged_config(base: GenerationConfig, passed, kwargs: dict) -> GenerationCo
                 f"{name}={value!r} is not supported by hf_paged's generate() (supported: "
                 f"{', '.join(sorted(n for n in _SUPPORTED_FIELDS if not n.startswith('_')))})"
             )
+    # Unset beam fields take transformers' global defaults, as its generate() does.
+    defaults = GenerationConfig._get_default_generation_params()
+    for name in _BEAM_FIELDS & defaults.keys():
+        if getattr(config, name) is None:
+            setattr(config, name, defaults[name])
     if beams:
         _check_beam_fields(config)
     if config.use_cache is False:

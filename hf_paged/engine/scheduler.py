@@ -70,6 +70,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
+        # Preempted group members that had reported: they need nothing until their group's
+        # choice, which sends those that go on to the front of the queue.
+        self.parked: list[Sequence] = []
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.prefix_cache_queries = 0
@@ -86,7 +89,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.parked)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -217,6 +220,10 @@ class Scheduler:
             if seq.seq_id not in kept:
                 self._drop(seq)
         group.members = members
+        for seq in reversed(members):
+            if seq in self.parked:
+                self.parked.remove(seq)
+                self.waiting.appendleft(seq)
 
     def fork(self, parent: Sequence) -> Sequence:
         """A copy of ``parent`` sharing its blocks, next to it in the running or waiting queue."""
@@ -224,6 +231,8 @@ class Scheduler:
         if parent.status is Status.RUNNING:
             self.block_manager.fork(parent, child)
             self.running.append(child)
+        elif parent in self.parked:
+            self.parked.append(child)
         else:
             self.waiting.insert(self.waiting.index(parent) + 1, child)
         return child
@@ -233,9 +242,12 @@ class Scheduler:
         if seq.status is Status.RUNNING:
             self.block_manager.free(seq)
         elif seq.status is Status.WAITING:
-            self.waiting.remove(seq)
+            self._unqueue(seq)
         seq.status = Status.FINISHED
         self.dropped.append(seq)
+
+    def _unqueue(self, seq: Sequence) -> None:
+        (self.parked if seq in self.parked else self.waiting).remove(seq)
 
     def take_dropped(self) -> list[Sequence]:
         dropped, self.dropped = self.dropped, []
@@ -285,26 +297,29 @@ class Scheduler:
             self.block_manager.free(seq)
             self.num_seq_slots -= seq.group is None
         elif seq.status is Status.WAITING:
-            self.waiting.remove(seq)
+            self._unqueue(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = seq.finish_reason or "abort"
 
     def _preempt_idle_member(self) -> bool:
-        """Preempt the latest group member that waits for its group's choice, when nothing
-        else can run: the request at the queue's head (maybe the member the group waits for)
-        needs its blocks, so the member queues behind that request."""
+        """Preempt the latest group member that waits for its group's choice (it is parked),
+        when nothing else can run: the request at the queue's head (maybe the member the group
+        waits for) needs its blocks."""
         for i in range(len(self.running) - 1, -1, -1):
             seq = self.running[i]
             if seq.group is not None and seq.num_computed_tokens == seq.num_tokens:
-                self._preempt(self.running.pop(i), queue_position=1)
+                self._preempt(self.running.pop(i), park=True)
                 return True
         return False
 
-    def _preempt(self, seq: Sequence, queue_position: int = 0) -> None:
+    def _preempt(self, seq: Sequence, park: bool = False) -> None:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
-        self.waiting.insert(queue_position, seq)
+        if park:
+            self.parked.append(seq)
+        else:
+            self.waiting.appendleft(seq)
         self.num_preemptions += 1
         if seq.group is None:  # a group keeps its slots for its members
             self.num_seq_slots -= 1 + len(seq.followers)

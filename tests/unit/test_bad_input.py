@@ -44,7 +44,7 @@ BAD_CALLS = [
     (dict(input_ids=IDS, attention_mask=torch.ones((1, 5))), "attention_mask"),
     (dict(input_ids=IDS, attention_mask=torch.tensor([[1, 0, 1, 1]])), "attention_mask"),
     (dict(input_ids=IDS, repetition_penalty=1.3), "repetition_penalty"),
-    (dict(input_ids=IDS, num_beams=2), "num_beams"),
+    (dict(input_ids=IDS, num_beams=2, do_sample=True), "beam sampling"),
     (dict(input_ids=IDS, streamer=object()), "streamer"),
     (dict(input_ids=IDS, generation_config={"max_new_tokens": 3}), "generation_config"),
 ]
