@@ -18,13 +18,17 @@ class RequestHooks:
     them that sample in a step at once. Subclasses override what they need.
     """
 
-    #: ``process`` reads each request's ``token_ids``: the engine then collects a step's
-    #: tokens before it launches the next one (no asynchronous overlap for these requests).
+    #: ``process`` reads host-side state that ``on_token`` updates: the engine then collects a
+    #: step's tokens before it launches the next one (no asynchronous overlap).
     needs_history: bool = False
 
     def process(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         """Scores to sample from, given the float32 logits rows of ``seqs``."""
         return logits
+
+    def record(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
+        """Called with the tokens just sampled (on the device) for the requests ``process``
+        saw, before they reach the host."""
 
     def on_token(self, seq: Sequence) -> bool:
         """Called after a token is appended to ``seq``; True finishes the request."""

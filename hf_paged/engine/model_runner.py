@@ -320,7 +320,8 @@ class ModelRunner:
         skip logits processing altogether."""
         params = [s.params for s in seqs]
         penalized = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-        if penalized or any(p.hooks is not None for p in params):
+        processed = penalized or any(p.hooks is not None for p in params)
+        if processed:
             logits = self._process(logits, seqs, penalized)
             greedy = None
         if not any(p.temperature for p in params):
@@ -332,6 +333,9 @@ class ModelRunner:
                 self._to_device([p.top_k for p in params], torch.long),
                 self._to_device([p.top_p for p in params], torch.float32),
             )
+        for members in self._hook_groups(seqs) if processed else ():
+            index = self._to_device(members, torch.long)
+            seqs[members[0]].params.hooks.record([seqs[i] for i in members], tokens[index])
         if penalized:  # the new tokens count as seen from the next step on
             rows = self._to_device([self.seen_rows[seqs[i].seq_id] for i in penalized], torch.long)
             self.seen[rows, tokens[self._to_device(penalized, torch.long)]] = True
@@ -349,15 +353,20 @@ class ModelRunner:
             scores = logits[index]
             penalized_scores = torch.where(scores < 0, scores * penalty, scores / penalty)
             logits[index] = torch.where(self.seen[rows], penalized_scores, scores)
-        groups: dict[int, list[int]] = {}
-        for i, seq in enumerate(seqs):
-            if seq.params.hooks is not None:
-                groups.setdefault(id(seq.params.hooks), []).append(i)
-        for members in groups.values():
+        for members in self._hook_groups(seqs):
             hooks = seqs[members[0]].params.hooks
             index = self._to_device(members, torch.long)
             logits[index] = hooks.process([seqs[i] for i in members], logits[index])
         return logits
+
+    @staticmethod
+    def _hook_groups(seqs: list[Sequence]) -> list[list[int]]:
+        """Indices of ``seqs`` grouped by the hooks object their requests share."""
+        groups: dict[int, list[int]] = {}
+        for i, seq in enumerate(seqs):
+            if seq.params.hooks is not None:
+                groups.setdefault(id(seq.params.hooks), []).append(i)
+        return list(groups.values())
 
     def _seen_row(self, seq: Sequence) -> int:
         """The row of ``seen`` marking the tokens ``seq`` holds, filled on first use."""

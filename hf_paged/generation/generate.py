@@ -27,9 +27,15 @@ from hf_paged.sampling_params import RequestHooks, SamplingParams
 class CallHooks(RequestHooks):
     """One generate() call's processors, criteria and recorded outputs, for all its rows.
 
-    When the caller wants per-step ``scores`` or ``logits``, the call runs as transformers'
-    loop does: a row that is done keeps running and is fed ``pad`` (its scores are still
-    computed), and every row stops once all are done.
+    ``input_ids`` is the call's batch as transformers' loop holds it, on the device: the
+    left-padded prompt rows, then each row's new tokens, appended on the device as they are
+    sampled (``pad`` after a row finishes, as transformers feeds finished rows). Processors
+    run on it batched over the call, with no host round trip; rows sampling at different
+    lengths (chunked prefill can stagger them) run as one batch per length.
+
+    When the caller wants per-step ``scores`` or ``logits``, the call runs in lockstep as
+    transformers' loop does: a row that is done keeps running on ``pad`` (its scores are
+    still computed), and every row stops once all are done.
     """
 
     def __init__(self, resolved: Resolved, rest, criteria: StoppingCriteriaList, pad: int,
@@ -37,27 +43,46 @@ class CallHooks(RequestHooks):
         self.rest = rest
         self.criteria = criteria
         self.pad = pad
-        self.batch_size = resolved.input_ids.shape[0]
+        self.prompt_ids = resolved.input_ids
+        self.width = resolved.input_ids.shape[1]
+        self.max_new_tokens = resolved.max_new_tokens
+        self.input_ids: torch.Tensor | None = None  # on the device, from the first step on
         self.lockstep = record_scores or record_logits
-        self.needs_history = bool(rest) or self.lockstep
+        self.needs_history = self.lockstep  # ``process`` reads the done flags
         self.record_scores, self.record_logits = record_scores, record_logits
-        ids, mask = resolved.input_ids, resolved.attention_mask.bool()
-        self.padding = [ids[r][~mask[r]].tolist() for r in range(self.batch_size)]
+        batch = self.prompt_ids.shape[0]
+        mask = resolved.attention_mask.bool()
+        self.padding = [self.prompt_ids[r][~mask[r]].tolist() for r in range(batch)]
         self.rows: dict[int, int] = {}
-        self.done = [False] * self.batch_size
-        self.scores: list[list[torch.Tensor]] = [[] for _ in range(self.batch_size)]
-        self.logits: list[list[torch.Tensor]] = [[] for _ in range(self.batch_size)]
+        self.done = [False] * batch
+        self.scores: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+        self.logits: list[list[torch.Tensor]] = [[] for _ in range(batch)]
 
-    def history(self, seq: Sequence) -> list[int]:
-        """The row as transformers' ``input_ids`` holds it: padding, prompt, new tokens."""
-        return self.padding[self.rows[seq.seq_id]] + seq.token_ids
+    def _positions(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
+        """Each request's row, and the column its token being sampled takes."""
+        rows = [self.rows[s.seq_id] for s in seqs]
+        # ``num_tokens`` already counts the token this step samples.
+        cols = [self.width + s.num_tokens - 1 - s.num_prompt_tokens for s in seqs]
+        return rows, cols
 
     def process(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        rows = [self.rows[s.seq_id] for s in seqs]
+        if self.input_ids is None:
+            self.input_ids = torch.full(
+                (len(self.done), self.width + self.max_new_tokens), self.pad, dtype=torch.long,
+                device=logits.device)
+            self.input_ids[:, : self.width] = self.prompt_ids.to(logits.device)
+        rows, cols = self._positions(seqs)
         scores = logits.clone() if self.lockstep else logits
         if self.rest:
-            histories = [self.history(s) for s in seqs]
-            scores = procs.run(self.rest, histories, rows, self.batch_size, logits, self.pad)
+            by_length: dict[int, list[int]] = {}
+            for i, col in enumerate(cols):
+                by_length.setdefault(col, []).append(i)
+            for col, members in by_length.items():
+                index = torch.tensor(members, device=logits.device)
+                at = torch.tensor([rows[i] for i in members], device=logits.device)
+                full = logits.new_zeros(len(self.done), logits.shape[1])
+                full[at] = logits[index]
+                scores[index] = self.rest(self.input_ids[:, :col], full)[at]
         if self.lockstep:
             for i, row in enumerate(rows):
                 if self.record_logits:
@@ -69,10 +94,15 @@ class CallHooks(RequestHooks):
                     scores[i, self.pad] = 0.0
         return scores
 
+    def record(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
+        rows, cols = self._positions(seqs)
+        at = torch.tensor(rows, device=tokens.device), torch.tensor(cols, device=tokens.device)
+        self.input_ids[at] = tokens
+
     def on_token(self, seq: Sequence) -> bool:
         row = self.rows[seq.seq_id]
         if self.criteria and not self.done[row]:
-            ids = torch.tensor([self.history(seq)])
+            ids = torch.tensor([self.padding[row] + seq.token_ids])
             self.done[row] = bool(self.criteria(ids, None)[0])
         return all(self.done) if self.lockstep else self.done[row]
 

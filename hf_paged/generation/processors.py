@@ -1,11 +1,11 @@
-"""Running transformers' logits processors on the engine's rows.
+"""Which of transformers' logits processors the engine computes natively.
 
 ``resolve`` hands over the exact ``LogitsProcessorList`` transformers' generate would build.
 The parts the engine does natively on the device, batched over every request of a step, are
-split off: a leading repetition penalty (the engine's per-request seen-token mask) and the
-trailing temperature / top-k / top-p warpers (the engine's sampling kernel). What is left, in
-order, runs as transformers objects on the call's rows with transformers' own ``input_ids``
-layout (the left-padded prompt row followed by the new tokens), so every convention and
+split off: a leading repetition penalty (the engine's per-request seen-token mask, which also
+serves requests from ``generate_tokens``) and the trailing temperature / top-k / top-p warpers
+(the engine's sampling kernel). What is left runs, in order, as transformers' own objects
+over the call's ``input_ids`` on the device (``generate.CallHooks``), so every convention and
 every user processor behaves as in transformers.
 """
 
@@ -73,27 +73,3 @@ def _native_warper(warper) -> bool:
     if getattr(warper, "filter_value", float("-inf")) != float("-inf"):
         return False
     return getattr(warper, "min_tokens_to_keep", 1) == 1
-
-
-def run(
-    processors: LogitsProcessorList, histories: list[list[int]], rows: list[int],
-    batch_size: int, scores: torch.Tensor, pad: int,
-) -> torch.Tensor:
-    """Apply ``processors`` to ``scores`` (one row per ``rows[i]`` of the call, whose
-    transformers ``input_ids`` row is ``histories[i]``). Processors see the call's whole
-    batch, as in transformers: the call's other rows are padded to the same length and their
-    scores are zero, then dropped."""
-    out = torch.empty_like(scores)
-    by_length: dict[int, list[int]] = {}
-    for i, history in enumerate(histories):
-        by_length.setdefault(len(history), []).append(i)
-    for length, members in by_length.items():
-        ids = torch.full((batch_size, length), pad, dtype=torch.long)
-        for i in members:
-            ids[rows[i]] = torch.tensor(histories[i])
-        full = scores.new_zeros(batch_size, scores.shape[1])
-        index = torch.tensor([rows[i] for i in members], device=scores.device)
-        full[index] = scores[members]
-        full = processors(ids.to(scores.device), full)
-        out[members] = full[index]
-    return out
