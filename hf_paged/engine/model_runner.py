@@ -116,6 +116,10 @@ class ModelRunner:
         self.graphs: dict[tuple[int, bool], tuple] = {}
         self.graph_batch_sizes: list[int] = []
         graphs_possible = self.device.type == "cuda" and config.attention_backend == "triton"
+        if self.device.type == "cuda":
+            start = time.perf_counter()
+            self._compile_kernels(decode=not graphs_possible or config.enforce_eager)
+            self.startup_seconds["kernels"] = time.perf_counter() - start
         if graphs_possible and not config.enforce_eager:
             start = time.perf_counter()
             self._capture_decode_graphs()
@@ -174,23 +178,41 @@ class ModelRunner:
         return int(budget) // self._block_bytes()
 
     @torch.inference_mode()
-    def _warmup(self, num_seqs: int, per_seq: int) -> None:
+    def _warmup(self, num_seqs: int, per_seq: int, context: int = 0, shared: bool = False):
+        """One sampled step of ``num_seqs`` sequences computing ``per_seq`` tokens each after
+        ``context`` cached ones, all in block 0's neighbourhood, storing nothing: it runs (and
+        so compiles) every kernel such a step needs."""
         tokens = torch.zeros(num_seqs * per_seq, dtype=torch.long, device=self.device)
-        positions = torch.arange(per_seq, device=self.device).repeat(num_seqs)
-        bps = -(-per_seq // self.block_size)
-        block_tables = torch.arange(num_seqs * bps, device=self.device, dtype=torch.int32)
+        positions = torch.arange(context, context + per_seq, device=self.device).repeat(num_seqs)
+        bps = -(-(context + per_seq) // self.block_size)
         meta = AttentionMetadata(
             slot_mapping=torch.full_like(tokens, -1),
             cu_seqlens_q=torch.arange(0, num_seqs + 1, device=self.device, dtype=torch.int32)
             * per_seq,
-            seq_lens=torch.full((num_seqs,), per_seq, device=self.device, dtype=torch.int32),
-            block_tables=block_tables.view(num_seqs, bps),
+            seq_lens=torch.full((num_seqs,), context + per_seq, device=self.device,
+                                dtype=torch.int32),
+            block_tables=torch.zeros((num_seqs, bps), device=self.device, dtype=torch.int32),
             max_query_len=per_seq,
+            shared_prefix=torch.tensor([context], device=self.device, dtype=torch.int32)
+            if shared else None,
         )
         hidden = self.model.forward(tokens, positions, meta)
         logits = self.model.compute_logits(hidden[:num_seqs])
-        self._sample(logits, [Sequence([0], SamplingParams())] * num_seqs)
+        sampled = SamplingParams(temperature=1.0, top_k=2, top_p=0.5)
+        self._sample(logits, [Sequence([0], sampled)] * num_seqs)
         torch.cuda.synchronize()
+
+    def _compile_kernels(self, decode: bool) -> None:
+        """Run every kernel variant a request can need now, so none compiles inside one:
+        prefill and sampling, and (``decode``: when no graph captures it) eager decode with
+        and without split-K and cascade."""
+        self._warmup(2, 3)
+        if decode:
+            context = self.block_size * min(4, self.max_blocks_per_seq - 1)
+            for num_seqs in (1, self.config.max_num_seqs):
+                self._warmup(num_seqs, 1, context)
+            if self.config.attention_backend == "triton":
+                self._warmup(_CASCADE_MIN_SEQS, 1, context, shared=True)
 
     # ---- inputs ---------------------------------------------------------------------------
 
