@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 import time
+from collections.abc import Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -208,15 +209,18 @@ class PagedEngine:
         batch = None
         finished: list[Sequence] = []
         try:
-            if previous is not None and previous.has_group_rows:
-                finished = self._postprocess(previous)
+            if previous is not None and (previous.has_group_rows
+                                         or self._needs_history(previous.batch)):
+                # Hooks read each request's whole history, and a beam group's choice is the
+                # next step's input: that step is collected before the next is scheduled.
+                finished = self._collect(previous)
                 previous = None
             batch = self.scheduler.schedule()
             if batch.seqs:
                 self.in_flight = self.runner.launch(batch)
                 self._last_batch = batch
             if previous is not None:
-                finished = self._postprocess(previous)
+                finished = self._collect(previous)
         except BaseException:
             # These steps' results are lost: drop every request they touched.
             for touched in (previous.batch if previous else None, batch):
@@ -225,12 +229,17 @@ class PagedEngine:
                         self.abort(seq)
             self.in_flight = None
             raise
+        return finished
+
+    def _collect(self, step: LaunchedStep) -> list[Sequence]:
+        tokens, candidates = self.runner.collect(step)
+        finished = self.scheduler.postprocess(step.batch, tokens, candidates)
         self.runner.release(finished + self.scheduler.take_dropped())
         return finished
 
-    def _postprocess(self, step: LaunchedStep) -> list[Sequence]:
-        tokens, candidates = self.runner.collect(step)
-        return self.scheduler.postprocess(step.batch, tokens, candidates)
+    @staticmethod
+    def _needs_history(batch) -> bool:
+        return any(s.params.hooks is not None and s.params.hooks.needs_history for s in batch.seqs)
 
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)
@@ -250,6 +259,25 @@ class PagedEngine:
         seqs = self.run(self._add_all(prompts, params), progress_bar)
         return [s.output_token_ids for s in seqs]
 
+    def stream(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> Iterator[tuple[int, list[int]]]:
+        """Generate for each prompt, yielding ``(prompt index, new token ids)`` as the engine
+        collects them. Requests still running when the iterator is closed are aborted."""
+        seqs = self._add_all(prompts, params)
+        sent = [0] * len(seqs)
+        try:
+            while not all(s.is_finished for s in seqs):
+                self.step()
+                for i, seq in enumerate(seqs):
+                    if seq.num_new_tokens > sent[i]:
+                        yield i, seq.output_token_ids[sent[i]:]
+                        sent[i] = seq.num_new_tokens
+        finally:
+            for seq in seqs:
+                if not seq.is_finished:
+                    self.abort(seq)
+
     def _add_all(self, prompts, params) -> list[Sequence]:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
@@ -258,9 +286,11 @@ class PagedEngine:
             self.validate_request(prompt, p)
         return [self._enqueue(prompt, p) for prompt, p in zip(prompts, params_list)]
 
-    def run(self, seqs: list[Sequence], progress_bar: bool | None = None) -> list[Sequence]:
-        """Step until every one of ``seqs`` has finished. If anything fails, the requests
-        are dropped so that the engine stays usable."""
+    def run(
+        self, seqs: list[Sequence], progress_bar: bool | None = None, on_step=None
+    ) -> list[Sequence]:
+        """Step until every one of ``seqs`` has finished, calling ``on_step(seqs)`` after each
+        step. If anything fails, the requests are dropped so that the engine stays usable."""
         show = self.config.progress_bar if progress_bar is None else progress_bar
         if show is None:
             show = sum(s.params.max_new_tokens for s in seqs) >= _LONG_RUN_TOKENS
@@ -271,6 +301,8 @@ class PagedEngine:
                 t0 = time.perf_counter()
                 finished = self.step()
                 pending.difference_update(s.seq_id for s in finished)
+                if on_step is not None:
+                    on_step(seqs)
                 if show:
                     self._update_bar(bar, len(finished), time.perf_counter() - t0)
         except BaseException:
@@ -293,11 +325,12 @@ class PagedEngine:
 
     # ---- transformers-shaped entry point --------------------------------------------------
 
-    def generate(self, input_ids=None, attention_mask=None, generation_config=None, **kwargs):
-        """``GenerationMixin.generate`` on the engine; see ``hf_paged.generation``."""
+    def generate(self, inputs=None, generation_config=None, **kwargs):
+        """``GenerationMixin.generate`` on the engine: the same arguments and return values;
+        see ``hf_paged.generation``."""
         from hf_paged.generation import generate
 
-        return generate(self, input_ids, attention_mask, generation_config, **kwargs)
+        return generate(self, inputs, generation_config, **kwargs)
 
     def stats(self) -> dict[str, int]:
         s, bm = self.scheduler, self.block_manager

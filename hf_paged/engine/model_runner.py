@@ -113,6 +113,10 @@ class ModelRunner:
         # The last step's sampled tokens, on the device, and the row of each sequence in them.
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.long, device=self.device)
         self.last_rows: dict[int, int] = {}
+        # Repetition penalties: one row per penalized sequence, True where a token was seen.
+        self.seen = torch.zeros(0, model.config.vocab_size, dtype=torch.bool, device=self.device)
+        self.seen_rows: dict[int, int] = {}
+        self.free_seen_rows: list[int] = []
         self.flip = 0  # which twin of each double-buffered host buffer this step uses
         if self.device.type == "cuda":
             self.host_tokens = [
@@ -122,6 +126,10 @@ class ModelRunner:
         self.graphs: dict[tuple[int, bool], tuple] = {}
         self.graph_batch_sizes: list[int] = []
         graphs_possible = self.device.type == "cuda" and config.attention_backend == "triton"
+        if self.device.type == "cuda":
+            start = time.perf_counter()
+            self._compile_kernels(decode=not graphs_possible or config.enforce_eager)
+            self.startup_seconds["kernels"] = time.perf_counter() - start
         if graphs_possible and not config.enforce_eager:
             start = time.perf_counter()
             self._capture_decode_graphs()
@@ -180,23 +188,41 @@ class ModelRunner:
         return int(budget) // self._block_bytes()
 
     @torch.inference_mode()
-    def _warmup(self, num_seqs: int, per_seq: int) -> None:
+    def _warmup(self, num_seqs: int, per_seq: int, context: int = 0, shared: bool = False):
+        """One sampled step of ``num_seqs`` sequences computing ``per_seq`` tokens each after
+        ``context`` cached ones, all in block 0's neighbourhood, storing nothing: it runs (and
+        so compiles) every kernel such a step needs."""
         tokens = torch.zeros(num_seqs * per_seq, dtype=torch.long, device=self.device)
-        positions = torch.arange(per_seq, device=self.device).repeat(num_seqs)
-        bps = -(-per_seq // self.block_size)
-        block_tables = torch.arange(num_seqs * bps, device=self.device, dtype=torch.int32)
+        positions = torch.arange(context, context + per_seq, device=self.device).repeat(num_seqs)
+        bps = -(-(context + per_seq) // self.block_size)
         meta = AttentionMetadata(
             slot_mapping=torch.full_like(tokens, -1),
             cu_seqlens_q=torch.arange(0, num_seqs + 1, device=self.device, dtype=torch.int32)
             * per_seq,
-            seq_lens=torch.full((num_seqs,), per_seq, device=self.device, dtype=torch.int32),
-            block_tables=block_tables.view(num_seqs, bps),
+            seq_lens=torch.full((num_seqs,), context + per_seq, device=self.device,
+                                dtype=torch.int32),
+            block_tables=torch.zeros((num_seqs, bps), device=self.device, dtype=torch.int32),
             max_query_len=per_seq,
+            shared_prefix=torch.tensor([context], device=self.device, dtype=torch.int32)
+            if shared else None,
         )
         hidden = self.model.forward(tokens, positions, meta)
         logits = self.model.compute_logits(hidden[:num_seqs])
-        self._sample(logits, [SamplingParams()] * num_seqs)
+        sampled = SamplingParams(temperature=1.0, top_k=2, top_p=0.5)
+        self._sample(logits, [Sequence([0], sampled)] * num_seqs)
         torch.cuda.synchronize()
+
+    def _compile_kernels(self, decode: bool) -> None:
+        """Run every kernel variant a request can need now, so none compiles inside one:
+        prefill and sampling, and (``decode``: when no graph captures it) eager decode with
+        and without split-K and cascade."""
+        self._warmup(2, 3)
+        if decode:
+            context = self.block_size * min(4, self.max_blocks_per_seq - 1)
+            for num_seqs in (1, self.config.max_num_seqs):
+                self._warmup(num_seqs, 1, context)
+            if self.config.attention_backend == "triton":
+                self._warmup(_CASCADE_MIN_SEQS, 1, context, shared=True)
 
     # ---- inputs ---------------------------------------------------------------------------
 
@@ -239,6 +265,10 @@ class ModelRunner:
     def release(self, seqs: list[Sequence]) -> None:
         """Forget finished or aborted sequences."""
         self.block_tables.release(seqs)
+        for seq in seqs:
+            row = self.seen_rows.pop(seq.seq_id, None)
+            if row is not None:
+                self.free_seen_rows.append(row)
 
     # ---- running --------------------------------------------------------------------------
 
@@ -281,7 +311,7 @@ class ModelRunner:
         if batch.sample_copies or any(s.group is not None for s in sampled_seqs):
             logits, greedy, sampled_seqs, candidates = self._split_rows(
                 batch, logits, greedy, sampled_seqs)
-        tokens = self._sample(logits, [s.params for s in sampled_seqs], greedy)
+        tokens = self._sample(logits, sampled_seqs, greedy)
         self.last_tokens[: len(tokens)].copy_(tokens)
         self.last_rows = {s.seq_id: row for row, s in enumerate(sampled_seqs)}
         if dev.type != "cuda":
@@ -318,14 +348,14 @@ class ModelRunner:
             return None
         logits = logits.float()
         scores = torch.log_softmax(logits, dim=-1)
-        groups: dict[int, list[int]] = {}
+        by_scorer: dict[int, list[int]] = {}
         for row, seq in enumerate(members):
-            groups.setdefault(id(seq.group), []).append(row)
-        for rows in groups.values():
-            group = members[rows[0]].group
-            if group.processes_scores:
-                index = self._to_device(rows, torch.long)
-                scores[index] = group.process([members[r] for r in rows], scores[index])
+            if seq.group.scorer is not None:
+                by_scorer.setdefault(id(seq.group.scorer), []).append(row)
+        for rows in by_scorer.values():
+            index = self._to_device(rows, torch.long)
+            scorer = members[rows[0]].group.scorer
+            scores[index] = scorer.process([members[r] for r in rows], scores[index])
         k = max(seq.group.num_candidates for seq in members)
         top, ids = scores.topk(min(k, scores.shape[-1]), dim=-1)
         if any(seq.group.keep_rows for seq in members):
@@ -383,18 +413,76 @@ class ModelRunner:
         """``ids`` with each pending token (``src >= 0``) read from the last step's samples."""
         return torch.where(src >= 0, self.last_tokens[src.clamp(min=0)], ids)
 
-    def _sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], greedy=None
-    ) -> torch.Tensor:
-        """``greedy``: the argmax of ``logits`` when a decode graph already took it."""
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy=None) -> torch.Tensor:
+        """One token per row of ``logits`` for ``seqs``. ``greedy``: the argmax of ``logits``
+        when a decode graph already took it. Requests without a repetition penalty or hooks
+        skip logits processing altogether."""
+        params = [s.params for s in seqs]
+        penalized = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        processed = penalized or any(p.hooks is not None for p in params)
+        if processed:
+            logits = self._process(logits, seqs, penalized)
+            greedy = None
         if not any(p.temperature for p in params):
-            return logits.argmax(-1) if greedy is None else greedy
-        return kernels.sample(
-            logits,
-            self._to_device([p.temperature for p in params], torch.float32),
-            self._to_device([p.top_k for p in params], torch.long),
-            self._to_device([p.top_p for p in params], torch.float32),
-        )
+            tokens = logits.argmax(-1) if greedy is None else greedy
+        else:
+            tokens = kernels.sample(
+                logits,
+                self._to_device([p.temperature for p in params], torch.float32),
+                self._to_device([p.top_k for p in params], torch.long),
+                self._to_device([p.top_p for p in params], torch.float32),
+            )
+        for members in self._hook_groups(seqs) if processed else ():
+            index = self._to_device(members, torch.long)
+            seqs[members[0]].params.hooks.record([seqs[i] for i in members], tokens[index])
+        if penalized:  # the new tokens count as seen from the next step on
+            rows = self._to_device([self.seen_rows[seqs[i].seq_id] for i in penalized], torch.long)
+            self.seen[rows, tokens[self._to_device(penalized, torch.long)]] = True
+        return tokens
+
+    def _process(self, logits: torch.Tensor, seqs: list[Sequence], penalized: list[int]):
+        """Repetition penalties over each request's seen-token mask, then each hooks object's
+        ``process`` over all of its requests at once."""
+        logits = logits.clone()
+        if penalized:
+            index = self._to_device(penalized, torch.long)
+            rows = self._to_device([self._seen_row(seqs[i]) for i in penalized], torch.long)
+            penalty = self._to_device([seqs[i].params.repetition_penalty for i in penalized],
+                                      torch.float32)[:, None]
+            scores = logits[index]
+            penalized_scores = torch.where(scores < 0, scores * penalty, scores / penalty)
+            logits[index] = torch.where(self.seen[rows], penalized_scores, scores)
+        for members in self._hook_groups(seqs):
+            hooks = seqs[members[0]].params.hooks
+            index = self._to_device(members, torch.long)
+            logits[index] = hooks.process([seqs[i] for i in members], logits[index])
+        return logits
+
+    @staticmethod
+    def _hook_groups(seqs: list[Sequence]) -> list[list[int]]:
+        """Indices of ``seqs`` grouped by the hooks object their requests share."""
+        groups: dict[int, list[int]] = {}
+        for i, seq in enumerate(seqs):
+            if seq.params.hooks is not None:
+                groups.setdefault(id(seq.params.hooks), []).append(i)
+        return list(groups.values())
+
+    def _seen_row(self, seq: Sequence) -> int:
+        """The row of ``seen`` marking the tokens ``seq`` holds, filled on first use."""
+        row = self.seen_rows.get(seq.seq_id)
+        if row is not None:
+            return row
+        vocab = self.model.config.vocab_size
+        if not self.free_seen_rows:
+            old = len(self.seen)
+            grown = torch.zeros(max(2 * old, 8), vocab, dtype=torch.bool, device=self.device)
+            grown[:old] = self.seen
+            self.seen = grown
+            self.free_seen_rows = list(range(len(grown) - 1, old - 1, -1))
+        row = self.seen_rows[seq.seq_id] = self.free_seen_rows.pop()
+        self.seen[row] = False
+        self.seen[row, self._to_device(seq.token_ids, torch.long)] = True
+        return row
 
     # ---- CUDA graphs ----------------------------------------------------------------------
 

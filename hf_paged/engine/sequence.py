@@ -113,12 +113,10 @@ class SequenceGroup:
         self.admitted = False
         root.group = self
 
-    processes_scores = False  # whether ``process`` changes anything
-
-    def process(self, seqs: list[Sequence], log_probs):
-        """The group's logits processors on its members' log-probabilities ``[rows, vocab]``
-        (a device tensor), called only when ``processes_scores``."""
-        return log_probs
+    # Logits processors of the group's caller: ``scorer.process(seqs, log_probs)`` turns the
+    # log-softmax rows ``[rows, vocab]`` of ``seqs`` (a device tensor; the members of every
+    # group sharing the scorer that sample in a step) into the scores ranked. None: as they are.
+    scorer = None
 
     def report(self, seq: Sequence, candidates: tuple) -> bool:
         """Take a member's candidates (a recomputed member reports again: ignored); True once

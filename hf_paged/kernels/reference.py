@@ -36,7 +36,7 @@ def copy_blocks(
     (copy-on-write of blocks shared by forked sequences). No block may be both a source and a
     destination of one call: the Triton twin copies all pairs at once."""
     for cache in (k_cache, v_cache):
-        cache[dst] = cache[src]
+        cache.index_copy_(0, dst, cache[src])
 
 
 def paged_attention(

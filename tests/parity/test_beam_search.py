@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_paged
 from tests.conftest import TINY_CONFIGS, left_padded
@@ -114,10 +115,50 @@ def test_preempted_beams_give_the_same_result(checkpoints, hf_models):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(num_beams=2, num_return_sequences=3), "num_return_sequences"),
-    (dict(num_beams=2, do_sample=True), "beam sampling"),
+    (dict(num_beams=2, do_sample=True), "num_beams"),
     (dict(num_beams=300), "max_num_seqs"),
-    (dict(return_dict_in_generate=True), "return_dict_in_generate"),
+    (dict(num_beams=2, streamer=object()), "streamer"),
 ])
 def test_bad_beam_arguments_are_refused(engines, kwargs, message):
     with pytest.raises(ValueError, match=message):
         engines["gqa_tied"].generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, **kwargs)
+
+
+class StopAfter(StoppingCriteria):
+    """A user criterion: stop a beam whose last token is ``token``."""
+
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(repetition_penalty=1.5, no_repeat_ngram_size=2, min_new_tokens=4),
+    dict(bad_words_ids=[[7], [9, 10]], length_penalty=0.5, num_return_sequences=2,
+         return_dict_in_generate=True, output_scores=True, output_logits=True),
+    dict(prefix_allowed_tokens_fn=lambda batch_id, ids: list(range(3 + batch_id, 400, 2))),
+])
+def test_processors_run_on_log_probs_as_transformers_runs_them(hf_models, engines, kwargs):
+    model = hf_models["gqa_tied"]
+    ids, mask = left_padded([4, 9], TINY_CONFIGS["gqa_tied"]["vocab_size"], seed=10)
+    kwargs = dict(kwargs, max_new_tokens=10, num_beams=3, do_sample=False)
+    ref = model.generate(ids, attention_mask=mask, **kwargs)
+    out = engines["gqa_tied"].generate(ids, attention_mask=mask, **kwargs)
+    if isinstance(ref, torch.Tensor):
+        assert torch.equal(out, ref)
+    else:
+        assert_same_beams(out, ref)
+
+
+def test_user_stopping_criteria_stop_beams(hf_models, engines):
+    model = hf_models["gqa_tied"]
+    ids, mask = left_padded([6, 11], TINY_CONFIGS["gqa_tied"]["vocab_size"], seed=11)
+    kwargs = dict(max_new_tokens=10, num_beams=2, do_sample=False, eos_token_id=None)
+    free = model.generate(ids, attention_mask=mask, **kwargs)
+    criteria = StoppingCriteriaList([StopAfter(int(free[0, ids.shape[1] + 3]))])
+    ref = model.generate(ids, attention_mask=mask, stopping_criteria=criteria, **kwargs)
+    out = engines["gqa_tied"].generate(ids, attention_mask=mask, stopping_criteria=criteria,
+                                       **kwargs)
+    assert torch.equal(out, ref) and not torch.equal(ref, free)

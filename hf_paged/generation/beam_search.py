@@ -1,15 +1,19 @@
-"""Beam search as transformers' ``_beam_search`` does it, on forked engine sequences.
+"""Beam search (``num_beams > 1``) as transformers' ``_beam_search`` does it, on forked engine
+sequences.
 
 Each prompt row is one ``BeamGroup``: its prompt is prefilled once (the root sequence), and
 every step each live beam reports its best ``(1 + number of EOS ids, at least 2) * num_beams``
 log-probabilities, enough to hold the group's top candidates over all beams. The group then
 replays transformers' bookkeeping on those candidates, in float32 as transformers computes it:
-the top candidates by accumulated score, which of them stop (an EOS id, or the length limit),
+the top candidates by accumulated score, which of them stop (an EOS id, the length limit, or
+the call's other stopping criteria),
 the best ``num_beams`` that go on (forked over shared KV blocks by the scheduler), the
 finished hypotheses scored with the length penalty, and the early-stop heuristic. A group
 stops as soon as its finished hypotheses can no longer change; when per-step scores or logits
 are returned, it goes on (changing nothing) until every group of the call could stop, as
-transformers' batch loop does, so those tuples hold the same rows.
+transformers' batch loop does, so those tuples hold the same rows. The call's logits
+processors run, as transformers runs them, on the log-softmax of the logits, over rows laid out
+as transformers' ``[batch * num_beams]`` batch (``BeamCohort.process``).
 """
 
 from __future__ import annotations
@@ -17,9 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
 
 from hf_paged.engine.sequence import Sequence, SequenceGroup
+from hf_paged.generation.settings import Resolved
+from hf_paged.sampling_params import SamplingParams
 
 _MASK = -1.0e9  # transformers' score of a beam that may not be chosen
 
@@ -44,12 +51,45 @@ class Hypothesis:
 
 
 class BeamCohort:
-    """The groups of one generate call: how many could not stop yet, and the longest any
-    ran before it could (the call's step count when rows are kept)."""
+    """One generate call's groups: its logits processors and stopping criteria, how many
+    groups could not stop yet, and the longest any ran before it could (the call's step count
+    when rows are kept)."""
 
-    def __init__(self) -> None:
+    def __init__(self, resolved: Resolved, settings: BeamSettings, pad: int):
+        self.prompt_ids = resolved.input_ids[:: settings.num_beams]  # padded, one per group
+        self.num_beams = settings.num_beams
+        self.processors = resolved.processors
+        native = (MaxLengthCriteria, EosTokenCriteria)  # checked by the groups themselves
+        self.criteria = [c for c in resolved.criteria if type(c) not in native]
+        self.pad = pad
         self.num_open = 0
         self.num_steps = 0
+
+    def running_ids(self, group: BeamGroup, tokens: list[list[int]]) -> torch.Tensor:
+        """Rows of transformers' running sequences: the group's padded prompt, then tokens."""
+        prompt = self.prompt_ids[group.row]
+        new = torch.tensor(tokens, dtype=prompt.dtype).view(len(tokens), -1)
+        return torch.cat([prompt.expand(len(tokens), -1), new], dim=1)
+
+    def process(self, seqs: list[Sequence], log_probs: torch.Tensor) -> torch.Tensor:
+        """The processors over the beams of a step, one batch per generated length, each
+        beam at its row of transformers' ``[batch * num_beams]`` batch."""
+        by_length: dict[int, list[int]] = {}
+        for i, seq in enumerate(seqs):
+            by_length.setdefault(seq.num_new_tokens, []).append(i)
+        size, device = len(self.prompt_ids) * self.num_beams, log_probs.device
+        for length, members in by_length.items():
+            ids = torch.full((size, self.prompt_ids.shape[1] + length), self.pad)
+            rows = []
+            for i in members:
+                group = seqs[i].group
+                rows.append(group.row * self.num_beams + group.members.index(seqs[i]))
+                ids[rows[-1]] = self.running_ids(group, [seqs[i].output_token_ids])[0]
+            index, at = (torch.tensor(x, device=device) for x in (members, rows))
+            full = log_probs.new_zeros(size, log_probs.shape[1])
+            full[at] = log_probs[index]
+            log_probs[index] = self.processors(ids.to(device), full)[at]
+        return log_probs
 
 
 class BeamGroup(SequenceGroup):
@@ -60,6 +100,7 @@ class BeamGroup(SequenceGroup):
         super().__init__(root, s.num_beams, max(2, 1 + len(s.eos_token_ids)) * s.num_beams,
                          keep_rows=s.keep_rows)
         self.row, self.settings, self.cohort = row, s, cohort
+        self.scorer = cohort if cohort.processors else None
         self.running_scores = torch.zeros(1)  # float32, one per member
         self.histories: list[list[int]] = [[]]  # beam indices of each member's tokens
         self.finished: list[Hypothesis] = []  # best first, at most num_beams
@@ -93,6 +134,11 @@ class BeamGroup(SequenceGroup):
         length = self.num_steps + 1
         at_limit = length >= s.max_new_tokens
         stops = [at_limit or t in s.eos_token_ids for t in new_tokens]
+        if self.cohort.criteria and not at_limit:
+            ids = self.cohort.running_ids(self, [members[p].output_token_ids + [t]
+                                                 for p, t in zip(parents, new_tokens)])
+            for criterion in self.cohort.criteria:
+                stops = [a or bool(b) for a, b in zip(stops, criterion(ids, None))]
         self._finish(parents, new_tokens, scores, stops, length)
         self.num_steps = length
         if at_limit:
@@ -158,46 +204,71 @@ class BeamGroup(SequenceGroup):
         return self.cohort.num_open == 0 and self.num_steps >= self.cohort.num_steps
 
 
-def add_beam_requests(engine, prompts: list[list[int]], params, settings: BeamSettings):
-    """Queue one beam group per prompt; returns the groups in order."""
-    if settings.num_beams > engine.config.max_num_seqs:
+def beam_search(engine, resolved: Resolved, prompts: list[list[int]], pad: int,
+                progress_bar: bool | None):
+    """Run a resolved beam-search call over ``prompts`` (each row's unpadded prompt);
+    returns what transformers' generate returns."""
+    config = resolved.config
+    num_beams = config.num_beams
+    if num_beams > engine.config.max_num_seqs:
         raise ValueError(
-            f"num_beams ({settings.num_beams}) exceeds the engine's max_num_seqs "
+            f"num_beams ({num_beams}) exceeds the engine's max_num_seqs "
             f"({engine.config.max_num_seqs}): the beams of a prompt run together"
         )
+    n = config.num_return_sequences
+    if n > num_beams:
+        raise ValueError(f"num_return_sequences ({n}) must be at most num_beams ({num_beams})")
+    eos = config._eos_token_tensor
+    as_dict = bool(config.return_dict_in_generate)
+    output_scores = as_dict and bool(config.output_scores)
+    output_logits = as_dict and bool(config.output_logits)
+    settings = BeamSettings(
+        num_beams=num_beams,
+        length_penalty=config.length_penalty,
+        early_stopping=config.early_stopping,
+        max_new_tokens=resolved.max_new_tokens,
+        eos_token_ids=() if eos is None else tuple(eos.tolist()),
+        keep_rows=output_scores or output_logits,
+    )
+    params = SamplingParams(max_new_tokens=resolved.max_new_tokens,
+                            eos_token_ids=settings.eos_token_ids)
+    cohort = BeamCohort(resolved, settings, pad)
     for prompt in prompts:
         engine.validate_request(prompt, params)
-    cohort = BeamCohort()
-    return [BeamGroup(engine.add_request(p, params), row, settings, cohort)
-            for row, p in enumerate(prompts)]
-
-
-def beam_outputs(input_ids: torch.Tensor, groups: list[BeamGroup], num_return_sequences: int,
-                 fill: int, return_dict: bool, output_scores: bool, output_logits: bool):
-    """transformers' outputs of ``_beam_search``: the best ``num_return_sequences`` finished
-    hypotheses of each row after its (padded) prompt, filled with ``fill`` past their end."""
-    best = [h for g in groups for h in g.finished[:num_return_sequences]]
-    width = max(len(h.tokens) for h in best)
-    prompts = input_ids.repeat_interleave(num_return_sequences, dim=0)
-    new = torch.full((len(best), width), fill, dtype=input_ids.dtype)
-    beam_indices = torch.full((len(best), width), -1, dtype=torch.int32)
-    for i, h in enumerate(best):
-        new[i, : len(h.tokens)] = torch.tensor(h.tokens, dtype=input_ids.dtype)
-        beam_indices[i, : len(h.tokens)] = torch.tensor(h.beam_indices, dtype=torch.int32)
-    sequences = torch.cat([prompts, new.to(input_ids.device)], dim=1)
-    if not return_dict:
+    groups = [BeamGroup(engine.add_request(p, params), row, settings, cohort)
+              for row, p in enumerate(prompts)]
+    engine.run([g.root for g in groups], progress_bar)
+    # transformers fills with ``pad_token_id or eos_token_id[0]`` (-1 without an EOS id).
+    fill = (config._pad_token_tensor or eos[0]) if eos is not None else -1
+    sequences, beam_indices = _best(cohort.prompt_ids, groups, n, int(fill))
+    sequences = sequences.to(resolved.device)
+    if not as_dict:
         return sequences
-    device = input_ids.device
-    steps = groups[0].cohort.num_steps  # the step at which transformers' batch loop ends
+    steps, device = cohort.num_steps, engine.device  # transformers' loop ran ``steps`` times
 
     def per_step(rows_of):
         return tuple(torch.cat([rows_of(g)[t] for g in groups]).to(device) for t in range(steps))
 
     return GenerateBeamDecoderOnlyOutput(
         sequences=sequences,
-        sequences_scores=torch.stack([h.score for h in best]).to(device) if output_scores
-        else None,
+        sequences_scores=torch.stack([h.score for g in groups for h in g.finished[:n]]).to(device)
+        if output_scores else None,
         scores=per_step(lambda g: g.score_rows) if output_scores else None,
         logits=per_step(lambda g: g.logit_rows) if output_logits else None,
         beam_indices=beam_indices.to(device),
     )
+
+
+def _best(prompt_ids: torch.Tensor, groups: list[BeamGroup], n: int, fill: int):
+    """The best ``n`` finished hypotheses of each row after its padded prompt, ``fill`` past
+    their end (int64, as transformers' running sequences), and their beam indices (-1 past
+    their end)."""
+    best = [h for g in groups for h in g.finished[:n]]
+    width = max(len(h.tokens) for h in best)
+    new = torch.full((len(best), width), fill, dtype=torch.long)
+    beam_indices = torch.full((len(best), width), -1, dtype=torch.int32)
+    for i, h in enumerate(best):
+        new[i, : len(h.tokens)] = torch.tensor(h.tokens)
+        beam_indices[i, : len(h.tokens)] = torch.tensor(h.beam_indices, dtype=torch.int32)
+    prompts = prompt_ids.repeat_interleave(n, dim=0).long()
+    return torch.cat([prompts, new], dim=1), beam_indices
