@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tests and the benchmarks on a CUDA machine, in one call from the repository root:
 #
-#   scripts/gpu_run.sh [STEP...]      STEP: tests w1 w2 w3 preempt profile (default: the first four)
+#   scripts/gpu_run.sh [STEP...]      STEP: tests w1 w2 w3 preempt profile beam (default: the
+#                                     first four)
 #
 # Everything printed also goes to $OUT/run.log, and the result JSONs, README-table.md and
 # throughput.png are copied into $OUT, when OUT is set. Each step runs under a time limit (a
@@ -14,10 +15,12 @@
 #                        figures of the result JSON already in $RESULTS for this workload and device
 #   SHAPE=0.6b CKPT=/tmp/ckpt/0.6b   the random bf16 checkpoint, built once
 #   RESULTS=benchmarks/results       where the benchmarks write their JSON
-#   T_TESTS=60 T_W1=270 T_W2=150 T_W3=60 T_PRE=240 T_PROF=120   time limits of the steps (s)
+#   T_TESTS=60 T_W1=270 T_W2=150 T_W3=60 T_PRE=240 T_PROF=120 T_BEAM=240   time limits of the
+#                        steps (s)
 #   REPEATS=3            repeats of each w2 latency measurement
 #   BENCH_ARGS=...       more arguments for every benchmark, e.g. "-E max_num_seqs=128"
-#   W1_ARGS W2_ARGS W3_ARGS=...      more arguments for one benchmark, e.g. W1_ARGS="--baselines cb"
+#   W1_ARGS W2_ARGS W3_ARGS BEAM_ARGS=...   more arguments for one benchmark, e.g.
+#                        W1_ARGS="--baselines cb"
 #   PRE_ARGS="--num-requests 64 --num-kv-blocks 1000"   the preemption check (float32: slow)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -73,9 +76,10 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
       w3) bench w3 "${T_W3:-60}" bench_throughput "${W3_ARGS:-}" --workload w3 --baselines ;;
       preempt) step preempt "${T_PRE:-240}" python -m benchmarks.check_preemption \
             --model "$CKPT" --results-dir "$RESULTS" ${PRE_ARGS:---num-requests 64 --num-kv-blocks 1000} ;;
+      beam) bench beam "${T_BEAM:-240}" bench_beam_search "${BEAM_ARGS:-}" "${BASELINE_ARGS[@]}" ;;
       profile) step profile "${T_PROF:-120}" python -m benchmarks.profile_steps \
             --model "$CKPT" --results-dir "$RESULTS" ;;
-      *) echo "unknown step $s (steps: tests w1 w2 w3 preempt profile)"; STATUS+=("$s unknown") ;;
+      *) echo "unknown step $s (steps: tests w1 w2 w3 preempt profile beam)"; STATUS+=("$s unknown") ;;
     esac
   done
 
