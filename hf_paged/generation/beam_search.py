@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
@@ -45,7 +46,7 @@ class BeamSettings:
 
 @dataclass
 class Hypothesis:
-    score: torch.Tensor  # float32 scalar: sum of log-probs / generated length ** length_penalty
+    score: np.float32  # sum of log-probs / generated length ** length_penalty
     tokens: list[int]  # generated tokens, the EOS included
     beam_indices: list[int]  # for each token, the batch-wide row of the beam it extended
 
@@ -101,7 +102,8 @@ class BeamGroup(SequenceGroup):
                          keep_rows=s.keep_rows)
         self.row, self.settings, self.cohort = row, s, cohort
         self.scorer = cohort if cohort.processors else None
-        self.running_scores = torch.zeros(1)  # float32, one per member
+        # float32 as transformers' tensors (numpy: far cheaper per call than torch here)
+        self.running_scores = np.zeros(1, dtype=np.float32)  # one per member
         self.histories: list[list[int]] = [[]]  # beam indices of each member's tokens
         self.finished: list[Hypothesis] = []  # best first, at most num_beams
         self.improvable = True  # transformers' is_early_stop_heuristic_unsatisfied
@@ -119,18 +121,16 @@ class BeamGroup(SequenceGroup):
             self.score_rows.append(torch.stack([r[2] for r in reports]).repeat(repeat, 1))
             self.logit_rows.append(torch.stack([r[3] for r in reports]).repeat(repeat, 1))
         k = self.num_candidates
-        log_probs = torch.stack([r[0][:k] for r in reports])
-        tokens = torch.stack([r[1][:k] for r in reports])
-        accumulated = log_probs + self.running_scores[:, None]
+        log_probs = np.stack([r[0][:k].numpy() for r in reports])
+        tokens = np.stack([r[1][:k].numpy() for r in reports])
+        accumulated = (log_probs + self.running_scores[:, None]).ravel()
         # The best k over all beams; equal scores in transformers' flat (beam, token) order.
-        vocab = 1 << 40
-        flat = (torch.arange(len(members))[:, None] * vocab + tokens).flatten()
-        by_index = flat.argsort()
-        order = by_index[accumulated.flatten()[by_index].argsort(descending=True, stable=True)]
-        top = order[:k]
-        scores = accumulated.flatten()[top]
-        parents = (top // k).tolist()
-        new_tokens = tokens.flatten()[top].tolist()
+        flat = (np.arange(len(members))[:, None] * (1 << 40) + tokens).ravel()
+        top = np.lexsort((flat, -accumulated))[:k]
+        scores = accumulated[top]
+        k = len(top)
+        parents = (top // tokens.shape[1]).tolist()
+        new_tokens = tokens.ravel()[top].tolist()
         length = self.num_steps + 1
         at_limit = length >= s.max_new_tokens
         stops = [at_limit or t in s.eos_token_ids for t in new_tokens]
@@ -163,7 +163,7 @@ class BeamGroup(SequenceGroup):
         s = self.settings
         if not self._can_improve():
             return
-        penalised = scores / (length**s.length_penalty)
+        penalised = scores / np.float32(length**s.length_penalty)  # float32, as torch divides
         new = []
         for i in range(s.num_beams):
             if stops[i]:
@@ -174,8 +174,8 @@ class BeamGroup(SequenceGroup):
                 ))
         if new:
             merged = self.finished + new
-            order = torch.stack([h.score for h in merged]).argsort(descending=True, stable=True)
-            self.finished = [merged[i] for i in order[: s.num_beams].tolist()]
+            order = np.argsort([-h.score for h in merged], kind="stable")
+            self.finished = [merged[i] for i in order[: s.num_beams]]
 
     def _can_improve(self) -> bool:
         """Whether new finished hypotheses may still be taken (transformers masks them once
@@ -189,9 +189,9 @@ class BeamGroup(SequenceGroup):
             best_length = s.max_new_tokens
         else:
             best_length = length
-        best_possible = self.running_scores[0] / (best_length**s.length_penalty)
+        best_possible = self.running_scores[0] / np.float32(best_length**s.length_penalty)
         full = len(self.finished) == s.num_beams
-        worst = min(h.score for h in self.finished) if full else torch.tensor(_MASK)
+        worst = min(h.score for h in self.finished) if full else np.float32(_MASK)
         self.improvable = self.improvable and bool(best_possible > worst)
 
     def _close(self) -> None:
@@ -251,7 +251,8 @@ def beam_search(engine, resolved: Resolved, prompts: list[list[int]], pad: int,
 
     return GenerateBeamDecoderOnlyOutput(
         sequences=sequences,
-        sequences_scores=torch.stack([h.score for g in groups for h in g.finished[:n]]).to(device)
+        sequences_scores=torch.tensor([h.score for g in groups for h in g.finished[:n]],
+                                      dtype=torch.float32, device=device)
         if output_scores else None,
         scores=per_step(lambda g: g.score_rows) if output_scores else None,
         logits=per_step(lambda g: g.logit_rows) if output_logits else None,
