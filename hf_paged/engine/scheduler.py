@@ -275,6 +275,7 @@ class Scheduler:
             for member in group.members:
                 if member is not group.root:
                     self._drop(member)
+            self.running = [s for s in self.running if s.status is Status.RUNNING]
             if group.admitted:
                 self.num_seq_slots -= group.width
                 group.admitted = False

@@ -234,3 +234,28 @@ def test_followers_share_the_prefilled_prompt():
     assert [s.output_token_ids for s in (leader, *followers)] == [[7], [8], [9]]
     second = sched.schedule()  # each writes its token into the shared half-filled block
     assert len(second.block_copies) == 2 and sched.block_manager.num_shared_blocks == 1
+
+
+def test_aborts_of_followers_leaders_and_groups_leak_nothing():
+    sched = make(num_blocks=32, block_size=4, max_seqs=8)
+    params = SamplingParams(max_new_tokens=5)
+    leader, first, second = (Sequence(list(range(6)), params) for _ in range(3))
+    sched.add(leader, [first, second])
+    root = Sequence([1, 2, 3, 4, 5], params)
+    ToyGroup(root, width=3, length=5)
+    sched.add(root)
+    sched.abort(first)  # a follower before its fork: gone, the others unaffected
+    sched.abort(leader)  # the leader before the fork: its follower takes the prompt over
+    assert list(sched.waiting) == [second, root] and second.followers == []
+    for _ in range(3):  # prefill, then the group forks its beams; then it is aborted
+        batch = sched.schedule()
+        tokens = fake_tokens(batch)
+        rows = [s for s, m in zip(batch.seqs, batch.sample) if m]
+        sched.postprocess(batch, [t for t, s in zip(tokens, rows) if s.group is None],
+                          [(None, [t], None, None) for t, s in zip(tokens, rows) if s.group])
+    assert len(root.group.members) == 3
+    sched.abort(root)
+    assert root.is_finished and all(m.is_finished for m in sched.take_dropped())
+    run_with_groups(sched)
+    assert second.num_new_tokens == 5 and first.finish_reason == leader.finish_reason == "abort"
+    assert sched.block_manager.num_free_blocks == 32 and sched.num_seq_slots == 0
