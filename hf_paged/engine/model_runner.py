@@ -128,11 +128,13 @@ class ModelRunner:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
-        elif self.device.type == "cuda":
-            num_blocks = self._blocks_that_fit_on_gpu()
         else:
-            num_blocks = int(cfg.cpu_kv_cache_gib * 2**30) // self._block_bytes()
-            # More blocks than every running sequence at full length could use is waste.
+            if self.device.type == "cuda":
+                num_blocks = self._blocks_that_fit_on_gpu()
+            else:
+                num_blocks = int(cfg.cpu_kv_cache_gib * 2**30) // self._block_bytes()
+            # More blocks than every running sequence at full length could use is waste (and
+            # on a shared GPU, memory taken from its neighbours).
             num_blocks = min(num_blocks, cfg.max_num_seqs * self.max_blocks_per_seq)
         if num_blocks < 1:
             raise ValueError(
@@ -187,6 +189,15 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[:num_seqs])
         self._sample(logits, [SamplingParams()] * num_seqs)
         torch.cuda.synchronize()
+
+    def close(self) -> None:
+        """Drop the decode graphs (and their memory pool) and the KV cache."""
+        self.graphs.clear()
+        self.graph_batch_sizes = []
+        for layer in self.model.attention_layers:
+            layer.k_cache = layer.v_cache = torch.empty(0)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # ---- inputs ---------------------------------------------------------------------------
 
