@@ -1,7 +1,7 @@
 """The model object a transformers script expects: ``hf_paged.AutoModelForCausalLM``.
 
 ``from_pretrained`` takes transformers' loading keywords plus every engine option and returns
-a ``PagedModelForCausalLM``: ``generate`` runs on the engine, calling the model computes
+hf_paged's ``Qwen3ForCausalLM``: ``generate`` runs on the engine, calling the model computes
 transformers' ``CausalLMOutputWithPast`` through the swapped modules, and ``config``,
 ``generation_config``, ``device``, ``dtype``, ``eval()`` and friends answer as transformers'
 own model would.
@@ -28,9 +28,11 @@ _DEVICE_MAP_STRATEGIES = ("auto", "balanced", "sequential")
 _LOSS_KEYWORDS = ("num_items_in_batch", "ignore_index", "shift_labels")
 
 
-class PagedModelForCausalLM(nn.Module):
+class Qwen3ForCausalLM(nn.Module):
     """A Qwen3 causal LM served by a ``PagedEngine``: ``generate`` runs on the engine, and
-    calling the model returns transformers' outputs computed by the same swapped modules."""
+    calling the model returns transformers' outputs computed by the same swapped modules.
+
+    It bears transformers' class name because pipelines check models by that name."""
 
     main_input_name = "input_ids"
 
@@ -41,6 +43,13 @@ class PagedModelForCausalLM(nn.Module):
         self.model = engine.model.hf_model.model
         self.lm_head = engine.model.hf_model.lm_head
         super().train(False)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *model_args,
+                        **kwargs) -> Qwen3ForCausalLM:
+        """See ``AutoModelForCausalLM.from_pretrained``."""
+        return AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *model_args,
+                                                    **kwargs)
 
     # ---- what scripts read --------------------------------------------------------------
 
@@ -79,18 +88,18 @@ class PagedModelForCausalLM(nn.Module):
 
     # ---- inference only, on the device it was loaded on ---------------------------------
 
-    def train(self, mode: bool = True) -> PagedModelForCausalLM:
+    def train(self, mode: bool = True) -> Qwen3ForCausalLM:
         if mode:
             raise RuntimeError("hf_paged models are for inference only; train(True) is refused")
         return super().train(False)
 
-    def requires_grad_(self, requires_grad: bool = True) -> PagedModelForCausalLM:
+    def requires_grad_(self, requires_grad: bool = True) -> Qwen3ForCausalLM:
         if requires_grad:
             raise RuntimeError("hf_paged models are for inference only; requires_grad_(True) "
                                "is refused")
         return self
 
-    def to(self, *args, **kwargs) -> PagedModelForCausalLM:
+    def to(self, *args, **kwargs) -> Qwen3ForCausalLM:
         """A no-op to the device and dtype the model has; anything else is an error (load the
         model again with ``device_map=``/``dtype=`` instead)."""
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
@@ -106,20 +115,20 @@ class PagedModelForCausalLM(nn.Module):
             )
         return self
 
-    def cuda(self, device=None) -> PagedModelForCausalLM:
+    def cuda(self, device=None) -> Qwen3ForCausalLM:
         return self.to(torch.device("cuda") if device is None else torch.device("cuda", device)
                        if isinstance(device, int) else device)
 
-    def cpu(self) -> PagedModelForCausalLM:
+    def cpu(self) -> Qwen3ForCausalLM:
         return self.to("cpu")
 
-    def half(self) -> PagedModelForCausalLM:
+    def half(self) -> Qwen3ForCausalLM:
         return self.to(torch.float16)
 
-    def bfloat16(self) -> PagedModelForCausalLM:
+    def bfloat16(self) -> Qwen3ForCausalLM:
         return self.to(torch.bfloat16)
 
-    def float(self) -> PagedModelForCausalLM:
+    def float(self) -> Qwen3ForCausalLM:
         return self.to(torch.float32)
 
     # ---- generation and scoring ---------------------------------------------------------
@@ -179,7 +188,7 @@ class PagedModelForCausalLM(nn.Module):
         """Free the weights, KV cache and CUDA graphs; see ``PagedEngine.close``."""
         self.engine.close()
 
-    def __enter__(self) -> PagedModelForCausalLM:
+    def __enter__(self) -> Qwen3ForCausalLM:
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -192,7 +201,7 @@ class AutoModelForCausalLM:
     @classmethod
     def from_pretrained(
         cls, pretrained_model_name_or_path: str | os.PathLike, *model_args, **kwargs
-    ) -> PagedModelForCausalLM:
+    ) -> Qwen3ForCausalLM:
         """Load like ``transformers.AutoModelForCausalLM.from_pretrained``.
 
         Accepts transformers' ``dtype``/``torch_dtype`` (a dtype, its name or ``"auto"``,
@@ -205,7 +214,7 @@ class AutoModelForCausalLM:
         """
         if model_args:
             raise TypeError("from_pretrained() takes the checkpoint and keyword arguments only")
-        return PagedModelForCausalLM(load_engine(str(pretrained_model_name_or_path), kwargs))
+        return Qwen3ForCausalLM(load_engine(os.fspath(pretrained_model_name_or_path), kwargs))
 
 
 def load_engine(path_or_id: str, kwargs: dict) -> PagedEngine:

@@ -9,7 +9,7 @@ import warnings
 import transformers
 from transformers import AutoConfig
 
-from hf_paged.integrations.causal_lm import AutoModelForCausalLM, PagedModelForCausalLM
+from hf_paged.integrations.causal_lm import AutoModelForCausalLM
 
 # The loaders a script calls for a Qwen3 causal LM.
 PATCHED = ("AutoModelForCausalLM", "Qwen3ForCausalLM")
@@ -36,8 +36,8 @@ class TransformersPatch:
 
 def patch_transformers() -> TransformersPatch:
     """Make ``transformers.AutoModelForCausalLM.from_pretrained`` and
-    ``transformers.Qwen3ForCausalLM.from_pretrained`` return a ``PagedModelForCausalLM`` for
-    Qwen3 checkpoints; other checkpoints load with stock transformers, with a warning.
+    ``transformers.Qwen3ForCausalLM.from_pretrained`` return hf_paged's ``Qwen3ForCausalLM``
+    for Qwen3 checkpoints; other checkpoints load with stock transformers, with a warning.
     Patching twice is the same as once."""
     for name in PATCHED:
         cls = getattr(transformers, name)
@@ -82,7 +82,7 @@ def _loader(patched_cls: type, stock):
         return stock.__get__(None, cls)(pretrained_model_name_or_path, *model_args, **kwargs)
 
     from_pretrained.__doc__ = (f"{patched_cls.__name__}.from_pretrained, patched by hf_paged: "
-                               f"Qwen3 checkpoints load as {PagedModelForCausalLM.__name__}.")
+                               "Qwen3 checkpoints load on hf_paged's engine.")
     return from_pretrained
 
 
