@@ -137,6 +137,8 @@ class Qwen3ForCausalLM(nn.Module):
         """transformers' ``generate`` (same arguments, same result), run by the engine."""
         if inputs is None:
             inputs = kwargs.pop("input_ids", None)
+        if isinstance(inputs, torch.Tensor):
+            _check_id_dtype(inputs)
         return self.engine.generate(inputs, generation_config=generation_config, **kwargs)
 
     def forward(
@@ -152,9 +154,9 @@ class Qwen3ForCausalLM(nn.Module):
         return_dict: bool | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast | tuple:
-        """transformers' ``Qwen3ForCausalLM.forward`` over whole sequences. It keeps no KV
-        cache (``past_key_values`` is None; use ``generate`` to decode). Positions the
-        attention mask drops get logits of zero."""
+        """transformers' ``Qwen3ForCausalLM.forward`` (SDPA attention) over whole sequences,
+        on a scratch cache. It keeps no KV cache: ``past_key_values`` is None; decode with
+        ``generate``."""
         _refuse_forward_options(past_key_values, inputs_embeds, use_cache, kwargs)
         if self.engine.closed:
             raise RuntimeError("this model was closed; load it again to use it")
@@ -292,12 +294,16 @@ def check_input_ids(input_ids, vocab_size: int) -> torch.Tensor:
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else None
         raise ValueError(f"input_ids must be a 2-D tensor [batch, seq_len], got "
                          f"{type(input_ids).__name__} of shape {shape}")
-    if input_ids.dtype not in (torch.int16, torch.int32, torch.int64):
-        raise ValueError(f"input_ids must hold token ids as int16, int32 or int64, got "
-                         f"{input_ids.dtype} (8-bit types cannot hold a vocabulary's ids)")
+    _check_id_dtype(input_ids)
     if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= vocab_size):
         raise ValueError(f"input_ids: token ids must lie in [0, {vocab_size})")
     return input_ids
+
+
+def _check_id_dtype(input_ids: torch.Tensor) -> None:
+    if input_ids.dtype not in (torch.int16, torch.int32, torch.int64):
+        raise ValueError(f"input_ids must hold token ids as int16, int32 or int64, got "
+                         f"{input_ids.dtype} (8-bit types cannot hold a vocabulary's ids)")
 
 
 def _shaped(name: str, mask, input_ids: torch.Tensor) -> torch.Tensor:
