@@ -191,13 +191,14 @@ class ModelRunner:
         torch.cuda.synchronize()
 
     def close(self) -> None:
-        """Drop the decode graphs (and their memory pool) and the KV cache."""
-        self.graphs.clear()
-        self.graph_batch_sizes = []
-        for layer in self.model.attention_layers:
-            layer.k_cache = layer.v_cache = torch.empty(0)
+        """Drop the decode graphs (their memory pool and input buffers) and the KV cache."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        self.graphs.clear()
+        self.graph_batch_sizes = []
+        self.graph_inputs = self.graph_cu_seqlens = self.last_tokens = None
+        for layer in self.model.attention_layers:
+            layer.k_cache = layer.v_cache = torch.empty(0)
 
     # ---- inputs ---------------------------------------------------------------------------
 
