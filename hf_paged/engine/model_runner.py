@@ -137,9 +137,9 @@ class ModelRunner:
             # on a shared GPU, memory taken from its neighbours).
             num_blocks = min(num_blocks, cfg.max_num_seqs * self.max_blocks_per_seq)
         if num_blocks < 1:
+            memory = "gpu_memory_utilization" if self.device.type == "cuda" else "cpu_kv_cache_gib"
             raise ValueError(
-                "no memory is left for the KV cache: raise gpu_memory_utilization or set "
-                "num_kv_blocks"
+                f"no memory is left for the KV cache: raise {memory} or set num_kv_blocks"
             )
         attn = self.model.attention_layers[0]
         shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)

@@ -198,6 +198,16 @@ def test_bad_forward_input(model, call, match):
     assert model(IDS).logits.shape == (1, IDS.shape[1], 1024)
 
 
+def test_cache_errors_name_the_cpu_setting(tiny_checkpoint):
+    model = hf_paged.AutoModelForCausalLM.from_pretrained(
+        tiny_checkpoint, max_model_len=128, num_kv_blocks=2, block_size=8, device_map="cpu")
+    with pytest.raises(ValueError, match="cpu_kv_cache_gib"):
+        model.generate(IDS, max_new_tokens=40)
+    with pytest.raises(ValueError, match="cpu_kv_cache_gib"):
+        hf_paged.AutoModelForCausalLM.from_pretrained(tiny_checkpoint, cpu_kv_cache_gib=1e-9,
+                                                      device_map="cpu")
+
+
 def test_close_then_load_again(tiny_checkpoint):
     with hf_paged.AutoModelForCausalLM.from_pretrained(tiny_checkpoint, **SMALL) as first:
         expected = first.generate(IDS, max_new_tokens=5)
