@@ -135,11 +135,7 @@ class Qwen3ForCausalLM(nn.Module):
 
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):
         """transformers' ``generate`` (same arguments, same result), run by the engine."""
-        if inputs is None:
-            inputs = kwargs.pop("input_ids", None)
-        if isinstance(inputs, torch.Tensor):
-            _check_id_dtype(inputs)
-        return self.engine.generate(inputs, generation_config=generation_config, **kwargs)
+        return self.engine.generate(inputs, generation_config, **kwargs)
 
     def forward(
         self,
