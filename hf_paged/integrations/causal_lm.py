@@ -9,19 +9,34 @@ own model would.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from hf_paged.config import EngineConfig
 from hf_paged.engine.engine import PagedEngine
 from hf_paged.modeling.full_forward import full_forward
 
 # transformers' own hub keywords, passed to huggingface_hub to find a checkpoint by id.
 _HUB_KEYWORDS = ("revision", "token", "cache_dir", "local_files_only", "force_download", "proxies")
-# Accepted and left to the engine, which chooses its own attention and loads weights lazily.
-_IGNORED_KEYWORDS = ("attn_implementation", "low_cpu_mem_usage", "_from_pipeline", "_from_auto")
+# Accepted and left to the engine, which chooses its own attention and loads weights lazily;
+# no code runs from a checkpoint, so the revision of its code means nothing either.
+_IGNORED_KEYWORDS = ("attn_implementation", "low_cpu_mem_usage", "code_revision",
+                     "_from_pipeline", "_from_auto")
+# transformers keywords hf_paged cannot honour: accepted at their defaults (None or False) only.
+_REFUSED_UNLESS_DEFAULT = (
+    "config", "state_dict", "quantization_config", "variant", "gguf_file", "max_memory",
+    "offload_folder", "offload_buffers", "output_loading_info", "adapter_kwargs", "key_mapping",
+    "tp_plan", "tp_size", "device_mesh", "distributed_config", "use_kernels", "kernel_config",
+)
+# Keywords taken by hf_paged: transformers' placement ones, then every EngineConfig field.
+_ENGINE_KEYWORDS = (
+    "dtype", "torch_dtype", "device_map", "device", "subfolder", "generation_config",
+    *(f.name for f in dataclasses.fields(EngineConfig)),
+)
 # device_map strategies that accelerate spreads over GPUs; the engine takes the first one.
 _DEVICE_MAP_STRATEGIES = ("auto", "balanced", "sequential")
 # Keywords of transformers' loss function, passed on with ``labels``.
@@ -206,9 +221,11 @@ class AutoModelForCausalLM:
         the default: the checkpoint's), ``device_map`` (``None``/``"auto"``: the first GPU,
         else the CPU; ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``N`` or ``{"": N}``), the hub's
         ``revision``, ``token``, ``cache_dir``, ``local_files_only``, ``force_download`` and
-        ``proxies``, ``trust_remote_code=False``, ``use_safetensors``, and ignores
-        ``attn_implementation`` and ``low_cpu_mem_usage`` (the engine chooses). Every
-        ``EngineConfig`` field may be passed too; anything else raises a ``TypeError``.
+        ``proxies``, ``subfolder``, ``generation_config``, ``trust_remote_code=False``,
+        ``use_safetensors``, and ignores ``attn_implementation`` and ``low_cpu_mem_usage``
+        (the engine chooses). Every ``EngineConfig`` field may be passed too. transformers
+        keywords it cannot honour (``quantization_config``, ``config``, ...) raise a
+        ``ValueError`` unless None; unknown ones a ``TypeError``.
         """
         if model_args:
             raise TypeError("from_pretrained() takes the checkpoint and keyword arguments only")
@@ -218,6 +235,7 @@ class AutoModelForCausalLM:
 def load_engine(path_or_id: str, kwargs: dict) -> PagedEngine:
     """A ``PagedEngine`` from transformers-style ``from_pretrained`` keywords."""
     kwargs = dict(kwargs)
+    engine_options = {n: kwargs.pop(n) for n in _ENGINE_KEYWORDS if n in kwargs}
     hub = {name: kwargs.pop(name) for name in _HUB_KEYWORDS if name in kwargs}
     for name in _IGNORED_KEYWORDS:
         kwargs.pop(name, None)
@@ -226,21 +244,27 @@ def load_engine(path_or_id: str, kwargs: dict) -> PagedEngine:
                          "checkpoint (safetensors weights of known architectures only)")
     if kwargs.pop("use_safetensors", None) is False:
         raise ValueError("use_safetensors=False is refused: hf_paged loads safetensors only")
-    dtype, torch_dtype = kwargs.pop("dtype", None), kwargs.pop("torch_dtype", None)
-    dtype = dtype if dtype is not None else torch_dtype
-    if "device_map" in kwargs:
-        if kwargs.get("device") is not None:
-            raise ValueError("pass device_map or device, not both")
-        kwargs["device"] = resolve_device_map(kwargs.pop("device_map"))
-    path = resolve_checkpoint(path_or_id, hub)
-    try:
-        engine = PagedEngine.from_pretrained(
-            path, dtype=None if dtype == "auto" else dtype, **kwargs
+    refused = sorted(n for n in _REFUSED_UNLESS_DEFAULT if kwargs.pop(n, None) not in (None, False))
+    if refused:
+        raise ValueError(f"from_pretrained(): {', '.join(refused)} not supported by hf_paged")
+    if kwargs:
+        raise TypeError(
+            f"from_pretrained() got keyword(s) hf_paged does not know: "
+            f"{', '.join(sorted(kwargs))}; engine options: {', '.join(sorted(_ENGINE_KEYWORDS))}"
         )
-    except TypeError as error:  # an unknown keyword: say which loading keywords exist too
-        raise TypeError(f"from_pretrained(): {error}; transformers keywords accepted: "
-                        f"dtype, torch_dtype, device_map, trust_remote_code, use_safetensors, "
-                        f"{', '.join(_HUB_KEYWORDS + _IGNORED_KEYWORDS[:2])}") from None
+    dtype = engine_options.pop("torch_dtype", None)
+    dtype = engine_options.pop("dtype", None) or dtype
+    if "device_map" in engine_options:
+        if engine_options.get("device") is not None:
+            raise ValueError("pass device_map or device, not both")
+        engine_options["device"] = resolve_device_map(engine_options.pop("device_map"))
+    generation_config = engine_options.pop("generation_config", None)
+    path = os.path.join(resolve_checkpoint(path_or_id, hub), engine_options.pop("subfolder", ""))
+    engine = PagedEngine.from_pretrained(
+        path, dtype=None if dtype == "auto" else dtype, **engine_options
+    )
+    if generation_config is not None:
+        engine.generation_config = generation_config
     engine.hf_config._name_or_path = path_or_id
     return engine
 

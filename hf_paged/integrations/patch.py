@@ -68,17 +68,16 @@ def _loader(patched_cls: type, stock):
     (and subclasses of the patched class) to ``stock``, the original classmethod."""
 
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
-        if cls is patched_cls and not model_args and kwargs.get("config") is None:
+        if cls is patched_cls:
             model_type = _model_type(pretrained_model_name_or_path, kwargs)
-            if model_type == "qwen3":
+            if model_type == "qwen3" and not model_args and kwargs.get("config") is None:
                 return AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path,
                                                             **kwargs)
             if model_type is not None:
-                warnings.warn(
-                    f"hf_paged serves Qwen3 checkpoints only; {pretrained_model_name_or_path!r} "
-                    f"(model_type {model_type!r}) loads with stock transformers",
-                    stacklevel=2,
-                )
+                why = ("hf_paged serves Qwen3 checkpoints only" if model_type != "qwen3" else
+                       "hf_paged reads the checkpoint's own config (no config or model_args)")
+                warnings.warn(f"{why}; {pretrained_model_name_or_path!r} (model_type "
+                              f"{model_type!r}) loads with stock transformers", stacklevel=2)
         return stock.__get__(None, cls)(pretrained_model_name_or_path, *model_args, **kwargs)
 
     from_pretrained.__doc__ = (f"{patched_cls.__name__}.from_pretrained, patched by hf_paged: "

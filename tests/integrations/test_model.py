@@ -28,6 +28,10 @@ def model(tiny_checkpoint):
     dict(dtype="float32", device_map={"": "cpu"}),
     dict(device_map="auto", attn_implementation="sdpa", low_cpu_mem_usage=True,
          trust_remote_code=False, revision="main", token=None, local_files_only=True),
+    # what pipeline("text-generation", model=path) passes
+    dict(_from_pipeline="text-generation", revision=None, token=None, trust_remote_code=None,
+         local_files_only=False, code_revision=None, dtype="auto"),
+    dict(quantization_config=None, variant=None, state_dict=None, use_kernels=False),
 ])
 def test_transformers_loading_keywords(tiny_checkpoint, stock_model, kwargs):
     model = hf_paged.AutoModelForCausalLM.from_pretrained(tiny_checkpoint, **kwargs, **SMALL)
@@ -89,10 +93,21 @@ def test_harmless_and_refused_moves(model):
     (dict(use_safetensors=False), "use_safetensors"),
     (dict(dtype="int8"), "dtype"),
     (dict(device_map="cpu", device="cpu"), "device_map or device"),
+    (dict(quantization_config={"load_in_8bit": True}), "quantization_config"),
+    (dict(config=object()), "config"),
 ])
 def test_refused_keywords(tiny_checkpoint, kwargs, match):
     with pytest.raises(ValueError, match=match):
         hf_paged.AutoModelForCausalLM.from_pretrained(tiny_checkpoint, **kwargs, **SMALL)
+
+
+def test_subfolder_and_generation_config(tiny_checkpoint, stock_model, tmp_path):
+    shutil.copytree(tiny_checkpoint, tmp_path / "inner")
+    config = transformers.GenerationConfig(max_new_tokens=3, eos_token_id=2, pad_token_id=0)
+    model = hf_paged.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), subfolder="inner", generation_config=config, **SMALL)
+    assert model.generation_config is config
+    assert torch.equal(model.generate(IDS), stock_model.generate(IDS, max_new_tokens=3))
 
 
 def test_unknown_keyword_is_named(tiny_checkpoint):

@@ -63,6 +63,14 @@ def test_other_architectures_load_stock_with_a_warning(llama_checkpoint):
     assert len([w for w in caught if "hf_paged" in str(w.message)]) == 1
 
 
+def test_a_config_object_loads_stock_with_a_warning(tiny_checkpoint, stock_model):
+    with hf_paged.patch_transformers():
+        with pytest.warns(UserWarning, match="own config"):
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                tiny_checkpoint, config=stock_model.config)
+    assert type(model) is transformers.Qwen3ForCausalLM
+
+
 def test_subclasses_load_stock_without_a_warning(tiny_checkpoint):
     class Custom(transformers.Qwen3ForCausalLM):
         pass
