@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
     mk = sub.add_parser("make-checkpoint", help="write a random Qwen3 checkpoint")
     mk.add_argument("--shape", default="tiny", choices=["tiny", "0.6b", "1.7b", "8b"])
-    mk.add_argument("--dtype", default="bfloat16")
+    mk.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("out")
 
