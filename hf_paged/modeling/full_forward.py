@@ -60,8 +60,8 @@ def full_forward(
         max_query_len=max(int(lengths.max()), 1),
     )
     order = torch.cat([kept, dropped])
-    tokens = input_ids.to(device).flatten()[order]
-    positions = position_ids.to(device).expand(batch, width).flatten()[order]
+    tokens = input_ids.to(device, torch.long).flatten()[order]
+    positions = position_ids.to(device, torch.long).expand(batch, width).flatten()[order]
     out = torch.empty(batch * width, model.config.hidden_size,
                       dtype=model.embed_tokens.weight.dtype, device=device)
     with _scratch_cache(model, zero + 1, block_size):
