@@ -15,6 +15,7 @@ import os
 import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils import logging
 
 from hf_paged.config import EngineConfig
 from hf_paged.engine.engine import PagedEngine
@@ -94,6 +95,14 @@ class Qwen3ForCausalLM(nn.Module):
 
     def can_generate(self) -> bool:
         return True
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """transformers' count: each parameter once (tied ones too), the input embedding left
+        out with ``exclude_embeddings``; nothing here trains."""
+        if only_trainable:
+            return 0
+        skip = self.model.embed_tokens.weight if exclude_embeddings else None
+        return sum(p.numel() for p in self.parameters() if p is not skip)
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.embed_tokens
@@ -253,6 +262,9 @@ def load_engine(path_or_id: str, kwargs: dict) -> PagedEngine:
             f"{', '.join(sorted(kwargs))}; engine options: {', '.join(sorted(_ENGINE_KEYWORDS))}"
         )
     dtype = engine_options.pop("torch_dtype", None)
+    if dtype is not None:  # transformers' own deprecation notice, as its loader gives it
+        logging.get_logger("transformers.modeling_utils").warning_once(
+            "`torch_dtype` is deprecated! Use `dtype` instead!")
     dtype = engine_options.pop("dtype", None) or dtype
     if "device_map" in engine_options:
         if engine_options.get("device") is not None:

@@ -59,6 +59,9 @@ def test_what_scripts_read(model, stock_model, tiny_checkpoint):
     assert model.config.eos_token_id == 2
     assert type(model).__name__ == "Qwen3ForCausalLM"
     assert model.get_input_embeddings().weight.shape == (1024, 64)
+    for exclude in (False, True):
+        assert model.num_parameters(exclude_embeddings=exclude) == stock_model.num_parameters(
+            exclude_embeddings=exclude)
     names = {n for n, _ in model.named_parameters()}
     assert "model.layers.0.self_attn.qkv_proj.weight" in names
 
