@@ -110,6 +110,8 @@ def resolve(
     if config.guidance_scale not in (None, 1, 1.0):
         raise ValueError(
             f"guidance_scale is not supported by hf_paged: {_REFUSED['negative_prompt_ids']}")
+    if config.token_healing:
+        raise ValueError("token_healing is not supported by hf_paged's generate()")
     if config.use_cache is False:
         raise ValueError("use_cache=False is not supported: the paged KV cache is always on")
 

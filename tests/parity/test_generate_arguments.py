@@ -90,6 +90,8 @@ def cases(ids, new):
             max_new_tokens=12, logits_processor=LogitsProcessorList([BanEvenAfterThree(width)])),
         "user_stopping_criteria": dict(
             max_new_tokens=12, stopping_criteria=StoppingCriteriaList([StopAtToken(b)])),
+        "encoder_repetition_penalty": dict(max_new_tokens=12, encoder_repetition_penalty=1.6),
+        "encoder_no_repeat_ngram_size": dict(max_new_tokens=12, encoder_no_repeat_ngram_size=1),
         "penalty_with_ngrams": dict(max_new_tokens=12, repetition_penalty=1.3,
                                     no_repeat_ngram_size=3),
     }
@@ -162,21 +164,29 @@ def test_checkpoint_generation_config_merges_as_in_transformers(configured_check
     assert torch.equal(engine.generate(ids, attention_mask=mask, **call), ref)
 
 
-def test_sampling_draws_from_transformers_allowed_set(setup):
-    """do_sample without top_k keeps transformers' default top_k=50: over many one-token
-    draws the engine's tokens are exactly transformers' allowed set for that step."""
-    engine, model, ids, mask, _ = setup
+@pytest.mark.parametrize("warpers", [
+    dict(temperature=1.5, top_p=0.97),  # and transformers' default top_k=50
+    dict(top_k=20, top_p=0.9, repetition_penalty=1.3),
+    dict(top_k=0, min_p=0.02),
+    dict(top_k=0, typical_p=0.9),
+    dict(top_k=0, epsilon_cutoff=2e-3),
+    dict(top_k=0, eta_cutoff=2e-3, temperature=0.8),
+])
+def test_sampling_draws_from_transformers_allowed_set(setup, warpers):
+    """Over many one-token draws the engine's tokens are exactly the set transformers' own
+    processors and warpers leave for that step."""
+    engine, model, ids, _, _ = setup
     prompt = ids[2:, :]
-    kwargs = dict(do_sample=True, max_new_tokens=1, temperature=1.5, top_p=0.97)
+    kwargs = dict(do_sample=True, max_new_tokens=1, **warpers)
     with torch.no_grad():
         logits = model(prompt).logits[:, -1].float()
     config, _ = model._prepare_generation_config(None, **kwargs)
     model._prepare_special_tokens(config, False, device="cpu", batch_size=1)
-    warpers = model._get_logits_processor(config, prompt.shape[1], logits_processor=[])
-    allowed = set(torch.isfinite(warpers(prompt, logits.clone()))[0].nonzero()[:, 0].tolist())
-    assert 5 < len(allowed) <= 50
+    warp = model._get_logits_processor(config, prompt.shape[1], logits_processor=[])
+    allowed = set(torch.isfinite(warp(prompt, logits.clone()))[0].nonzero()[:, 0].tolist())
+    assert 3 <= len(allowed) <= 60
     torch.manual_seed(0)
-    out = engine.generate(prompt, num_return_sequences=3000, **kwargs)
+    out = engine.generate(prompt, num_return_sequences=1500, **kwargs)
     drawn = set(out[:, -1].tolist())
     assert drawn <= allowed
     assert len(drawn) >= len(allowed) - 3  # nearly all of the allowed set shows up
