@@ -195,12 +195,13 @@ class ModelRunner:
         torch.cuda.synchronize()
 
     def close(self) -> None:
-        """Drop the decode graphs (their memory pool and input buffers) and the KV cache."""
+        """Drop the decode graphs (their memory pool and input buffers), the KV cache and the
+        other device buffers."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.graphs.clear()
         self.graph_batch_sizes = []
-        self.graph_inputs = self.graph_cu_seqlens = self.last_tokens = None
+        self.graph_inputs = self.graph_cu_seqlens = self.last_tokens = self.seen = None
         for layer in self.model.attention_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
 
