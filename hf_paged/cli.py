@@ -88,7 +88,7 @@ def _generate(args: argparse.Namespace) -> int:
     model = args.model
     if model is None:
         model = str(DEFAULT_MODEL)
-        if not (DEFAULT_MODEL / "config.json").exists():
+        if not (DEFAULT_MODEL / "tokenizer.json").exists():  # absent, or older: no tokenizer
             from hf_paged.random_checkpoint import make_checkpoint
 
             make_checkpoint("tiny", model, dtype="float32")
