@@ -306,7 +306,8 @@ def resolve_device_map(device_map) -> torch.device | None:
         if len(devices) != 1:
             raise ValueError(
                 f"device_map spreads the model over {sorted(map(str, devices))}; hf_paged keeps "
-                "a model on one device (to split it over GPUs, use tensor parallelism)"
+                "a model on one device: to split it over GPUs, use tensor parallelism "
+                "(tensor_parallel_size=N)"
             )
         device_map = devices.pop()
     try:
