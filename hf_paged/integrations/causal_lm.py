@@ -180,8 +180,8 @@ class Qwen3ForCausalLM(nn.Module):
         _refuse_forward_options(past_key_values, inputs_embeds, use_cache, kwargs)
         if self.engine.closed:
             raise RuntimeError("this model was closed; load it again to use it")
-        input_ids = check_input_ids(input_ids, self.config.vocab_size)
-        attention_mask = _shaped("attention_mask", attention_mask, input_ids)
+        input_ids = _check_input_ids(input_ids, self.config.vocab_size)
+        attention_mask = _attention_mask(attention_mask, input_ids)
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         if position_ids.shape[-1] != input_ids.shape[1] or position_ids.dim() > 2:
@@ -321,30 +321,26 @@ def resolve_device_map(device_map) -> torch.device | None:
     return device
 
 
-def check_input_ids(input_ids, vocab_size: int) -> torch.Tensor:
+def _check_input_ids(input_ids, vocab_size: int) -> torch.Tensor:
     """Raise ValueError naming ``input_ids`` unless it is a 2-D tensor of in-vocabulary ids."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else None
         raise ValueError(f"input_ids must be a 2-D tensor [batch, seq_len], got "
                          f"{type(input_ids).__name__} of shape {shape}")
-    _check_id_dtype(input_ids)
+    if input_ids.dtype not in (torch.int16, torch.int32, torch.int64):
+        raise ValueError(f"input_ids must hold token ids as int16, int32 or int64, got "
+                         f"{input_ids.dtype} (8-bit types cannot hold a vocabulary's ids)")
     if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= vocab_size):
         raise ValueError(f"input_ids: token ids must lie in [0, {vocab_size})")
     return input_ids
 
 
-def _check_id_dtype(input_ids: torch.Tensor) -> None:
-    if input_ids.dtype not in (torch.int16, torch.int32, torch.int64):
-        raise ValueError(f"input_ids must hold token ids as int16, int32 or int64, got "
-                         f"{input_ids.dtype} (8-bit types cannot hold a vocabulary's ids)")
-
-
-def _shaped(name: str, mask, input_ids: torch.Tensor) -> torch.Tensor:
+def _attention_mask(mask, input_ids: torch.Tensor) -> torch.Tensor:
     if mask is None:
         return torch.ones_like(input_ids)
     if not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape:
         shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise ValueError(f"{name} must have the shape of input_ids "
+        raise ValueError(f"attention_mask must have the shape of input_ids "
                          f"{tuple(input_ids.shape)}, got {shape}")
     return mask
 
@@ -355,7 +351,8 @@ def _refuse_forward_options(past_key_values, inputs_embeds, use_cache, kwargs) -
                          "whole sequences, or decode with generate()")
     if inputs_embeds is not None:
         raise ValueError("inputs_embeds is not supported by hf_paged's forward; pass input_ids")
-    refused = sorted(n for n, v in kwargs.items() if n not in _LOSS_KEYWORDS and v)
+    refused = sorted(n for n, v in kwargs.items()
+                     if n not in _LOSS_KEYWORDS and v is not None and v is not False)
     if refused:
         raise ValueError(f"forward() got argument(s) hf_paged does not support: "
                          f"{', '.join(refused)}")
