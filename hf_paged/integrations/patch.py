@@ -44,8 +44,8 @@ def patch_transformers() -> TransformersPatch:
         if cls in _saved:
             continue
         _saved[cls] = cls.__dict__.get("from_pretrained", _ABSENT)
-        cls.from_pretrained = classmethod(_loader(cls, inspect.getattr_static(cls,
-                                                                              "from_pretrained")))
+        stock = inspect.getattr_static(cls, "from_pretrained")  # the classmethod, maybe inherited
+        cls.from_pretrained = classmethod(_loader(cls, stock))
     return TransformersPatch()
 
 
@@ -57,10 +57,6 @@ def unpatch_transformers() -> None:
         else:
             cls.from_pretrained = original
         del _saved[cls]
-
-
-def is_patched() -> bool:
-    return bool(_saved)
 
 
 def _loader(patched_cls: type, stock):
