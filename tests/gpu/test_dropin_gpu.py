@@ -53,7 +53,9 @@ def test_two_models_one_after_another(bf16_checkpoint):
         assert torch.equal(third.generate(IDS.cuda(), max_new_tokens=16), expected)
 
 
-@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+# bf16: logits reach about 16, where bf16 steps by 0.125; another summation order moves them
+# by a step or two.
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 0.25)])
 def test_forward_logits_on_gpu(bf16_checkpoint, dtype, atol):
     model = hf_paged.AutoModelForCausalLM.from_pretrained(bf16_checkpoint, dtype=dtype,
                                                           max_model_len=256)
