@@ -39,6 +39,7 @@ def build_workload(args: argparse.Namespace, max_token_id: int) -> tuple[Workloa
     make = w1 if args.workload == "w1" else w3
     workload = make(**sizes, max_token_id=max_token_id)
     description = {"description": make.__doc__.splitlines()[0], **sizes, **workload.describe()}
+    description["temperature"] = args.temperature
     if args.repetition_penalty != 1.0:
         description["repetition_penalty_run"] = args.repetition_penalty
     return workload, description
@@ -93,9 +94,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline-requests", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=64, help="generate baselines' batch")
     parser.add_argument(
+        "--temperature", type=float,
+        help="sampling temperature of every system (W1 default 0.6, as nano-vllm's bench "
+        "samples, with a greedy hf_paged line beside it; W3 default 0: greedy)")
+    parser.add_argument(
         "--repetition-penalty", type=float, default=1.0,
         help="W1: also run hf_paged with this repetition penalty on every request")
     args = parser.parse_args(argv)
+    if args.temperature is None:
+        args.temperature = 0.6 if args.workload == "w1" else 0.0
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     workload, description = build_workload(args, common.max_token_id(args.model))
@@ -113,15 +120,18 @@ def main(argv: list[str] | None = None) -> None:
         return partial(measure, build, requests, args.batch_size, cost, bandwidth, device)
 
     options = common.engine_options(args.engine_option)
-    paged = partial(PagedSystem, args.model, dtype, device, **options)
+    sampling = {"temperature": args.temperature}
+    paged = partial(PagedSystem, args.model, dtype, device, sampling=sampling, **options)
     if args.workload == "w3":
         settings = {
             f"prefix_caching_{s}": {"enable_prefix_caching": s == "on"} for s in ("on", "off")
         }
     else:
         settings = {"hf_paged": {}}
+        if args.temperature:
+            settings["greedy"] = {"sampling": {"temperature": 0.0}}
         if args.repetition_penalty != 1.0:
-            penalty = {"repetition_penalty": args.repetition_penalty}
+            penalty = {**sampling, "repetition_penalty": args.repetition_penalty}
             settings["repetition_penalty"] = {"sampling": penalty}
     runs = {
         label: measure_on(workload, partial(paged, **extra)) for label, extra in settings.items()
@@ -134,7 +144,8 @@ def main(argv: list[str] | None = None) -> None:
         result.save()
 
     max_cache_len = max(map(len, few.prompts)) + max(few.max_new_tokens)
-    generate = partial(GenerateSystem, args.model, dtype, device, args.batch_size)
+    generate = partial(GenerateSystem, args.model, dtype, device, args.batch_size,
+                       temperature=args.temperature)
     common.run_baselines(
         result,
         args,
@@ -142,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
             "generate": measure_on(few, generate),
             "static": measure_on(few, partial(generate, static=True, max_cache_len=max_cache_len)),
             "cb": measure_on(
-                few, partial(ContinuousBatchingSystem, args.model, dtype, device, few)
+                few, partial(ContinuousBatchingSystem, args.model, dtype, device, few,
+                             temperature=args.temperature)
             ),
         },
     )

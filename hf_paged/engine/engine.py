@@ -101,6 +101,7 @@ class PagedEngine:
         )
         self.in_flight: LaunchedStep | None = None  # launched, tokens not collected yet
         self._last_batch = None
+        self.closed = False
 
     @property
     def device(self) -> torch.device:
@@ -125,6 +126,8 @@ class PagedEngine:
         hf_config = AutoConfig.from_pretrained(path)
         check_supported(hf_config)
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r}: CUDA is not available on this machine")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         dtype = resolve_dtype(dtype, hf_config)
@@ -163,6 +166,8 @@ class PagedEngine:
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError, naming the argument, for a request the engine cannot serve."""
+        if self.closed:
+            raise RuntimeError("this engine was closed; load the model again to generate")
         if len(prompt_token_ids) == 0:
             raise ValueError("input_ids: the prompt is empty (no unpadded tokens)")
         vocab = self.hf_config.vocab_size
@@ -178,9 +183,10 @@ class PagedEngine:
             )
         needed = self.block_manager.blocks_needed(total)
         if needed > self.block_manager.num_blocks:
+            memory = "gpu_memory_utilization" if self.device.type == "cuda" else "cpu_kv_cache_gib"
             raise ValueError(
                 f"max_new_tokens: the request needs {needed} KV blocks but the whole cache has "
-                f"{self.block_manager.num_blocks}; raise num_kv_blocks or gpu_memory_utilization"
+                f"{self.block_manager.num_blocks}; raise num_kv_blocks or {memory}"
             )
 
     def add_forked_requests(
@@ -322,6 +328,26 @@ class PagedEngine:
         hit = stats["prefix_cache_hits"] / max(stats["prefix_cache_queries"], 1)
         bar.set_postfix_str(f"{kind} {tokens / seconds:,.0f} tok/s, cache hit {hit:.0%}")
         bar.update(num_finished)
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Free the KV cache, the CUDA graphs and the weights, so that another model can load
+        in this process; the engine serves nothing afterwards. Calling it again does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        self.in_flight = self._last_batch = None
+        self.runner.close()
+        self.model.hf_model.to_empty(device="meta")  # frees the weights whoever holds them
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> PagedEngine:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     # ---- transformers-shaped entry point --------------------------------------------------
 

@@ -3,7 +3,8 @@
 Owns the KV cache (sized from free GPU memory on CUDA, from ``cpu_kv_cache_gib`` on CPU) and
 the decode CUDA graphs: one per batch size of a ladder, captured at start-up over static
 input buffers; a decode batch replays the smallest graph that fits, padded with rows whose
-slot is -1 (not stored) and whose context is empty. Sizes from ``_CASCADE_MIN_SEQS`` up have a
+slot is -1 (not stored) and whose context is empty; the graph samples too, with per-row
+settings among its inputs. Sizes from ``_CASCADE_MIN_SEQS`` up have a
 second graph with cascade attention, replayed when the batch's sequences all start with the
 same cache blocks (a prompt shared through the prefix cache).
 
@@ -39,6 +40,10 @@ from hf_paged.sampling_params import SamplingParams
 # times shared tokens and this many sequences (the smallest graph with a cascade twin).
 _CASCADE_MIN_TOKENS = 1 << 13
 _CASCADE_MIN_SEQS = 16
+# A decode graph's per-row inputs: ids, pending-token rows, positions, slots, context lengths,
+# temperature, top-k, top-p.
+_GRAPH_FIELDS = 8
+_ONE_BITS = int(np.array(1.0, np.float32).view(np.int32))  # top_p = 1.0 as int32 bits
 
 
 class BlockTableMirror:
@@ -122,7 +127,7 @@ class ModelRunner:
             self.host_tokens = [
                 torch.zeros(config.max_num_seqs, dtype=torch.long).pin_memory() for _ in "ab"
             ]
-        # (batch size, cascade) -> the graph, its logits and its greedy tokens
+        # (batch size, cascade) -> the graph, its logits and its sampled tokens
         self.graphs: dict[tuple[int, bool], tuple] = {}
         self.graph_batch_sizes: list[int] = []
         graphs_possible = self.device.type == "cuda" and config.attention_backend == "triton"
@@ -146,16 +151,18 @@ class ModelRunner:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
-        elif self.device.type == "cuda":
-            num_blocks = self._blocks_that_fit_on_gpu()
         else:
-            num_blocks = int(cfg.cpu_kv_cache_gib * 2**30) // self._block_bytes()
-            # More blocks than every running sequence at full length could use is waste.
+            if self.device.type == "cuda":
+                num_blocks = self._blocks_that_fit_on_gpu()
+            else:
+                num_blocks = int(cfg.cpu_kv_cache_gib * 2**30) // self._block_bytes()
+            # More blocks than every running sequence at full length could use is waste (and
+            # on a shared GPU, memory taken from its neighbours).
             num_blocks = min(num_blocks, cfg.max_num_seqs * self.max_blocks_per_seq)
         if num_blocks < 1:
+            memory = "gpu_memory_utilization" if self.device.type == "cuda" else "cpu_kv_cache_gib"
             raise ValueError(
-                "no memory is left for the KV cache: raise gpu_memory_utilization or set "
-                "num_kv_blocks"
+                f"no memory is left for the KV cache: raise {memory} or set num_kv_blocks"
             )
         attn = self.model.attention_layers[0]
         shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
@@ -224,6 +231,17 @@ class ModelRunner:
             if self.config.attention_backend == "triton":
                 self._warmup(_CASCADE_MIN_SEQS, 1, context, shared=True)
 
+    def close(self) -> None:
+        """Drop the decode graphs (their memory pool and input buffers), the KV cache and the
+        other device buffers."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.graphs.clear()
+        self.graph_batch_sizes = []
+        self.graph_inputs = self.graph_cu_seqlens = self.last_tokens = self.seen = None
+        for layer in self.model.attention_layers:
+            layer.k_cache = layer.v_cache = torch.empty(0)
+
     # ---- inputs ---------------------------------------------------------------------------
 
     def _prepare(self, batch: ScheduledBatch):
@@ -282,10 +300,11 @@ class ModelRunner:
         dev = self.device
         graph_bs = self._graph_batch_size(batch)
         shared = self._shared_prefix_len(batch, tables)
-        greedy = None
+        drawn = None
+        sampled_seqs = [s for s, sample in zip(batch.seqs, batch.sample) if sample]
         if graph_bs:
-            logits, greedy = self._replay(
-                graph_bs, shared, ids, src, positions, slots, seq_lens, tables)
+            logits, drawn = self._replay(graph_bs, shared, ids, src, positions, slots, seq_lens,
+                                         tables, [s.params for s in sampled_seqs])
         else:
             meta = AttentionMetadata(
                 slot_mapping=self._to_device(slots, torch.long),
@@ -306,12 +325,11 @@ class ModelRunner:
             if len(rows) != hidden.shape[0]:
                 hidden = hidden[self._to_device(rows, torch.long)]
             logits = self.model.compute_logits(hidden)
-        sampled_seqs = [s for s, sample in zip(batch.seqs, batch.sample) if sample]
         candidates = None
         if batch.sample_copies or any(s.group is not None for s in sampled_seqs):
-            logits, greedy, sampled_seqs, candidates = self._split_rows(
-                batch, logits, greedy, sampled_seqs)
-        tokens = self._sample(logits, sampled_seqs, greedy)
+            logits, drawn, sampled_seqs, candidates = self._split_rows(
+                batch, logits, drawn, sampled_seqs)
+        tokens = self._sample(logits, sampled_seqs, drawn)
         self.last_tokens[: len(tokens)].copy_(tokens)
         self.last_rows = {s.seq_id: row for row, s in enumerate(sampled_seqs)}
         if dev.type != "cuda":
@@ -324,9 +342,10 @@ class ModelRunner:
         done.record()
         return LaunchedStep(batch, host, done, candidates)
 
-    def _split_rows(self, batch: ScheduledBatch, logits, greedy, sampled_seqs):
+    def _split_rows(self, batch: ScheduledBatch, logits, drawn, sampled_seqs):
         """Rows to sample (plain sequences, then each follower on its leader's row) and the
-        group members' candidates."""
+        group members' candidates. A graph's drawn tokens serve the plain rows, unless
+        followers must draw their own from their leader's row."""
         row_of = {}  # batch index -> row of logits
         for i, sample in enumerate(batch.sample):
             if sample:
@@ -338,8 +357,8 @@ class ModelRunner:
         candidates = self._candidates(logits[self._to_device(grouped, torch.long)], members)
         index = self._to_device(rows, torch.long)
         seqs = [sampled_seqs[r] for r in plain] + [f for _, f in batch.sample_copies]
-        greedy = None if greedy is None else greedy[index]
-        return logits[index], greedy, seqs, candidates
+        drawn = None if drawn is None or batch.sample_copies else drawn[index]
+        return logits[index], drawn, seqs, candidates
 
     def _candidates(self, logits: torch.Tensor, members: list[Sequence]):
         """Each member's top ``num_candidates`` log-probabilities after its group's processors,
@@ -413,23 +432,24 @@ class ModelRunner:
         """``ids`` with each pending token (``src >= 0``) read from the last step's samples."""
         return torch.where(src >= 0, self.last_tokens[src.clamp(min=0)], ids)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy=None) -> torch.Tensor:
-        """One token per row of ``logits`` for ``seqs``. ``greedy``: the argmax of ``logits``
-        when a decode graph already took it. Requests without a repetition penalty or hooks
-        skip logits processing altogether."""
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], drawn=None) -> torch.Tensor:
+        """One token per row of ``logits`` for ``seqs``. ``drawn``: the tokens a decode graph
+        already drew from ``logits`` with these requests' settings. Requests without a
+        repetition penalty or hooks skip logits processing altogether."""
         params = [s.params for s in seqs]
         penalized = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
         processed = penalized or any(p.hooks is not None for p in params)
         if processed:
             logits = self._process(logits, seqs, penalized)
-            greedy = None
-        if not any(p.temperature for p in params):
-            tokens = logits.argmax(-1) if greedy is None else greedy
+        if drawn is not None and not processed:
+            tokens = drawn
+        elif not any(p.temperature for p in params):
+            tokens = logits.argmax(-1)
         else:
             tokens = kernels.sample(
                 logits,
                 self._to_device([p.temperature for p in params], torch.float32),
-                self._to_device([p.top_k for p in params], torch.long),
+                self._to_device([p.top_k for p in params], torch.int32),
                 self._to_device([p.top_p for p in params], torch.float32),
             )
         for members in self._hook_groups(seqs) if processed else ():
@@ -496,13 +516,15 @@ class ModelRunner:
         """Capture the decode graphs of every ladder size, with cascade attention and without.
         The inputs of a graph of size ``bs`` are views of one int32 buffer laid out as the
         shared prefix length (one entry), then ids, pending-token rows (``src``), positions,
-        slots and context lengths (``bs`` each), then the block tables (``bs`` full-width rows),
-        so a replay fills a pinned host buffer and sends it in a single copy."""
+        slots, context lengths and each row's temperature, top-k and top-p (``bs`` each), then
+        the block tables (``bs`` full-width rows), so a replay fills a pinned host buffer and
+        sends it in a single copy. A graph also draws the next tokens (greedy rows take the
+        argmax), so sampling costs no launches outside it."""
         cfg = self.config
         max_bs = cfg.max_graph_batch_size or min(cfg.max_num_seqs, 512)
         sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 16)) + [max_bs]
         width = self.max_blocks_per_seq
-        size = 1 + max_bs * (5 + width)
+        size = 1 + max_bs * (_GRAPH_FIELDS + width)
         self.graph_inputs = torch.zeros(size, dtype=torch.int32, device=self.device)
         self.host_inputs = [torch.zeros(size, dtype=torch.int32).pin_memory() for _ in "ab"]
         # Every tensor a graph reads must live as long as the graph: kept on self.
@@ -511,23 +533,26 @@ class ModelRunner:
         for bs in reversed(sizes):  # largest first, so the smaller graphs reuse its pool
             for cascade in (False, True) if bs >= _CASCADE_MIN_SEQS else (False,):
                 self.graph_inputs.zero_()  # the larger graphs' layouts overlap this one's rows
-                ids, src, positions, slots, seq_lens = self.graph_inputs[1 : 1 + 5 * bs].view(5, bs)
+                fields = self.graph_inputs[1 : 1 + _GRAPH_FIELDS * bs].view(_GRAPH_FIELDS, bs)
+                ids, src, positions, slots, seq_lens, temperature, top_k, top_p = fields
                 src.fill_(-1)
                 slots.fill_(-1)  # nothing stored while capturing
                 meta = AttentionMetadata(
                     slot_mapping=slots,
                     cu_seqlens_q=self.graph_cu_seqlens[: bs + 1],
                     seq_lens=seq_lens,
-                    block_tables=self.graph_inputs[1 + 5 * bs : 1 + bs * (5 + width)].view(
-                        bs, width),
+                    block_tables=self.graph_inputs[
+                        1 + _GRAPH_FIELDS * bs : 1 + bs * (_GRAPH_FIELDS + width)].view(bs, width),
                     max_query_len=1,
                     shared_prefix=self.graph_inputs[:1] if cascade else None,
                 )
+                # Sampling settings travel as int32 bit patterns (floats viewed as such).
+                settings = (temperature.view(torch.float32), top_k, top_p.view(torch.float32))
 
-                def step(ids=ids, src=src, positions=positions, meta=meta):
+                def step(ids=ids, src=src, positions=positions, meta=meta, settings=settings):
                     ids = self._take_pending(ids, src)
                     logits = self.model.compute_logits(self.model.forward(ids, positions, meta))
-                    return logits, logits.argmax(-1)  # greedy tokens too: one launch fewer
+                    return logits, kernels.sample(logits, *settings)  # greedy rows: argmax
 
                 with torch.inference_mode():
                     step()  # warm-up outside capture: kernel compilation, lazy allocations
@@ -540,21 +565,25 @@ class ModelRunner:
         self.graph_batch_sizes = sizes
         torch.cuda.synchronize()
 
-    def _replay(self, graph_bs, shared, ids, src, positions, slots, seq_lens, tables):
-        """Logits and greedy tokens of the first ``len(ids)`` rows of graph ``graph_bs``, the
-        cascade one when ``shared`` (tokens) is set."""
+    def _replay(self, graph_bs, shared, ids, src, positions, slots, seq_lens, tables, params):
+        """Logits and tokens drawn with ``params`` for the first ``len(ids)`` rows of graph
+        ``graph_bs``, the cascade one when ``shared`` (tokens) is set."""
         # This twin's last copy belonged to the step before last, whose tokens were collected.
         n, bs, width = len(ids), graph_bs, self.max_blocks_per_seq
         host_inputs = self.host_inputs[self.flip]
         host = host_inputs.numpy()
         host[0] = shared
-        head = host[1 : 1 + 5 * bs].reshape(5, bs)
-        head[:, :n] = (ids, src, positions, slots, seq_lens)
-        head[:, n:] = ((0,), (-1,), (0,), (-1,), (0,))  # padding rows: no store, empty context
-        tail = host[1 + 5 * bs : 1 + 5 * bs + n * width]
+        head = host[1 : 1 + _GRAPH_FIELDS * bs].reshape(_GRAPH_FIELDS, bs)
+        head[:5, :n] = (ids, src, positions, slots, seq_lens)
+        head[5, :n] = np.array([p.temperature for p in params], np.float32).view(np.int32)
+        head[6, :n] = [p.top_k for p in params]
+        head[7, :n] = np.array([p.top_p for p in params], np.float32).view(np.int32)
+        # Padding rows: no store, empty context, greedy.
+        head[:, n:] = np.array([0, -1, 0, -1, 0, 0, 0, _ONE_BITS], np.int32)[:, None]
+        tail = host[1 + _GRAPH_FIELDS * bs : 1 + _GRAPH_FIELDS * bs + n * width]
         tail.reshape(n, width)[:, : tables.shape[1]] = tables
-        used = 1 + bs * 5 + n * width
+        used = 1 + bs * _GRAPH_FIELDS + n * width
         self.graph_inputs[:used].copy_(host_inputs[:used], non_blocking=True)
-        graph, logits, greedy = self.graphs[graph_bs, bool(shared)]
+        graph, logits, drawn = self.graphs[graph_bs, bool(shared)]
         graph.replay()
-        return logits[:n], greedy[:n]
+        return logits[:n], drawn[:n]
