@@ -4,8 +4,6 @@ is a near-best hypothesis under transformers' own logits."""
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -45,9 +43,7 @@ def both(path, dtype, **options):
                                       gpu_memory_utilization=0.5, **options)
     out = engine.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=NEW, **BEAMS)
     stats = engine.stats()
-    del engine
-    gc.collect()
-    torch.cuda.empty_cache()
+    engine.close()
     return model, (ids, mask), ref, out, stats
 
 
