@@ -12,12 +12,12 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from hf_paged.config import EngineConfig
 from hf_paged.engine.block_manager import BlockManager
-from hf_paged.engine.model_runner import LaunchedStep, ModelRunner
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.sequence import Sequence
 from hf_paged.kernels.flash_attn import PAGE_MULTIPLE
 from hf_paged.modeling.swap import PagedQwen3, build_model, check_supported
 from hf_paged.sampling_params import SamplingParams
+from hf_paged.worker.model_runner import LaunchedStep, ModelRunner
 
 _LONG_RUN_TOKENS = 4096
 
