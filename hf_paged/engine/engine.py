@@ -15,9 +15,11 @@ from hf_paged.engine.block_manager import BlockManager
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.sequence import Sequence
 from hf_paged.kernels.flash_attn import PAGE_MULTIPLE
-from hf_paged.modeling.swap import PagedQwen3, build_model, check_supported
+from hf_paged.modeling.swap import check_shardable, check_supported
 from hf_paged.sampling_params import SamplingParams
-from hf_paged.worker.model_runner import LaunchedStep, ModelRunner
+from hf_paged.worker.executor import Executor, create_executor, resolve_device
+from hf_paged.worker.model_runner import LaunchedStep
+from hf_paged.worker.parallel import RunnerSpec
 
 _LONG_RUN_TOKENS = 4096
 
@@ -72,26 +74,30 @@ class PagedEngine:
     Build it with ``hf_paged.from_pretrained``. ``generate`` mirrors transformers'
     ``GenerationMixin.generate``; ``generate_tokens`` takes token-id lists with per-request
     ``SamplingParams``; ``add_request``/``step`` drive the engine by hand.
+
+    Under torchrun with ``tensor_parallel_size > 1`` every rank holds an engine and makes the
+    same calls; rank 0's schedules and samples, the others follow its steps inside ``run``
+    (so ``generate``/``generate_tokens``) and return its results. Only rank 0 may ``step``.
     """
 
     def __init__(
         self,
-        model: PagedQwen3,
+        executor: Executor,
         config: EngineConfig,
         generation_config: GenerationConfig,
         max_model_len: int,
         tokenizer=None,
-        load_seconds: float = 0.0,
     ):
-        self.model = model
-        self.hf_config: PretrainedConfig = model.config
+        self.executor = executor
+        self.runner = executor.runner  # this rank's
+        self.model = self.runner.model
+        self.hf_config: PretrainedConfig = self.model.config
         self.config = config
         self.generation_config = generation_config
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(model, config, max_model_len)
         # Start-up phases: weights loaded, KV cache sized and allocated, decode graphs captured.
-        self.startup_seconds = {"load": load_seconds, **self.runner.startup_seconds}
+        self.startup_seconds = dict(executor.startup_seconds)
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -117,15 +123,15 @@ class PagedEngine:
         """Load a Qwen3 checkpoint (a folder or a hub id) into a new engine.
 
         ``dtype`` defaults to the checkpoint's own (float32 when it names none), ``device``
-        to CUDA when available. Any ``EngineConfig`` field may be passed by name.
+        to CUDA when available (under torchrun, the local rank's GPU). Any ``EngineConfig``
+        field may be passed by name.
         """
         config = EngineConfig.from_options(**engine_options)
         path = resolve_checkpoint(path_or_id)
         hf_config = AutoConfig.from_pretrained(path)
         check_supported(hf_config)
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        check_shardable(hf_config, config.tensor_parallel_size)
+        device = resolve_device(device)
         dtype = resolve_dtype(dtype, hf_config)
         max_positions = hf_config.max_position_embeddings
         max_model_len = config.max_model_len or max_positions
@@ -137,14 +143,13 @@ class PagedEngine:
         config.attention_backend = resolve_backend(
             config.attention_backend, device, config.block_size
         )
-        start = time.perf_counter()
-        model = build_model(hf_config, path, dtype, device, config.attention_backend, max_model_len)
-        load_seconds = time.perf_counter() - start
         try:
             generation_config = GenerationConfig.from_pretrained(path)
         except OSError:
             generation_config = GenerationConfig.from_model_config(hf_config)
-        return cls(model, config, generation_config, max_model_len, load_seconds=load_seconds)
+        executor = create_executor(
+            RunnerSpec(hf_config, path, dtype, device, config, max_model_len))
+        return cls(executor, config, generation_config, max_model_len)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -186,16 +191,21 @@ class PagedEngine:
         """Launch the next step, then collect the previous one's tokens while the device runs
         it; return the requests that finished. A request's last token therefore arrives one
         ``step`` after the step that computed it."""
+        if not self.executor.is_leader:
+            raise RuntimeError(
+                "under torchrun only rank 0 of a tensor-parallel group steps the engine; call "
+                "generate() or generate_tokens() on every rank instead"
+            )
         previous, self.in_flight = self.in_flight, None
         batch = None
         try:
             batch = self.scheduler.schedule()
             if batch.seqs:
-                self.in_flight = self.runner.launch(batch)
+                self.in_flight = self.executor.launch(batch)
                 self._last_batch = batch
             if previous is None:
                 return []
-            finished = self.scheduler.postprocess(previous.batch, self.runner.collect(previous))
+            finished = self.scheduler.postprocess(previous.batch, self.executor.collect(previous))
         except BaseException:
             # These steps' results are lost: drop every request they touched.
             for touched in (previous.batch if previous else None, batch):
@@ -204,12 +214,12 @@ class PagedEngine:
                         self.abort(seq)
             self.in_flight = None
             raise
-        self.runner.release(finished)
+        self.executor.release(finished)
         return finished
 
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)
-        self.runner.release([seq])
+        self.executor.release([seq])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or self.in_flight is not None
@@ -234,7 +244,32 @@ class PagedEngine:
 
     def run(self, seqs: list[Sequence], progress_bar: bool | None = None) -> list[Sequence]:
         """Step until every one of ``seqs`` has finished. If anything fails, the requests
-        are dropped so that the engine stays usable."""
+        are dropped so that the engine stays usable. Under torchrun, ranks other than 0 follow
+        rank 0's steps instead and take its results."""
+        if not self.executor.is_leader:
+            return self._follow(seqs)
+        try:
+            self._run(seqs, progress_bar)
+        except BaseException as e:
+            self.executor.finish_run(None, e)
+            raise
+        self.executor.finish_run(seqs)
+        return seqs
+
+    def _follow(self, seqs: list[Sequence]) -> list[Sequence]:
+        results = self.executor.follow_run()
+        if len(results) != len(seqs):
+            raise RuntimeError(
+                f"rank 0 ran {len(results)} requests where this rank queued {len(seqs)}: every "
+                "rank must make the same generate() calls"
+            )
+        for seq, (tokens, reason) in zip(seqs, results):
+            self.scheduler.abort(seq)  # queued here only to be validated: rank 0 schedules
+            seq.token_ids.extend(tokens)
+            seq.finish_reason = reason
+        return seqs
+
+    def _run(self, seqs: list[Sequence], progress_bar: bool | None) -> None:
         show = self.config.progress_bar if progress_bar is None else progress_bar
         if show is None:
             show = sum(s.params.max_new_tokens for s in seqs) >= _LONG_RUN_TOKENS
@@ -254,7 +289,6 @@ class PagedEngine:
             raise
         finally:
             bar.close()
-        return seqs
 
     def _update_bar(self, bar: tqdm, num_finished: int, seconds: float) -> None:
         batch = self._last_batch
@@ -272,6 +306,11 @@ class PagedEngine:
         from hf_paged.generation import generate
 
         return generate(self, input_ids, attention_mask, generation_config, **kwargs)
+
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel worker processes (joined, or killed if they do not
+        stop) and free its process groups. Safe to call twice."""
+        self.executor.close()
 
     def stats(self) -> dict[str, int]:
         s, bm = self.scheduler, self.block_manager

@@ -1,0 +1,83 @@
+"""Runs the engines a JSON job list describes (argv[1]) and writes what they did as JSON to
+argv[2] (one file per rank under torchrun: argv[2] + ".rank<N>"). The multi-process tests run
+it as a subprocess with a timeout, so that a hang fails the test instead of stalling the run.
+
+A job: {"checkpoint": path, "engine": {engine options}, "calls": [{"lengths": [...],
+"seed": int, "generate": {generate kwargs}}]}, each call seeded with torch.manual_seed(0),
+and optionally "kill_worker": true (then kill the engine's worker and call again) or
+"data_parallel": true (the README's data-parallel recipe with accelerate: the calls' prompts
+split between the launched processes, new tokens gathered on rank 0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+
+import hf_paged
+from tests.conftest import left_padded
+
+
+def generate(engine, call: dict) -> list:
+    ids, mask = left_padded(call["lengths"], engine.hf_config.vocab_size, seed=call["seed"])
+    torch.manual_seed(0)
+    return engine.generate(ids, attention_mask=mask, **call["generate"]).tolist()
+
+
+def kill_worker(engine, call: dict) -> dict:
+    """SIGKILL the worker, call again: the error, how soon it came, how long close() took."""
+    worker = engine.executor.ranks.workers[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    start, error = time.perf_counter(), None
+    try:
+        generate(engine, call)
+    except RuntimeError as e:
+        error = str(e)
+    raised = time.perf_counter() - start
+    start = time.perf_counter()
+    engine.close()
+    return dict(error=error, raise_seconds=raised, close_seconds=time.perf_counter() - start,
+                worker_reaped=worker.poll() is not None)
+
+
+def data_parallel(engine, call: dict) -> list:
+    from accelerate import PartialState
+    from accelerate.utils import gather_object
+
+    state = PartialState()
+    ids, mask = left_padded(call["lengths"], engine.hf_config.vocab_size, seed=call["seed"])
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    params = hf_paged.SamplingParams(max_new_tokens=call["generate"]["max_new_tokens"])
+    with state.split_between_processes(prompts) as mine:
+        outputs = engine.generate_tokens(mine, params)
+    return gather_object(outputs)
+
+
+def main() -> None:
+    jobs, out = json.loads(sys.argv[1]), sys.argv[2]
+    results = []
+    for job in jobs:
+        engine = hf_paged.from_pretrained(job["checkpoint"], **job["engine"])
+        result = {}
+        if job.get("data_parallel"):
+            result["outputs"] = [data_parallel(engine, call) for call in job["calls"]]
+        else:
+            result["outputs"] = [generate(engine, call) for call in job["calls"]]
+        result["stats"] = engine.stats()
+        if job.get("kill_worker"):
+            result["killed"] = kill_worker(engine, job["calls"][0])
+        engine.close()
+        results.append(result)
+    if "RANK" in os.environ:
+        out += f".rank{os.environ['RANK']}"
+    with open(out, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
