@@ -115,6 +115,8 @@ class ParallelExecutor(Executor):
         self._finalizer()
 
     def _check(self) -> None:
+        if not self._finalizer.alive:
+            raise RuntimeError("this engine has been closed")
         if self.broken is None:
             dead = self.ranks.dead_worker()
             if dead:

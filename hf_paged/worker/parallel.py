@@ -40,9 +40,17 @@ STEP, RESULTS, STOP = 1, 2, 3  # message kinds
 _START_TIMEOUT_S = 600
 
 
+_spawned_groups_open = 0  # engines of this process whose spawned ranks hold the default group
+
+
 def launched_world() -> bool:
     """True under torchrun (or any launcher that sets WORLD_SIZE), or once a default process
     group exists: the processes are already there and each runs the user's script."""
+    if _spawned_groups_open:
+        raise RuntimeError(
+            "this process already runs a tensor-parallel engine with spawned workers; close() "
+            "it before loading another with tensor_parallel_size > 1"
+        )
     return "WORLD_SIZE" in os.environ or (dist.is_available() and dist.is_initialized())
 
 
@@ -192,14 +200,18 @@ class Ranks:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        if self.broken and self.tp.group is not None and dist.get_backend(self.tp.group) == "nccl":
+        nccl = self.tp.group is not None and dist.get_backend(self.tp.group) == "nccl"
+        if self.broken and nccl:
             # A collective waiting for a dead rank never finishes: abort instead of destroying.
             dist.distributed_c10d._abort_process_group(self.tp.group)
-            return
-        for group in self.groups:
-            dist.destroy_process_group(group)
+        else:
+            for group in self.groups:
+                dist.destroy_process_group(group)
         if self.owns_default_group:
-            dist.destroy_process_group()
+            global _spawned_groups_open
+            _spawned_groups_open -= 1
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def join_launched_ranks(size: int, device: torch.device) -> Ranks:
@@ -256,6 +268,8 @@ def spawn_ranks(size: int, spec: RunnerSpec) -> Ranks:
         raise
     ranks.tp, ranks.channel, ranks.groups = (
         TensorParallel(0, size, group), StepChannel(cpu_group), [cpu_group])
+    global _spawned_groups_open
+    _spawned_groups_open += 1
     return ranks
 
 

@@ -4,7 +4,8 @@ it as a subprocess with a timeout, so that a hang fails the test instead of stal
 
 A job: {"checkpoint": path, "engine": {engine options}, "calls": [{"lengths": [...],
 "seed": int, "generate": {generate kwargs}}]}, each call seeded with torch.manual_seed(0),
-and optionally "kill_worker": true (then kill the engine's worker and call again) or
+and optionally "kill_worker": true (then kill the engine's worker and call again),
+"interrupt": true (then Ctrl-C a call mid-step, and close the engine) or
 "data_parallel": true (the README's data-parallel recipe with accelerate: the calls' prompts
 split between the launched processes, new tokens gathered on rank 0).
 """
@@ -45,6 +46,30 @@ def kill_worker(engine, call: dict) -> dict:
                 worker_reaped=worker.poll() is not None)
 
 
+def interrupt(engine, call: dict) -> dict:
+    """Ctrl-C (SIGINT to this process) in the fifth step, after rank 0 has sent the step to
+    its worker and before it runs it (the worst moment): whether the call was interrupted,
+    and close()'s cleanup."""
+    workers, run, calls = engine.executor.ranks.workers, engine.runner.run, []
+
+    def run_then_interrupt(batch, inputs):
+        calls.append(1)
+        if len(calls) == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+        return run(batch, inputs)
+
+    engine.runner.run = run_then_interrupt
+    try:
+        generate(engine, call)
+        interrupted = False
+    except KeyboardInterrupt:
+        interrupted = True
+    start = time.perf_counter()
+    engine.close()
+    return dict(interrupted=interrupted, close_seconds=time.perf_counter() - start,
+                workers_reaped=all(w.poll() is not None for w in workers))
+
+
 def data_parallel(engine, call: dict) -> list:
     from accelerate import PartialState
     from accelerate.utils import gather_object
@@ -71,6 +96,8 @@ def main() -> None:
         result["stats"] = engine.stats()
         if job.get("kill_worker"):
             result["killed"] = kill_worker(engine, job["calls"][0])
+        if job.get("interrupt"):
+            result["interrupted"] = interrupt(engine, job["calls"][0])
         engine.close()
         results.append(result)
     if "RANK" in os.environ:

@@ -45,9 +45,11 @@ def reference(hf_models, name: str, call: dict, new_only: bool = False) -> list:
 
 @pytest.fixture(scope="module")
 def spawned(checkpoints, tmp_path_factory) -> list[dict]:
-    """TP=2 engines from this (ordinary) process; the last one's worker is then killed."""
+    """TP=2 engines from this (ordinary) process; the first is then interrupted by Ctrl-C,
+    the last one's worker killed."""
     jobs = [dict(checkpoint=checkpoints[n], engine=dict(TIGHT, tensor_parallel_size=2),
-                 calls=[CALL], kill_worker=n == SPAWNED[-1]) for n in SPAWNED]
+                 calls=[CALL], interrupt=n == SPAWNED[0], kill_worker=n == SPAWNED[-1])
+            for n in SPAWNED]
     out = tmp_path_factory.mktemp("spawned") / "results.json"
     run_jobs(jobs, out)
     return json.loads(out.read_text())
@@ -80,6 +82,12 @@ def test_a_killed_worker_raises_in_the_caller_and_close_returns(spawned):
     assert "worker rank 1" in report["error"] and "SIGKILL" in report["error"], report
     assert report["raise_seconds"] < 10 and report["close_seconds"] < 10
     assert report["worker_reaped"]
+
+
+def test_ctrl_c_in_the_caller_then_close_leaves_no_worker(spawned):
+    report = spawned[0]["interrupted"]
+    assert report["interrupted"] and report["workers_reaped"], report
+    assert report["close_seconds"] < 10
 
 
 def test_torchrun_ranks_return_identical_outputs(torchrun, hf_models):
