@@ -44,6 +44,8 @@ def build_workload(args: argparse.Namespace, max_token_id: int) -> tuple[Workloa
     make = w3 if args.workload == "w3" else w1
     workload = make(**sizes, max_token_id=max_token_id)
     description = {"description": make.__doc__.splitlines()[0], **sizes, **workload.describe()}
+    if args.repetition_penalty != 1.0:
+        description["repetition_penalty_run"] = args.repetition_penalty
     return workload, description
 
 
@@ -97,6 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-output-len", type=int, help="W1 output length bound; W3 new tokens")
     parser.add_argument("--baseline-requests", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=64, help="generate baselines' batch")
+    parser.add_argument(
+        "--repetition-penalty", type=float, default=1.0,
+        help="W1: also run hf_paged with this repetition penalty on every request")
     args = parser.parse_args(argv)
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -123,6 +128,9 @@ def main(argv: list[str] | None = None) -> None:
         }
     else:
         settings = {"hf_paged": {}}
+        if args.repetition_penalty != 1.0:
+            penalty = {"repetition_penalty": args.repetition_penalty}
+            settings["repetition_penalty"] = {"sampling": penalty}
     if tp_sizes != [1]:  # one run per size, each setting
         settings = {
             (f"tensor_parallel_size_{n}" if label == "hf_paged" else f"{label}_tp{n}"):

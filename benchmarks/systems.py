@@ -44,13 +44,16 @@ def check_lengths(generated: list[int], workload: Workload) -> int:
 class PagedSystem:
     COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
 
-    def __init__(self, path: str, dtype: torch.dtype, device: torch.device, **options: Any):
+    def __init__(self, path: str, dtype: torch.dtype, device: torch.device,
+                 sampling: dict[str, Any] | None = None, **options: Any):
+        """``sampling``: more SamplingParams fields for every request."""
         self.engine = hf_paged.from_pretrained(path, dtype=dtype, device=device, **options)
+        self.sampling = sampling or {}
         self.last_run: dict[str, int] = {}
 
     def run(self, workload: Workload) -> int:
         params = [
-            hf_paged.SamplingParams(max_new_tokens=n, ignore_eos=True)
+            hf_paged.SamplingParams(max_new_tokens=n, ignore_eos=True, **self.sampling)
             for n in workload.max_new_tokens
         ]
         before = self.engine.stats()
@@ -62,6 +65,7 @@ class PagedSystem:
     def describe(self) -> dict[str, Any]:
         return {
             "engine_config": dataclasses.asdict(self.engine.config),
+            "sampling": self.sampling,
             "startup_seconds": self.engine.startup_seconds,
             "last_run_counters": self.last_run,
             "stats": self.engine.stats(),

@@ -1,10 +1,38 @@
-"""SamplingParams (per request) and the GenerationConfig -> SamplingParams mapping."""
+"""SamplingParams: how one request generates, as plain data the engine reads every step."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from transformers import GenerationConfig
+if TYPE_CHECKING:
+    import torch
+
+    from hf_paged.engine.sequence import Sequence
+
+
+class RequestHooks:
+    """Callbacks shared by the requests of one caller (one ``generate()`` call, say).
+
+    The engine batches the requests that share a hooks object: ``process`` receives all of
+    them that sample in a step at once. Subclasses override what they need.
+    """
+
+    #: ``process`` reads host-side state that ``on_token`` updates: the engine then collects a
+    #: step's tokens before it launches the next one (no asynchronous overlap).
+    needs_history: bool = False
+
+    def process(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """Scores to sample from, given the float32 logits rows of ``seqs``."""
+        return logits
+
+    def record(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
+        """Called with the tokens just sampled (on the device) for the requests ``process``
+        saw, before they reach the host."""
+
+    def on_token(self, seq: Sequence) -> bool:
+        """Called after a token is appended to ``seq``; True finishes the request."""
+        return False
 
 
 @dataclass(frozen=True)
@@ -16,16 +44,22 @@ class SamplingParams:
         temperature: 0 is greedy decoding; above 0 samples from ``softmax(logits / T)``.
         top_k: keep only the k most likely tokens when sampling (0 = off).
         top_p: keep the smallest set of most likely tokens whose probability reaches top_p.
+        repetition_penalty: transformers' rule: the logit of every token already in the
+            prompt or the output is divided by it (multiplied when negative); 1.0 = off.
+            Applied on the device, before temperature.
         eos_token_ids: any of these ends the request (the token itself is kept).
         ignore_eos: keep generating past EOS tokens (benchmarks).
+        hooks: logits processing and stopping done by the caller (see ``RequestHooks``).
     """
 
     max_new_tokens: int = 16
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    repetition_penalty: float = 1.0
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    hooks: RequestHooks | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -38,34 +72,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be a non-negative integer (0 = off), got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(
+                f"repetition_penalty must be strictly positive, got {self.repetition_penalty!r}"
+            )
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
-
-
-def from_generation_config(config: GenerationConfig, max_new_tokens: int) -> SamplingParams:
-    """Map a validated GenerationConfig onto SamplingParams the way transformers' warpers act.
-
-    ``do_sample=False`` is greedy whatever the temperature says; when sampling, transformers
-    requires a strictly positive temperature and treats ``top_k=None`` as off.
-    """
-    eos = config.eos_token_id
-    eos_ids = () if eos is None else (eos,) if isinstance(eos, int) else tuple(eos)
-    if not config.do_sample:
-        return SamplingParams(max_new_tokens=max_new_tokens, eos_token_ids=eos_ids)
-    temperature = 1.0 if config.temperature is None else float(config.temperature)
-    if not temperature > 0:
-        raise ValueError(
-            f"temperature must be strictly positive when do_sample=True, got {temperature!r}"
-        )
-    top_p = 1.0 if config.top_p is None else float(config.top_p)
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    top_k = config.top_k or 0
-    if not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k must be a non-negative integer, got {top_k!r}")
-    return SamplingParams(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        eos_token_ids=eos_ids,
-    )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 import time
+from collections.abc import Iterator
 
 import torch
 from tqdm.auto import tqdm
@@ -198,14 +199,18 @@ class PagedEngine:
             )
         previous, self.in_flight = self.in_flight, None
         batch = None
+        finished = []
         try:
+            if previous is not None and self._needs_history(previous.batch):
+                # Hooks read each request's whole history: its last token must be in first.
+                finished = self._collect(previous)
+                previous = None
             batch = self.scheduler.schedule()
             if batch.seqs:
                 self.in_flight = self.executor.launch(batch)
                 self._last_batch = batch
-            if previous is None:
-                return []
-            finished = self.scheduler.postprocess(previous.batch, self.executor.collect(previous))
+            if previous is not None:
+                finished = self._collect(previous)
         except BaseException:
             # These steps' results are lost: drop every request they touched.
             for touched in (previous.batch if previous else None, batch):
@@ -214,8 +219,16 @@ class PagedEngine:
                         self.abort(seq)
             self.in_flight = None
             raise
+        return finished
+
+    def _collect(self, step: LaunchedStep) -> list[Sequence]:
+        finished = self.scheduler.postprocess(step.batch, self.executor.collect(step))
         self.executor.release(finished)
         return finished
+
+    @staticmethod
+    def _needs_history(batch) -> bool:
+        return any(s.params.hooks is not None and s.params.hooks.needs_history for s in batch.seqs)
 
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)
@@ -234,6 +247,25 @@ class PagedEngine:
         seqs = self.run(self._add_all(prompts, params), progress_bar)
         return [s.output_token_ids for s in seqs]
 
+    def stream(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> Iterator[tuple[int, list[int]]]:
+        """Generate for each prompt, yielding ``(prompt index, new token ids)`` as the engine
+        collects them. Requests still running when the iterator is closed are aborted."""
+        seqs = self._add_all(prompts, params)
+        sent = [0] * len(seqs)
+        try:
+            while not all(s.is_finished for s in seqs):
+                self.step()
+                for i, seq in enumerate(seqs):
+                    if seq.num_new_tokens > sent[i]:
+                        yield i, seq.output_token_ids[sent[i]:]
+                        sent[i] = seq.num_new_tokens
+        finally:
+            for seq in seqs:
+                if not seq.is_finished:
+                    self.abort(seq)
+
     def _add_all(self, prompts, params) -> list[Sequence]:
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
@@ -242,21 +274,27 @@ class PagedEngine:
             self.validate_request(prompt, p)
         return [self._enqueue(prompt, p) for prompt, p in zip(prompts, params_list)]
 
-    def run(self, seqs: list[Sequence], progress_bar: bool | None = None) -> list[Sequence]:
-        """Step until every one of ``seqs`` has finished. If anything fails, the requests
-        are dropped so that the engine stays usable. Under torchrun, ranks other than 0 follow
-        rank 0's steps instead and take its results."""
+    def run(
+        self, seqs: list[Sequence], progress_bar: bool | None = None, on_step=None
+    ) -> list[Sequence]:
+        """Step until every one of ``seqs`` has finished, calling ``on_step(seqs)`` after each
+        step. If anything fails, the requests are dropped so that the engine stays usable.
+        Under torchrun, ranks other than 0 follow rank 0's steps instead and take its results
+        at the end (``on_step`` runs once then)."""
         if not self.executor.is_leader:
-            return self._follow(seqs)
+            self._follow(seqs)
+            if on_step is not None:
+                on_step(seqs)
+            return seqs
         try:
-            self._run(seqs, progress_bar)
+            self._run(seqs, progress_bar, on_step)
         except BaseException as e:
             self.executor.finish_run(None, e)
             raise
         self.executor.finish_run(seqs)
         return seqs
 
-    def _follow(self, seqs: list[Sequence]) -> list[Sequence]:
+    def _follow(self, seqs: list[Sequence]) -> None:
         results = self.executor.follow_run()
         if len(results) != len(seqs):
             raise RuntimeError(
@@ -267,9 +305,8 @@ class PagedEngine:
             self.scheduler.abort(seq)  # queued here only to be validated: rank 0 schedules
             seq.token_ids.extend(tokens)
             seq.finish_reason = reason
-        return seqs
 
-    def _run(self, seqs: list[Sequence], progress_bar: bool | None) -> None:
+    def _run(self, seqs: list[Sequence], progress_bar: bool | None, on_step) -> None:
         show = self.config.progress_bar if progress_bar is None else progress_bar
         if show is None:
             show = sum(s.params.max_new_tokens for s in seqs) >= _LONG_RUN_TOKENS
@@ -280,6 +317,8 @@ class PagedEngine:
                 t0 = time.perf_counter()
                 finished = self.step()
                 pending.difference_update(s.seq_id for s in finished)
+                if on_step is not None:
+                    on_step(seqs)
                 if show:
                     self._update_bar(bar, len(finished), time.perf_counter() - t0)
         except BaseException:
@@ -301,11 +340,12 @@ class PagedEngine:
 
     # ---- transformers-shaped entry point --------------------------------------------------
 
-    def generate(self, input_ids=None, attention_mask=None, generation_config=None, **kwargs):
-        """``GenerationMixin.generate`` on the engine; see ``hf_paged.generation``."""
+    def generate(self, inputs=None, generation_config=None, **kwargs):
+        """``GenerationMixin.generate`` on the engine: the same arguments and return values;
+        see ``hf_paged.generation``."""
         from hf_paged.generation import generate
 
-        return generate(self, input_ids, attention_mask, generation_config, **kwargs)
+        return generate(self, inputs, generation_config, **kwargs)
 
     def close(self) -> None:
         """Stop the engine's tensor-parallel worker processes (joined, or killed if they do not

@@ -126,6 +126,8 @@ class Scheduler:
             params = seq.params
             if not params.ignore_eos and token in params.eos_token_ids:
                 seq.finish_reason = "stop"
+            elif params.hooks is not None and params.hooks.on_token(seq):
+                seq.finish_reason = "stop"
             elif self._length_reached(seq, len(seq.token_ids)):
                 seq.finish_reason = "length"
             else:

@@ -134,6 +134,10 @@ class ModelRunner:
         # The last step's sampled tokens, on the device, and the row of each sequence in them.
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.long, device=self.device)
         self.last_rows: dict[int, int] = {}
+        # Repetition penalties: one row per penalized sequence, True where a token was seen.
+        self.seen = torch.zeros(0, model.config.vocab_size, dtype=torch.bool, device=self.device)
+        self.seen_rows: dict[int, int] = {}
+        self.free_seen_rows: list[int] = []
         self.flip = 0  # which twin of each double-buffered host buffer this step uses
         if self.device.type == "cuda":
             self.host_tokens = [
@@ -218,7 +222,7 @@ class ModelRunner:
         hidden = self.model.forward(tokens, positions, meta)
         logits = self.model.compute_logits(hidden[:num_seqs])
         if logits is not None:  # rank 0 samples
-            self._sample(logits, [SamplingParams()] * num_seqs)
+            self._sample(logits, [Sequence([0], SamplingParams())] * num_seqs)
         torch.cuda.synchronize()
 
     # ---- inputs ---------------------------------------------------------------------------
@@ -266,6 +270,10 @@ class ModelRunner:
     def release(self, seqs: list[Sequence]) -> None:
         """Forget finished or aborted sequences."""
         self.block_tables.release(seqs)
+        for seq in seqs:
+            row = self.seen_rows.pop(seq.seq_id, None)
+            if row is not None:
+                self.free_seen_rows.append(row)
 
     # ---- running --------------------------------------------------------------------------
 
@@ -282,7 +290,7 @@ class ModelRunner:
         sampled_seqs = [s for s, sample in zip(batch.seqs, batch.sample) if sample]
         tokens = None
         try:
-            tokens = self._sample(logits, [s.params for s in sampled_seqs], greedy)
+            tokens = self._sample(logits, sampled_seqs, greedy)
         finally:  # the other ranks wait for this step's tokens even if sampling failed
             self._share_tokens(tokens, len(sampled_seqs))
         self.last_rows = {s.seq_id: row for row, s in enumerate(sampled_seqs)}
@@ -367,18 +375,76 @@ class ModelRunner:
         """``ids`` with each pending token (``src >= 0``) read from the last step's samples."""
         return torch.where(src >= 0, self.last_tokens[src.clamp(min=0)], ids)
 
-    def _sample(
-        self, logits: torch.Tensor, params: list[SamplingParams], greedy=None
-    ) -> torch.Tensor:
-        """``greedy``: the argmax of ``logits`` when a decode graph already took it."""
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy=None) -> torch.Tensor:
+        """One token per row of ``logits`` for ``seqs``. ``greedy``: the argmax of ``logits``
+        when a decode graph already took it. Requests without a repetition penalty or hooks
+        skip logits processing altogether."""
+        params = [s.params for s in seqs]
+        penalized = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        processed = penalized or any(p.hooks is not None for p in params)
+        if processed:
+            logits = self._process(logits, seqs, penalized)
+            greedy = None
         if not any(p.temperature for p in params):
-            return logits.argmax(-1) if greedy is None else greedy
-        return kernels.sample(
-            logits,
-            self._to_device([p.temperature for p in params], torch.float32),
-            self._to_device([p.top_k for p in params], torch.long),
-            self._to_device([p.top_p for p in params], torch.float32),
-        )
+            tokens = logits.argmax(-1) if greedy is None else greedy
+        else:
+            tokens = kernels.sample(
+                logits,
+                self._to_device([p.temperature for p in params], torch.float32),
+                self._to_device([p.top_k for p in params], torch.long),
+                self._to_device([p.top_p for p in params], torch.float32),
+            )
+        for members in self._hook_groups(seqs) if processed else ():
+            index = self._to_device(members, torch.long)
+            seqs[members[0]].params.hooks.record([seqs[i] for i in members], tokens[index])
+        if penalized:  # the new tokens count as seen from the next step on
+            rows = self._to_device([self.seen_rows[seqs[i].seq_id] for i in penalized], torch.long)
+            self.seen[rows, tokens[self._to_device(penalized, torch.long)]] = True
+        return tokens
+
+    def _process(self, logits: torch.Tensor, seqs: list[Sequence], penalized: list[int]):
+        """Repetition penalties over each request's seen-token mask, then each hooks object's
+        ``process`` over all of its requests at once."""
+        logits = logits.clone()
+        if penalized:
+            index = self._to_device(penalized, torch.long)
+            rows = self._to_device([self._seen_row(seqs[i]) for i in penalized], torch.long)
+            penalty = self._to_device([seqs[i].params.repetition_penalty for i in penalized],
+                                      torch.float32)[:, None]
+            scores = logits[index]
+            penalized_scores = torch.where(scores < 0, scores * penalty, scores / penalty)
+            logits[index] = torch.where(self.seen[rows], penalized_scores, scores)
+        for members in self._hook_groups(seqs):
+            hooks = seqs[members[0]].params.hooks
+            index = self._to_device(members, torch.long)
+            logits[index] = hooks.process([seqs[i] for i in members], logits[index])
+        return logits
+
+    @staticmethod
+    def _hook_groups(seqs: list[Sequence]) -> list[list[int]]:
+        """Indices of ``seqs`` grouped by the hooks object their requests share."""
+        groups: dict[int, list[int]] = {}
+        for i, seq in enumerate(seqs):
+            if seq.params.hooks is not None:
+                groups.setdefault(id(seq.params.hooks), []).append(i)
+        return list(groups.values())
+
+    def _seen_row(self, seq: Sequence) -> int:
+        """The row of ``seen`` marking the tokens ``seq`` holds, filled on first use."""
+        row = self.seen_rows.get(seq.seq_id)
+        if row is not None:
+            return row
+        vocab = self.model.config.vocab_size
+        if not self.free_seen_rows:
+            old = len(self.seen)
+            grown = torch.zeros(max(2 * old, 8), vocab, dtype=torch.bool, device=self.device)
+            grown[:old] = self.seen
+            self.seen = grown
+            self.free_seen_rows = list(range(len(grown) - 1, old - 1, -1))
+        row = self.seen_rows[seq.seq_id] = self.free_seen_rows.pop()
+        self.seen[row] = False
+        self.seen[row, self._to_device(seq.token_ids, torch.long)] = True
+        return row
 
     # ---- CUDA graphs ----------------------------------------------------------------------
 

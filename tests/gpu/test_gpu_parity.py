@@ -177,3 +177,38 @@ def test_cascade_attention_over_a_shared_prompt(checkpoint, hf_model, monkeypatc
     tokens, stats = run(checkpoint, shared, enforce_eager=enforce_eager)
     assert seen.count(512) >= NEW - 1 and stats["prefix_cache_hits"] == 3 * 512
     check_parity(tokens, transformers_generate(hf_model, shared), hf_model, shared)
+
+
+@pytest.mark.parametrize("processors", [
+    dict(repetition_penalty=1.3),  # the engine's own penalty kernel
+    # transformers' processors over the call's input_ids on the device (sequence_bias comes
+    # first in transformers' order, so the penalty runs as its object too)
+    dict(repetition_penalty=1.3, no_repeat_ngram_size=3, sequence_bias={(100,): 1.0},
+         suppress_tokens=[11, 13]),
+])
+def test_processors_bf16_parity(checkpoint, batch, hf_model, processors):
+    """Processed scores decide: rows agree with transformers until a step where its processed
+    scores nearly tie between the two choices."""
+    ids, mask = batch
+    ref = hf_model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=NEW,
+                            do_sample=False, eos_token_id=None, return_dict_in_generate=True,
+                            output_scores=True, **processors)
+    ref_tokens = ref.sequences[:, ids.shape[1] :].cpu()
+    ref_scores = torch.stack(ref.scores, 1).float().cpu()
+    engine = hf_paged.from_pretrained(checkpoint, dtype=torch.bfloat16, max_model_len=4096,
+                                      gpu_memory_utilization=0.5)
+    tokens = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=None,
+                             **processors)[:, ids.shape[1] :].cpu()
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    agreed = 0
+    for row in range(tokens.shape[0]):
+        diff = (tokens[row] != ref_tokens[row]).nonzero()
+        j = int(diff[0]) if len(diff) else NEW
+        agreed += j
+        if j < NEW:
+            scores = ref_scores[row, j]
+            gap = float(scores[ref_tokens[row, j]] - scores[tokens[row, j]])
+            assert gap < NEAR_TIE, f"row {row} parts at step {j} with a score gap of {gap:.3f}"
+    print(f"processors {processors}: {agreed} of {tokens.numel()} tokens before parting")

@@ -1,0 +1,202 @@
+"""The transformers-shaped ``generate()``: padded tensors in, transformers' outputs out.
+
+Settings, processors and stopping criteria come from transformers' own preparation code
+(``settings``). Each row of the (expanded) batch becomes one engine request; what the engine
+does natively (EOS lists, length, repetition penalty, temperature / top-k / top-p) stays on
+its fast path, and a ``CallHooks`` object carries the rest of the call (other processors,
+stopping criteria, recorded scores) for all of its rows together.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.stopping_criteria import (
+    EosTokenCriteria,
+    MaxLengthCriteria,
+    StoppingCriteriaList,
+)
+
+from hf_paged.engine.sequence import Sequence
+from hf_paged.generation import processors as procs
+from hf_paged.generation.outputs import decoder_only_output, pad_outputs, per_step
+from hf_paged.generation.settings import Resolved, resolve
+from hf_paged.generation.streaming import StreamFeeder
+from hf_paged.sampling_params import RequestHooks, SamplingParams
+
+
+class CallHooks(RequestHooks):
+    """One generate() call's processors, criteria and recorded outputs, for all its rows.
+
+    ``input_ids`` is the call's batch as transformers' loop holds it, on the device: the
+    left-padded prompt rows, then each row's new tokens, appended on the device as they are
+    sampled (``pad`` after a row finishes, as transformers feeds finished rows). Processors
+    run on it batched over the call, with no host round trip; rows sampling at different
+    lengths (chunked prefill can stagger them) run as one batch per length.
+
+    When the caller wants per-step ``scores`` or ``logits``, the call runs in lockstep as
+    transformers' loop does: a row that is done keeps running on ``pad`` (its scores are
+    still computed), and every row stops once all are done.
+    """
+
+    def __init__(self, resolved: Resolved, rest, criteria: StoppingCriteriaList, pad: int,
+                 record_scores: bool, record_logits: bool):
+        self.rest = rest
+        self.criteria = criteria
+        self.pad = pad
+        self.prompt_ids = resolved.input_ids
+        self.width = resolved.input_ids.shape[1]
+        self.max_new_tokens = resolved.max_new_tokens
+        self.input_ids: torch.Tensor | None = None  # on the device, from the first step on
+        self.lockstep = record_scores or record_logits
+        self.needs_history = self.lockstep  # ``process`` reads the done flags
+        self.record_scores, self.record_logits = record_scores, record_logits
+        batch = self.prompt_ids.shape[0]
+        mask = resolved.attention_mask.bool()
+        self.padding = [self.prompt_ids[r][~mask[r]].tolist() for r in range(batch)]
+        self.rows: dict[int, int] = {}
+        self.done = [False] * batch
+        self.scores: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+        self.logits: list[list[torch.Tensor]] = [[] for _ in range(batch)]
+
+    def _positions(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
+        """Each request's row, and the column its token being sampled takes."""
+        rows = [self.rows[s.seq_id] for s in seqs]
+        # ``num_tokens`` already counts the token this step samples.
+        cols = [self.width + s.num_tokens - 1 - s.num_prompt_tokens for s in seqs]
+        return rows, cols
+
+    def process(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        if self.input_ids is None:
+            self.input_ids = torch.full(
+                (len(self.done), self.width + self.max_new_tokens), self.pad, dtype=torch.long,
+                device=logits.device)
+            self.input_ids[:, : self.width] = self.prompt_ids.to(logits.device)
+        rows, cols = self._positions(seqs)
+        scores = logits.clone() if self.lockstep else logits
+        if self.rest:
+            by_length: dict[int, list[int]] = {}
+            for i, col in enumerate(cols):
+                by_length.setdefault(col, []).append(i)
+            for col, members in by_length.items():
+                index = torch.tensor(members, device=logits.device)
+                at = torch.tensor([rows[i] for i in members], device=logits.device)
+                full = logits.new_zeros(len(self.done), logits.shape[1])
+                full[at] = logits[index]
+                scores[index] = self.rest(self.input_ids[:, :col], full)[at]
+        if self.lockstep:
+            for i, row in enumerate(rows):
+                if self.record_logits:
+                    self.logits[row].append(logits[i].to("cpu", copy=True))
+                if self.record_scores:
+                    self.scores[row].append(scores[i].to("cpu", copy=True))
+                if self.done[row]:  # transformers feeds finished rows the pad token
+                    scores[i] = float("-inf")
+                    scores[i, self.pad] = 0.0
+        return scores
+
+    def record(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
+        rows, cols = self._positions(seqs)
+        at = torch.tensor(rows, device=tokens.device), torch.tensor(cols, device=tokens.device)
+        self.input_ids[at] = tokens
+
+    def on_token(self, seq: Sequence) -> bool:
+        row = self.rows[seq.seq_id]
+        if self.criteria and not self.done[row]:
+            ids = torch.tensor([self.padding[row] + seq.token_ids])
+            self.done[row] = bool(self.criteria(ids, None)[0])
+        return all(self.done) if self.lockstep else self.done[row]
+
+
+def generate(
+    engine,
+    inputs: torch.Tensor | None = None,
+    generation_config=None,
+    logits_processor=None,
+    stopping_criteria=None,
+    prefix_allowed_tokens_fn=None,
+    synced_gpus: bool | None = None,
+    assistant_model=None,
+    streamer=None,
+    negative_prompt_ids=None,
+    negative_prompt_attention_mask=None,
+    custom_generate=None,
+    **kwargs,
+):
+    """``GenerationMixin.generate`` over the engine; returns what transformers returns."""
+    if synced_gpus:
+        raise ValueError("synced_gpus is not supported: hf_paged runs one engine per model")
+    if streamer is not None and not all(callable(getattr(streamer, m, None))
+                                        for m in ("put", "end")):
+        raise ValueError("streamer must have put() and end() methods (a transformers BaseStreamer)")
+    progress_bar = kwargs.pop("progress_bar", None)
+    kwargs.update(assistant_model=assistant_model, negative_prompt_ids=negative_prompt_ids,
+                  negative_prompt_attention_mask=negative_prompt_attention_mask,
+                  custom_generate=custom_generate)
+    resolved = resolve(engine.hf_config, engine.generation_config, inputs, generation_config,
+                       logits_processor, stopping_criteria, prefix_allowed_tokens_fn, kwargs)
+    config = resolved.config
+    pad_tensor = config._pad_token_tensor
+    pad = int(pad_tensor) if pad_tensor is not None else 0
+    eos = config._eos_token_tensor
+    eos_ids = () if eos is None else tuple(eos.tolist())
+    record_scores = bool(config.return_dict_in_generate and config.output_scores)
+    record_logits = bool(config.return_dict_in_generate and config.output_logits)
+    lockstep = record_scores or record_logits
+    padded = not bool(resolved.attention_mask.bool().all())
+    split = procs.split(resolved.processors, padded, keep_all=lockstep)
+    # Length and EOS are the engine's own checks, except in lockstep where EOS marks done.
+    native = (MaxLengthCriteria,) if lockstep else (MaxLengthCriteria, EosTokenCriteria)
+    criteria = StoppingCriteriaList(c for c in resolved.criteria if type(c) not in native)
+    hooks = None
+    if split.rest or criteria or lockstep:
+        hooks = CallHooks(resolved, split.rest, criteria, pad, record_scores, record_logits)
+    max_new_tokens = resolved.max_new_tokens
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=split.temperature if config.do_sample else 0.0,
+        top_k=split.top_k,
+        top_p=split.top_p,
+        repetition_penalty=split.repetition_penalty,
+        eos_token_ids=eos_ids,
+        ignore_eos=lockstep,
+        hooks=hooks,
+    )
+    mask = resolved.attention_mask.bool()
+    prompts = _unpadded_rows(resolved.input_ids, mask)
+    feeder = StreamFeeder(streamer, pad) if streamer is not None else None
+    if feeder:
+        feeder.start(resolved.input_ids)
+    seqs = engine._add_all(prompts, params)
+    if hooks:
+        hooks.rows = {s.seq_id: row for row, s in enumerate(seqs)}
+    engine.run(seqs, progress_bar, on_step=feeder.feed if feeder else None)
+    if feeder:
+        feeder.feed(seqs)
+        feeder.end()
+    outputs = [s.output_token_ids for s in seqs]
+    if lockstep:  # transformers' loop ran until the last row was done
+        steps = min(max(len(hooks.scores[r] or hooks.logits[r]) for r in range(len(seqs))),
+                    max(len(o) for o in outputs))
+        outputs = [o[:steps] for o in outputs]
+    sequences = pad_outputs(resolved.input_ids, outputs, pad)
+    if not config.return_dict_in_generate:
+        return sequences
+    steps = sequences.shape[1] - resolved.input_ids.shape[1]
+    return decoder_only_output(
+        sequences,
+        scores=per_step(hooks.scores, steps) if record_scores else None,
+        logits=per_step(hooks.logits, steps) if record_logits else None,
+    )
+
+
+def _unpadded_rows(input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    rows = []
+    for i, (ids, keep) in enumerate(zip(input_ids.tolist(), mask.tolist())):
+        first = keep.index(True) if True in keep else len(keep)
+        if not all(keep[first:]):
+            raise ValueError(
+                f"attention_mask: row {i} is not left-padded (a 0 follows a 1); "
+                "use tokenizer(..., padding_side='left')"
+            )
+        rows.append(ids[first:])
+    return rows

@@ -1,0 +1,181 @@
+"""Generation settings resolved by transformers' own code.
+
+``GenerationMixin.generate`` prepares a call in steps that are methods of the model: merge
+the checkpoint's generation_config.json, a passed ``GenerationConfig`` and keyword arguments
+over the global defaults; resolve special tokens; infer the attention mask; fix ``max_length``
+and ``min_length`` against the prompt width; build the logits processors and stopping
+criteria. ``resolve`` runs those same methods on a stand-in model (the Qwen3 config and the
+engine's generation config), so every convention, default and warning is the installed
+transformers' own, and moves with it on upgrade.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, PretrainedConfig
+from transformers.generation import GenerationMixin, StoppingCriteriaList
+from transformers.generation.configuration_utils import GenerationMode
+
+# Modes hf_paged decodes; the values are the names transformers gives them.
+SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+
+# generate() arguments transformers takes that a paged engine cannot honour, and why.
+_REFUSED = {
+    "assistant_model": "assisted (speculative) decoding is not implemented",
+    "assistant_tokenizer": "assisted (speculative) decoding is not implemented",
+    "negative_prompt_ids": "classifier-free guidance is not implemented",
+    "negative_prompt_attention_mask": "classifier-free guidance is not implemented",
+    "custom_generate": "custom decoding loops run on transformers models only",
+    "output_attentions": "the paged attention kernels never materialise attention weights",
+    "output_hidden_states": "the engine keeps no per-layer hidden states",
+    "past_key_values": "the engine owns the (paged) KV cache",
+    "inputs_embeds": "the engine embeds token ids itself",
+    "position_ids": "positions follow the attention mask",
+}
+
+
+class _StandIn(GenerationMixin):
+    """Just enough of a transformers model for GenerationMixin's preparation methods."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, config: PretrainedConfig, generation_config: GenerationConfig):
+        self.config = config
+        self.generation_config = generation_config
+
+
+@dataclass
+class Resolved:
+    """One call, prepared as transformers prepares it. ``input_ids`` and ``attention_mask``
+    are expanded to ``num_return_sequences`` rows per prompt."""
+
+    config: GenerationConfig
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    processors: LogitsProcessorList
+    criteria: StoppingCriteriaList
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.config.max_length - self.input_ids.shape[1]
+
+
+def resolve(
+    hf_config: PretrainedConfig,
+    base: GenerationConfig,
+    inputs: torch.Tensor | None,
+    generation_config: GenerationConfig | None,
+    logits_processor: LogitsProcessorList | None,
+    stopping_criteria: StoppingCriteriaList | None,
+    prefix_allowed_tokens_fn: Any,
+    kwargs: dict[str, Any],
+) -> Resolved:
+    """Merge and validate a call's settings; raise ValueError naming what is unsupported."""
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        raise ValueError(
+            "generation_config must be a transformers GenerationConfig, "
+            f"got {type(generation_config).__name__}"
+        )
+    for name, why in _REFUSED.items():
+        value = kwargs.get(name)
+        if value is not None and value is not False:
+            raise ValueError(f"{name} is not supported by hf_paged's generate(): {why}")
+        kwargs.pop(name, None)
+    model = _StandIn(hf_config, base)
+    tokenizer = kwargs.pop("tokenizer", None)
+    has_default_max_length = (
+        kwargs.get("max_length") is None
+        and (generation_config is None or generation_config.max_length is None)
+        and base.max_length is None
+    )
+    has_default_min_length = (
+        kwargs.get("min_length") is None
+        and (generation_config is None or generation_config.min_length is None)
+        and base.min_length is None
+    )
+    config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    for name in ("output_attentions", "output_hidden_states"):
+        if getattr(config, name, False):
+            raise ValueError(f"{name} is not supported by hf_paged's generate(): {_REFUSED[name]}")
+    mode = config.get_generation_mode()
+    if mode not in SUPPORTED_MODES:
+        raise ValueError(
+            f"generation mode {str(mode)!r} (from num_beams={config.num_beams}, "
+            f"do_sample={config.do_sample}, ...) is not supported by hf_paged; supported: "
+            f"{', '.join(str(m) for m in SUPPORTED_MODES)}"
+        )
+    if config.guidance_scale not in (None, 1, 1.0):
+        raise ValueError(
+            f"guidance_scale is not supported by hf_paged: {_REFUSED['negative_prompt_ids']}")
+    if config.token_healing:
+        raise ValueError("token_healing is not supported by hf_paged's generate()")
+    if config.use_cache is False:
+        raise ValueError("use_cache=False is not supported: the paged KV cache is always on")
+
+    input_ids = model_kwargs.pop("input_ids", None) if inputs is None else inputs
+    attention_mask = model_kwargs.pop("attention_mask", None)
+    if model_kwargs:
+        raise ValueError(
+            "generate() got argument(s) hf_paged does not support: "
+            f"{', '.join(sorted(model_kwargs))}"
+        )
+    if input_ids is None:  # transformers starts from BOS alone
+        if config.bos_token_id is None:
+            raise ValueError("input_ids: none given and the generation config has no bos_token_id")
+        input_ids = torch.tensor([[config.bos_token_id]], dtype=torch.long)
+    input_ids = _check_input_ids(input_ids).cpu()
+    model._prepare_special_tokens(
+        config, attention_mask is not None, device=input_ids.device, batch_size=input_ids.shape[0]
+    )
+    if attention_mask is None:
+        attention_mask = model._prepare_attention_mask_for_generation(input_ids, config, {})
+    elif not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else None
+        raise ValueError(
+            f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {shape}"
+        )
+    attention_mask = attention_mask.cpu()
+    copies = max(config.num_beams or 1, config.num_return_sequences or 1)
+    input_ids = input_ids.repeat_interleave(copies, dim=0)
+    attention_mask = attention_mask.repeat_interleave(copies, dim=0)
+    width = input_ids.shape[1]
+    config = model._prepare_generated_length(
+        generation_config=config,
+        has_default_max_length=has_default_max_length,
+        has_default_min_length=has_default_min_length,
+        model_input_name="input_ids",
+        inputs_tensor=input_ids,
+        input_ids_length=width,
+    )
+    model._validate_generated_length(config, width, has_default_max_length)
+    processors = model._get_logits_processor(
+        generation_config=config,
+        input_ids_seq_length=width,
+        encoder_input_ids=input_ids,
+        prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+        logits_processor=logits_processor or LogitsProcessorList(),
+        device=input_ids.device,
+        model_kwargs={"attention_mask": attention_mask},
+    )
+    criteria = model._get_stopping_criteria(
+        generation_config=config, stopping_criteria=stopping_criteria or StoppingCriteriaList(),
+        tokenizer=tokenizer,
+    )
+    return Resolved(config, input_ids, attention_mask, processors, criteria)
+
+
+def _check_input_ids(input_ids) -> torch.Tensor:
+    if not isinstance(input_ids, torch.Tensor):
+        raise ValueError(f"input_ids must be a 2-D integer tensor, got {type(input_ids).__name__}")
+    if input_ids.dim() != 2 or input_ids.shape[0] == 0:
+        raise ValueError(
+            f"input_ids must be a 2-D tensor [batch, seq_len], got shape {tuple(input_ids.shape)}"
+        )
+    if input_ids.dtype not in (torch.int16, torch.int32, torch.int64):
+        raise ValueError(
+            f"input_ids must hold token ids as int16, int32 or int64, got dtype {input_ids.dtype}"
+        )
+    return input_ids
