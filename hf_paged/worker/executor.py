@@ -54,9 +54,6 @@ class Executor:
     def finish_run(self, seqs: list[Sequence] | None, error: BaseException | None = None) -> None:
         """End of ``engine.run`` on the leader: nothing to tell in one process."""
 
-    def follow_run(self) -> list[tuple[list[int], str | None]]:
-        raise RuntimeError("only ranks other than 0 follow a run")
-
     def close(self) -> None:
         """Nothing to stop in one process."""
 

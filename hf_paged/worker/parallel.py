@@ -13,6 +13,7 @@ messages travel over a separate gloo group, in host memory, so they cross machin
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import signal
@@ -46,6 +47,8 @@ _spawned_groups_open = 0  # engines of this process whose spawned ranks hold the
 def launched_world() -> bool:
     """True under torchrun (or any launcher that sets WORLD_SIZE), or once a default process
     group exists: the processes are already there and each runs the user's script."""
+    if _spawned_groups_open:
+        gc.collect()  # an engine nobody holds any more closes when collected
     if _spawned_groups_open:
         raise RuntimeError(
             "this process already runs a tensor-parallel engine with spawned workers; close() "

@@ -4,7 +4,8 @@ it as a subprocess with a timeout, so that a hang fails the test instead of stal
 
 A job: {"checkpoint": path, "engine": {engine options}, "calls": [{"lengths": [...],
 "seed": int, "generate": {generate kwargs}}]}, each call seeded with torch.manual_seed(0),
-and optionally "kill_worker": true (then kill the engine's worker and call again),
+and optionally "failing_processor": true (then a call whose logits processor raises, and
+the first call again), "kill_worker": true (then kill the engine's worker and call again),
 "interrupt": true (then Ctrl-C a call mid-step, and close the engine) or
 "data_parallel": true (the README's data-parallel recipe with accelerate: the calls' prompts
 split between the launched processes, new tokens gathered on rank 0).
@@ -28,6 +29,21 @@ def generate(engine, call: dict) -> list:
     ids, mask = left_padded(call["lengths"], engine.hf_config.vocab_size, seed=call["seed"])
     torch.manual_seed(0)
     return engine.generate(ids, attention_mask=mask, **call["generate"]).tolist()
+
+
+def failing_processor(engine, call: dict) -> dict:
+    """A logits processor (run on rank 0 only) that raises: the caller gets its error, the
+    ranks stay in step, and the same call then gives the same tokens as before."""
+
+    def processor(input_ids, scores):
+        raise ValueError("processor failed")
+
+    try:
+        generate(engine, dict(call, generate=dict(call["generate"], logits_processor=[processor])))
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return dict(error=error, again=generate(engine, call))
 
 
 def kill_worker(engine, call: dict) -> dict:
@@ -94,6 +110,8 @@ def main() -> None:
         else:
             result["outputs"] = [generate(engine, call) for call in job["calls"]]
         result["stats"] = engine.stats()
+        if job.get("failing_processor"):
+            result["failing_processor"] = failing_processor(engine, job["calls"][0])
         if job.get("kill_worker"):
             result["killed"] = kill_worker(engine, job["calls"][0])
         if job.get("interrupt"):

@@ -45,11 +45,11 @@ def reference(hf_models, name: str, call: dict, new_only: bool = False) -> list:
 
 @pytest.fixture(scope="module")
 def spawned(checkpoints, tmp_path_factory) -> list[dict]:
-    """TP=2 engines from this (ordinary) process; the first is then interrupted by Ctrl-C,
-    the last one's worker killed."""
+    """TP=2 engines from this (ordinary) process; then the first is interrupted by Ctrl-C,
+    the second runs a logits processor that raises, the last one's worker is killed."""
     jobs = [dict(checkpoint=checkpoints[n], engine=dict(TIGHT, tensor_parallel_size=2),
-                 calls=[CALL], interrupt=n == SPAWNED[0], kill_worker=n == SPAWNED[-1])
-            for n in SPAWNED]
+                 calls=[CALL], interrupt=i == 0, failing_processor=i == 1, kill_worker=i == 2)
+            for i, n in enumerate(SPAWNED)]
     out = tmp_path_factory.mktemp("spawned") / "results.json"
     run_jobs(jobs, out)
     return json.loads(out.read_text())
@@ -75,6 +75,12 @@ def test_tp2_matches_transformers_with_preemption_chunks_and_prefix_cache(
     stats = result["stats"]
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0, stats
     assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_an_error_in_rank_0s_sampling_keeps_the_ranks_in_step(spawned):
+    report = spawned[1]["failing_processor"]
+    assert report["error"] == "processor failed"
+    assert [report["again"]] == spawned[1]["outputs"]
 
 
 def test_a_killed_worker_raises_in_the_caller_and_close_returns(spawned):
