@@ -69,6 +69,16 @@ def _importable(package: str) -> bool:
     return True
 
 
+def _shared_hooks(seqs: list[Sequence]) -> list:
+    """The distinct hooks objects of ``seqs`` that carry state to other ranks, in order."""
+    found = {}
+    for seq in seqs:
+        hooks = seq.params.hooks
+        if hooks is not None and hasattr(hooks, "shared_state"):
+            found.setdefault(id(hooks), hooks)
+    return list(found.values())
+
+
 class PagedEngine:
     """A Qwen3 model served by continuous batching over a paged KV cache.
 
@@ -289,13 +299,17 @@ class PagedEngine:
         try:
             self._run(seqs, progress_bar, on_step)
         except BaseException as e:
-            self.executor.finish_run(None, e)
+            self.executor.finish_run(f"{type(e).__name__}: {e}")
             raise
-        self.executor.finish_run(seqs)
+        self.executor.finish_run((
+            [(s.output_token_ids, s.finish_reason) for s in seqs],
+            [hooks.shared_state() for hooks in _shared_hooks(seqs)],
+        ))
         return seqs
 
     def _follow(self, seqs: list[Sequence]) -> None:
-        results = self.executor.follow_run()
+        """Rank 0's outputs (and its hooks' state: e.g. per-step scores) into ``seqs``."""
+        results, hook_states = self.executor.follow_run()
         if len(results) != len(seqs):
             raise RuntimeError(
                 f"rank 0 ran {len(results)} requests where this rank queued {len(seqs)}: every "
@@ -305,6 +319,8 @@ class PagedEngine:
             self.scheduler.abort(seq)  # queued here only to be validated: rank 0 schedules
             seq.token_ids.extend(tokens)
             seq.finish_reason = reason
+        for hooks, state in zip(_shared_hooks(seqs), hook_states):
+            hooks.load_shared_state(state)
 
     def _run(self, seqs: list[Sequence], progress_bar: bool | None, on_step) -> None:
         show = self.config.progress_bar if progress_bar is None else progress_bar

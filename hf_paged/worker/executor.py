@@ -51,8 +51,9 @@ class Executor:
     def release(self, seqs: list[Sequence]) -> None:
         self.runner.release(seqs)
 
-    def finish_run(self, seqs: list[Sequence] | None, error: BaseException | None = None) -> None:
-        """End of ``engine.run`` on the leader: nothing to tell in one process."""
+    def finish_run(self, outcome: object) -> None:
+        """End of ``engine.run`` on the leader (its results, or its error as a string):
+        nothing to tell in one process."""
 
     def close(self) -> None:
         """Nothing to stop in one process."""
@@ -87,17 +88,15 @@ class ParallelExecutor(Executor):
                 next_check = time.monotonic() + _LIVENESS_CHECK_S
         return self.runner.collect(step)
 
-    def finish_run(self, seqs: list[Sequence] | None, error: BaseException | None = None) -> None:
-        """Torchrun mode: the other ranks' ``run`` returns rank 0's results (or raises)."""
+    def finish_run(self, outcome: object) -> None:
+        """Torchrun mode: the other ranks' ``follow_run`` returns ``outcome`` (or raises)."""
         if not self.ranks.launched or self.broken:
             return
-        outcome = (f"{type(error).__name__}: {error}" if error is not None else
-                   [(s.output_token_ids, s.finish_reason) for s in seqs])
         self.ranks.channel.send(RESULTS)
         self.ranks.channel.send_object(outcome)
 
-    def follow_run(self) -> list[tuple[list[int], str | None]]:
-        """Torchrun mode, ranks other than 0: run rank 0's steps until its results arrive."""
+    def follow_run(self) -> object:
+        """Torchrun mode, ranks other than 0: run rank 0's steps until its outcome arrives."""
         kind = serve(self.runner, self.ranks.channel)
         if kind != RESULTS:
             raise RuntimeError(f"rank 0 of the tensor-parallel group sent message {kind} "

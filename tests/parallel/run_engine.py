@@ -25,10 +25,13 @@ import hf_paged
 from tests.conftest import left_padded
 
 
-def generate(engine, call: dict) -> list:
+def generate(engine, call: dict) -> list | dict:
     ids, mask = left_padded(call["lengths"], engine.hf_config.vocab_size, seed=call["seed"])
     torch.manual_seed(0)
-    return engine.generate(ids, attention_mask=mask, **call["generate"]).tolist()
+    out = engine.generate(ids, attention_mask=mask, **call["generate"])
+    if isinstance(out, torch.Tensor):
+        return out.tolist()
+    return dict(sequences=out.sequences.tolist(), scores=[s.tolist() for s in out.scores])
 
 
 def failing_processor(engine, call: dict) -> dict:

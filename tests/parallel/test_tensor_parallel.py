@@ -24,6 +24,8 @@ TIGHT = dict(block_size=8, num_kv_blocks=12, max_num_batched_tokens=16)
 CALL = dict(lengths=[20, 25, 30, 35], seed=2, generate=dict(max_new_tokens=12))
 SAMPLED = dict(CALL, generate=dict(max_new_tokens=12, do_sample=True, temperature=1.5, top_k=50,
                                    top_p=0.95))
+SCORED = dict(CALL, generate=dict(max_new_tokens=4, output_scores=True,
+                                  return_dict_in_generate=True))
 DP_CALL = dict(lengths=[5, 9, 14, 3, 11], seed=7, generate=dict(max_new_tokens=8))
 SPAWNED = ["gqa_tied", "mha_untied", "one_kv_head"]
 
@@ -59,7 +61,8 @@ def spawned(checkpoints, tmp_path_factory) -> list[dict]:
 def torchrun(checkpoints, tmp_path_factory) -> list[list[dict]]:
     """Two launched ranks: one TP=2 engine, then one engine each for data parallelism."""
     jobs = [dict(checkpoint=checkpoints["gqa4_untied"],
-                 engine=dict(block_size=8, tensor_parallel_size=2), calls=[CALL, SAMPLED]),
+                 engine=dict(block_size=8, tensor_parallel_size=2),
+                 calls=[CALL, SAMPLED, SCORED]),
             dict(checkpoint=checkpoints["gqa_tied"], engine=dict(block_size=8),
                  calls=[DP_CALL], data_parallel=True)]
     out = tmp_path_factory.mktemp("torchrun") / "results.json"
@@ -97,13 +100,14 @@ def test_ctrl_c_in_the_caller_then_close_leaves_no_worker(spawned):
 
 
 def test_torchrun_ranks_return_identical_outputs(torchrun, hf_models):
-    """Greedy equals transformers, and sampled outputs (drawn on rank 0) are the same on both
-    ranks."""
+    """Greedy equals transformers; sampled outputs (drawn on rank 0) and per-step scores (its
+    processors') are the same on both ranks."""
     rank0, rank1 = (results[0]["outputs"] for results in torchrun)
     assert rank0 == rank1
-    greedy, sampled = rank0
+    greedy, sampled, scored = rank0
     assert greedy == reference(hf_models, "gqa4_untied", CALL)
     assert sampled != greedy
+    assert len(scored["scores"]) == 4 and scored["sequences"] == [row[:-8] for row in greedy]
 
 
 def test_data_parallel_under_accelerate(torchrun, hf_models):
