@@ -44,6 +44,7 @@ def build_workload(args: argparse.Namespace, max_token_id: int) -> tuple[Workloa
     make = w3 if args.workload == "w3" else w1
     workload = make(**sizes, max_token_id=max_token_id)
     description = {"description": make.__doc__.splitlines()[0], **sizes, **workload.describe()}
+    description["temperature"] = args.temperature
     if args.repetition_penalty != 1.0:
         description["repetition_penalty_run"] = args.repetition_penalty
     return workload, description
@@ -100,9 +101,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline-requests", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=64, help="generate baselines' batch")
     parser.add_argument(
+        "--temperature", type=float,
+        help="sampling temperature of every system (W1 default 0.6, as nano-vllm's bench "
+        "samples, with a greedy hf_paged line beside it; W3 default 0: greedy)")
+    parser.add_argument(
         "--repetition-penalty", type=float, default=1.0,
         help="W1: also run hf_paged with this repetition penalty on every request")
     args = parser.parse_args(argv)
+    if args.temperature is None:
+        args.temperature = 0.6 if args.workload == "w1" else 0.0
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     workload, description = build_workload(args, common.max_token_id(args.model))
@@ -120,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
         return partial(measure, build, requests, args.batch_size, cost, bandwidth, device)
 
     options = common.engine_options(args.engine_option)
-    paged = partial(PagedSystem, args.model, dtype, device, **options)
+    sampling = {"temperature": args.temperature}
+    paged = partial(PagedSystem, args.model, dtype, device, sampling=sampling, **options)
     tp_sizes = args.tensor_parallel_size or ([1, 2, 4] if args.workload == "w4" else [1])
     if args.workload == "w3":
         settings = {
@@ -128,8 +136,10 @@ def main(argv: list[str] | None = None) -> None:
         }
     else:
         settings = {"hf_paged": {}}
+        if args.temperature and args.workload != "w4":  # W4: one line per size
+            settings["greedy"] = {"sampling": {"temperature": 0.0}}
         if args.repetition_penalty != 1.0:
-            penalty = {"repetition_penalty": args.repetition_penalty}
+            penalty = {**sampling, "repetition_penalty": args.repetition_penalty}
             settings["repetition_penalty"] = {"sampling": penalty}
     if tp_sizes != [1]:  # one run per size, each setting
         settings = {
@@ -158,7 +168,8 @@ def main(argv: list[str] | None = None) -> None:
         result.save()
 
     max_cache_len = max(map(len, few.prompts)) + max(few.max_new_tokens)
-    generate = partial(GenerateSystem, args.model, dtype, device, args.batch_size)
+    generate = partial(GenerateSystem, args.model, dtype, device, args.batch_size,
+                       temperature=args.temperature)
     common.run_baselines(
         result,
         args,
@@ -166,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
             "generate": measure_on(few, generate),
             "static": measure_on(few, partial(generate, static=True, max_cache_len=max_cache_len)),
             "cb": measure_on(
-                few, partial(ContinuousBatchingSystem, args.model, dtype, device, few)
+                few, partial(ContinuousBatchingSystem, args.model, dtype, device, few,
+                             temperature=args.temperature)
             ),
         },
     )

@@ -87,6 +87,14 @@ def pad_token_id(model) -> int:
     return 0 if pad is None else pad
 
 
+def sampling_kwargs(temperature: float) -> dict[str, Any]:
+    """transformers' settings for hf_paged's ``SamplingParams(temperature=...)``: greedy at 0,
+    else plain temperature sampling (transformers' default top_k=50 turned off)."""
+    if not temperature:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": temperature, "top_k": 0}
+
+
 class GenerateSystem:
     """``max_cache_len`` (static cache only) fixes the cache size of every call, so that the
     warm-up compiles the shapes the measured calls use."""
@@ -99,13 +107,14 @@ class GenerateSystem:
         batch_size: int,
         static: bool = False,
         max_cache_len: int | None = None,
+        temperature: float = 0.0,
     ):
         self.model = load_transformers_model(path, dtype, device)
         self.device, self.batch_size, self.static = device, batch_size, static
         self.pad = pad_token_id(self.model)
         # Keyword arguments override the checkpoint's generation config, EOS included.
         self.kwargs: dict[str, Any] = dict(
-            do_sample=False, eos_token_id=None, pad_token_id=self.pad
+            **sampling_kwargs(temperature), eos_token_id=None, pad_token_id=self.pad
         )
         if static:
             self.kwargs.update(cache_implementation="static", max_cache_len=max_cache_len)
@@ -153,12 +162,13 @@ class ContinuousBatchingSystem:
     """A manager sized by ``workload_hints`` for the largest request, warmed up (CUDA graphs on
     CUDA) and started at construction; ``run`` adds the requests and waits for all of them."""
 
-    def __init__(self, path: str, dtype: torch.dtype, device: torch.device, sizing: Workload):
+    def __init__(self, path: str, dtype: torch.dtype, device: torch.device, sizing: Workload,
+                 temperature: float = 0.0):
         from transformers.generation.continuous_batching.utils import WorkloadHints
 
         self.model = load_transformers_model(path, dtype, device)
         config = GenerationConfig(
-            do_sample=False,
+            **sampling_kwargs(temperature),
             eos_token_id=NO_EOS,
             pad_token_id=pad_token_id(self.model),
             max_new_tokens=max(sizing.max_new_tokens),

@@ -186,14 +186,15 @@ def generate(
         steps = min(max(len(hooks.scores[r] or hooks.logits[r]) for r in range(len(seqs))),
                     max(len(o) for o in outputs))
         outputs = [o[:steps] for o in outputs]
-    sequences = pad_outputs(resolved.input_ids, outputs, pad)
+    # Sequences stay where the caller's input_ids were; scores and logits are the model's.
+    sequences = pad_outputs(resolved.input_ids, outputs, pad).to(resolved.device)
     if not config.return_dict_in_generate:
         return sequences
     steps = sequences.shape[1] - resolved.input_ids.shape[1]
     return decoder_only_output(
         sequences,
-        scores=per_step(hooks.scores, steps) if record_scores else None,
-        logits=per_step(hooks.logits, steps) if record_logits else None,
+        scores=per_step(hooks.scores, steps, engine.device) if record_scores else None,
+        logits=per_step(hooks.logits, steps, engine.device) if record_logits else None,
     )
 
 

@@ -16,10 +16,12 @@ def pad_outputs(input_ids: torch.Tensor, outputs: list[list[int]], pad: int) -> 
     return torch.cat([input_ids, new.to(input_ids.device)], dim=1)
 
 
-def per_step(rows: list[list[torch.Tensor]], steps: int) -> tuple[torch.Tensor, ...]:
+def per_step(
+    rows: list[list[torch.Tensor]], steps: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
     """``rows[r][t]`` (one vector per row and step) as transformers' tuple over steps of
-    ``[batch, vocab]`` tensors."""
-    return tuple(torch.stack([row[t] for row in rows]) for t in range(steps))
+    ``[batch, vocab]`` tensors on ``device``."""
+    return tuple(torch.stack([row[t] for row in rows]).to(device) for t in range(steps))
 
 
 def decoder_only_output(sequences, scores=None, logits=None) -> GenerateDecoderOnlyOutput:

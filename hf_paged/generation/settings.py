@@ -53,10 +53,11 @@ class Resolved:
     are expanded to ``num_return_sequences`` rows per prompt."""
 
     config: GenerationConfig
-    input_ids: torch.Tensor
+    input_ids: torch.Tensor  # on the CPU
     attention_mask: torch.Tensor
     processors: LogitsProcessorList
     criteria: StoppingCriteriaList
+    device: torch.device  # where the caller's input_ids were
 
     @property
     def max_new_tokens(self) -> int:
@@ -126,7 +127,8 @@ def resolve(
         if config.bos_token_id is None:
             raise ValueError("input_ids: none given and the generation config has no bos_token_id")
         input_ids = torch.tensor([[config.bos_token_id]], dtype=torch.long)
-    input_ids = _check_input_ids(input_ids).cpu()
+    input_ids = _check_input_ids(input_ids)
+    device, input_ids = input_ids.device, input_ids.cpu()
     model._prepare_special_tokens(
         config, attention_mask is not None, device=input_ids.device, batch_size=input_ids.shape[0]
     )
@@ -164,7 +166,7 @@ def resolve(
         generation_config=config, stopping_criteria=stopping_criteria or StoppingCriteriaList(),
         tokenizer=tokenizer,
     )
-    return Resolved(config, input_ids, attention_mask, processors, criteria)
+    return Resolved(config, input_ids, attention_mask, processors, criteria, device)
 
 
 def _check_input_ids(input_ids) -> torch.Tensor:

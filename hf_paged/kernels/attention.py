@@ -89,7 +89,10 @@ def _attend_tiles(
     return acc, m, denom
 
 
-@triton.jit
+# Arguments that vary with the batch (its size, its block-table width, the split count) are
+# not specialised on (Triton would compile a variant for 1, for multiples of 16 and for the
+# rest): a prompt of a length not seen before then needs no compilation.
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "num_parts", "bt_s0"])
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     cu_q_ptr, seq_lens_ptr, block_tables_ptr, shared_ptr,
@@ -165,7 +168,7 @@ def _attention_kernel(
                  mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_parts"])
 def _shared_prefix_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, table_ptr, shared_ptr,
     scale_log2, num_tokens, num_heads, num_parts,
@@ -205,7 +208,7 @@ def _shared_prefix_kernel(
     tl.store(part_lse_ptr + part, m + tl.log2(denom), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, num_heads, num_splits, o_s0, o_s1,
     BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -332,7 +335,7 @@ def paged_attention(
     if split:
         _combine_splits_kernel[(num_tokens * num_heads,)](
             part_out, part_lse, out, num_heads, num_parts, out.stride(0), out.stride(1),
-            BLOCK_S=triton.next_power_of_2(num_parts), BLOCK_D=block_d, HEAD_DIM=head_dim,
+            BLOCK_S=2 * _MAX_SPLITS, BLOCK_D=block_d, HEAD_DIM=head_dim,  # one variant
             num_warps=4,
         )
     return out

@@ -3,7 +3,8 @@
 Owns the KV cache (sized from free GPU memory on CUDA, from ``cpu_kv_cache_gib`` on CPU) and
 the decode CUDA graphs: one per batch size of a ladder, captured at start-up over static
 input buffers; a decode batch replays the smallest graph that fits, padded with rows whose
-slot is -1 (not stored) and whose context is empty. Sizes from ``_CASCADE_MIN_SEQS`` up have a
+slot is -1 (not stored) and whose context is empty; the graph samples too, with per-row
+settings among its inputs. Sizes from ``_CASCADE_MIN_SEQS`` up have a
 second graph with cascade attention, replayed when the batch's sequences all start with the
 same cache blocks (a prompt shared through the prefix cache).
 
@@ -41,6 +42,10 @@ from hf_paged.sampling_params import SamplingParams
 # times shared tokens and this many sequences (the smallest graph with a cascade twin).
 _CASCADE_MIN_TOKENS = 1 << 13
 _CASCADE_MIN_SEQS = 16
+# A decode graph's per-row inputs: ids, pending-token rows, positions, slots, context lengths,
+# temperature, top-k, top-p.
+_GRAPH_FIELDS = 8
+_ONE_BITS = int(np.array(1.0, np.float32).view(np.int32))  # top_p = 1.0 as int32 bits
 
 
 class BlockTableMirror:
@@ -143,10 +148,14 @@ class ModelRunner:
             self.host_tokens = [
                 torch.zeros(config.max_num_seqs, dtype=torch.long).pin_memory() for _ in "ab"
             ]
-        # (batch size, cascade) -> the graph, its logits and its greedy tokens
+        # (batch size, cascade) -> the graph, its logits and its sampled tokens
         self.graphs: dict[tuple[int, bool], tuple] = {}
         self.graph_batch_sizes: list[int] = []
         graphs_possible = self.device.type == "cuda" and config.attention_backend == "triton"
+        if self.device.type == "cuda":
+            start = time.perf_counter()
+            self._compile_kernels(decode=not graphs_possible or config.enforce_eager)
+            self.startup_seconds["kernels"] = time.perf_counter() - start
         if graphs_possible and not config.enforce_eager:
             start = time.perf_counter()
             self._capture_decode_graphs()
@@ -206,24 +215,42 @@ class ModelRunner:
         return int(budget) // self._block_bytes()
 
     @torch.inference_mode()
-    def _warmup(self, num_seqs: int, per_seq: int) -> None:
+    def _warmup(self, num_seqs: int, per_seq: int, context: int = 0, shared: bool = False):
+        """One sampled step of ``num_seqs`` sequences computing ``per_seq`` tokens each after
+        ``context`` cached ones, all in block 0's neighbourhood, storing nothing: it runs (and
+        so compiles) every kernel such a step needs."""
         tokens = torch.zeros(num_seqs * per_seq, dtype=torch.long, device=self.device)
-        positions = torch.arange(per_seq, device=self.device).repeat(num_seqs)
-        bps = -(-per_seq // self.block_size)
-        block_tables = torch.arange(num_seqs * bps, device=self.device, dtype=torch.int32)
+        positions = torch.arange(context, context + per_seq, device=self.device).repeat(num_seqs)
+        bps = -(-(context + per_seq) // self.block_size)
         meta = AttentionMetadata(
             slot_mapping=torch.full_like(tokens, -1),
             cu_seqlens_q=torch.arange(0, num_seqs + 1, device=self.device, dtype=torch.int32)
             * per_seq,
-            seq_lens=torch.full((num_seqs,), per_seq, device=self.device, dtype=torch.int32),
-            block_tables=block_tables.view(num_seqs, bps),
+            seq_lens=torch.full((num_seqs,), context + per_seq, device=self.device,
+                                dtype=torch.int32),
+            block_tables=torch.zeros((num_seqs, bps), device=self.device, dtype=torch.int32),
             max_query_len=per_seq,
+            shared_prefix=torch.tensor([context], device=self.device, dtype=torch.int32)
+            if shared else None,
         )
         hidden = self.model.forward(tokens, positions, meta)
         logits = self.model.compute_logits(hidden[:num_seqs])
         if logits is not None:  # rank 0 samples
-            self._sample(logits, [Sequence([0], SamplingParams())] * num_seqs)
+            sampled = SamplingParams(temperature=1.0, top_k=2, top_p=0.5)
+            self._sample(logits, [Sequence([0], sampled)] * num_seqs)
         torch.cuda.synchronize()
+
+    def _compile_kernels(self, decode: bool) -> None:
+        """Run every kernel variant a request can need now, so none compiles inside one:
+        prefill and sampling, and (``decode``: when no graph captures it) eager decode with
+        and without split-K and cascade."""
+        self._warmup(2, 3)
+        if decode:
+            context = self.block_size * min(4, self.max_blocks_per_seq - 1)
+            for num_seqs in (1, self.config.max_num_seqs):
+                self._warmup(num_seqs, 1, context)
+            if self.config.attention_backend == "triton":
+                self._warmup(_CASCADE_MIN_SEQS, 1, context, shared=True)
 
     # ---- inputs ---------------------------------------------------------------------------
 
@@ -284,13 +311,13 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, inputs: StepInputs) -> LaunchedStep:
         """Rank 0: the forward of prepared ``inputs``, then sampling."""
-        logits, greedy = self.forward(inputs)
+        sampled_seqs = [s for s, sample in zip(batch.seqs, batch.sample) if sample]
+        logits, drawn = self.forward(inputs, [s.params for s in sampled_seqs])
         if logits is None:  # only partial prefill chunks: nothing to sample yet
             return LaunchedStep(batch, None, None)
-        sampled_seqs = [s for s, sample in zip(batch.seqs, batch.sample) if sample]
         tokens = None
         try:
-            tokens = self._sample(logits, sampled_seqs, greedy)
+            tokens = self._sample(logits, sampled_seqs, drawn)
         finally:  # the other ranks wait for this step's tokens even if sampling failed
             self._share_tokens(tokens, len(sampled_seqs))
         self.last_rows = {s.seq_id: row for row, s in enumerate(sampled_seqs)}
@@ -309,12 +336,14 @@ class ModelRunner:
         if inputs.logits_rows:
             self._share_tokens(None, len(inputs.logits_rows))
 
-    def forward(self, inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def forward(
+        self, inputs: StepInputs, params: list[SamplingParams] | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Logits of the sampled rows (on rank 0; None elsewhere or when no row is sampled),
-        and their argmax when a decode graph already took it."""
+        and the tokens a decode graph drew from them with ``params`` (rank 0's)."""
         self.flip ^= 1
         if inputs.graph_bs:
-            return self._replay(inputs)
+            return self._replay(inputs, params)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=self._to_device(inputs.slots, torch.long),
@@ -375,23 +404,24 @@ class ModelRunner:
         """``ids`` with each pending token (``src >= 0``) read from the last step's samples."""
         return torch.where(src >= 0, self.last_tokens[src.clamp(min=0)], ids)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy=None) -> torch.Tensor:
-        """One token per row of ``logits`` for ``seqs``. ``greedy``: the argmax of ``logits``
-        when a decode graph already took it. Requests without a repetition penalty or hooks
-        skip logits processing altogether."""
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], drawn=None) -> torch.Tensor:
+        """One token per row of ``logits`` for ``seqs``. ``drawn``: the tokens a decode graph
+        already drew from ``logits`` with these requests' settings. Requests without a
+        repetition penalty or hooks skip logits processing altogether."""
         params = [s.params for s in seqs]
         penalized = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
         processed = penalized or any(p.hooks is not None for p in params)
         if processed:
             logits = self._process(logits, seqs, penalized)
-            greedy = None
-        if not any(p.temperature for p in params):
-            tokens = logits.argmax(-1) if greedy is None else greedy
+        if drawn is not None and not processed:
+            tokens = drawn
+        elif not any(p.temperature for p in params):
+            tokens = logits.argmax(-1)
         else:
             tokens = kernels.sample(
                 logits,
                 self._to_device([p.temperature for p in params], torch.float32),
-                self._to_device([p.top_k for p in params], torch.long),
+                self._to_device([p.top_k for p in params], torch.int32),
                 self._to_device([p.top_p for p in params], torch.float32),
             )
         for members in self._hook_groups(seqs) if processed else ():
@@ -458,13 +488,15 @@ class ModelRunner:
         """Capture the decode graphs of every ladder size, with cascade attention and without.
         The inputs of a graph of size ``bs`` are views of one int32 buffer laid out as the
         shared prefix length (one entry), then ids, pending-token rows (``src``), positions,
-        slots and context lengths (``bs`` each), then the block tables (``bs`` full-width rows),
-        so a replay fills a pinned host buffer and sends it in a single copy."""
+        slots, context lengths and each row's temperature, top-k and top-p (``bs`` each), then
+        the block tables (``bs`` full-width rows), so a replay fills a pinned host buffer and
+        sends it in a single copy. A graph also draws the next tokens (greedy rows take the
+        argmax), so sampling costs no launches outside it."""
         cfg = self.config
         max_bs = cfg.max_graph_batch_size or min(cfg.max_num_seqs, 512)
         sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 16)) + [max_bs]
         width = self.max_blocks_per_seq
-        size = 1 + max_bs * (5 + width)
+        size = 1 + max_bs * (_GRAPH_FIELDS + width)
         self.graph_inputs = torch.zeros(size, dtype=torch.int32, device=self.device)
         self.host_inputs = [torch.zeros(size, dtype=torch.int32).pin_memory() for _ in "ab"]
         # Every tensor a graph reads must live as long as the graph: kept on self.
@@ -473,26 +505,29 @@ class ModelRunner:
         for bs in reversed(sizes):  # largest first, so the smaller graphs reuse its pool
             for cascade in (False, True) if bs >= _CASCADE_MIN_SEQS else (False,):
                 self.graph_inputs.zero_()  # the larger graphs' layouts overlap this one's rows
-                ids, src, positions, slots, seq_lens = self.graph_inputs[1 : 1 + 5 * bs].view(5, bs)
+                fields = self.graph_inputs[1 : 1 + _GRAPH_FIELDS * bs].view(_GRAPH_FIELDS, bs)
+                ids, src, positions, slots, seq_lens, temperature, top_k, top_p = fields
                 src.fill_(-1)
                 slots.fill_(-1)  # nothing stored while capturing
                 meta = AttentionMetadata(
                     slot_mapping=slots,
                     cu_seqlens_q=self.graph_cu_seqlens[: bs + 1],
                     seq_lens=seq_lens,
-                    block_tables=self.graph_inputs[1 + 5 * bs : 1 + bs * (5 + width)].view(
-                        bs, width),
+                    block_tables=self.graph_inputs[
+                        1 + _GRAPH_FIELDS * bs : 1 + bs * (_GRAPH_FIELDS + width)].view(bs, width),
                     max_query_len=1,
                     shared_prefix=self.graph_inputs[:1] if cascade else None,
                 )
+                # Sampling settings travel as int32 bit patterns (floats viewed as such).
+                settings = (temperature.view(torch.float32), top_k, top_p.view(torch.float32))
 
-                def step(ids=ids, src=src, positions=positions, meta=meta):
+                def step(ids=ids, src=src, positions=positions, meta=meta, settings=settings):
                     ids = self._take_pending(ids, src)
                     hidden = self.model.forward(ids, positions, meta)
                     if self.tp.size > 1:  # this rank's vocabulary slice, gathered after replay
                         return (self.model.lm_head(hidden),)
                     logits = self.model.compute_logits(hidden)
-                    return logits, logits.argmax(-1)  # greedy tokens too: one launch fewer
+                    return logits, kernels.sample(logits, *settings)  # greedy rows: argmax
 
                 with torch.inference_mode():
                     step()  # warm-up outside capture: kernel compilation, lazy allocations
@@ -505,10 +540,11 @@ class ModelRunner:
         self.graph_batch_sizes = sizes
         torch.cuda.synchronize()
 
-    def _replay(self, inputs: StepInputs):
-        """Logits and greedy tokens of the first ``len(ids)`` rows of graph ``graph_bs``, the
-        cascade one when ``shared`` (tokens) is set; under tensor parallelism the logits are
-        gathered on rank 0 after the replay (greedy tokens are then taken by the sampler)."""
+    def _replay(self, inputs: StepInputs, params: list[SamplingParams] | None):
+        """Logits and tokens drawn with ``params`` for the first ``len(ids)`` rows of graph
+        ``graph_bs``, the cascade one when ``shared`` (tokens) is set. Under tensor parallelism
+        the graph stops at each rank's logits slice: they are gathered on rank 0 after the
+        replay, and rank 0 samples outside the graph (so no tokens are drawn here)."""
         ids, src, positions, slots = inputs.ids, inputs.src, inputs.positions, inputs.slots
         seq_lens, tables, shared = inputs.seq_lens, inputs.tables, inputs.shared
         # This twin's last copy belonged to the step before last, whose tokens were collected.
@@ -516,16 +552,21 @@ class ModelRunner:
         host_inputs = self.host_inputs[self.flip]
         host = host_inputs.numpy()
         host[0] = shared
-        head = host[1 : 1 + 5 * bs].reshape(5, bs)
-        head[:, :n] = (ids, src, positions, slots, seq_lens)
-        head[:, n:] = ((0,), (-1,), (0,), (-1,), (0,))  # padding rows: no store, empty context
-        tail = host[1 + 5 * bs : 1 + 5 * bs + n * width]
+        head = host[1 : 1 + _GRAPH_FIELDS * bs].reshape(_GRAPH_FIELDS, bs)
+        head[:5, :n] = (ids, src, positions, slots, seq_lens)
+        if self.tp.size == 1:  # the graph samples
+            head[5, :n] = np.array([p.temperature for p in params], np.float32).view(np.int32)
+            head[6, :n] = [p.top_k for p in params]
+            head[7, :n] = np.array([p.top_p for p in params], np.float32).view(np.int32)
+        # Padding rows: no store, empty context, greedy.
+        head[:, n:] = np.array([0, -1, 0, -1, 0, 0, 0, _ONE_BITS], np.int32)[:, None]
+        tail = host[1 + _GRAPH_FIELDS * bs : 1 + _GRAPH_FIELDS * bs + n * width]
         tail.reshape(n, width)[:, : tables.shape[1]] = tables
-        used = 1 + bs * 5 + n * width
+        used = 1 + bs * _GRAPH_FIELDS + n * width
         self.graph_inputs[:used].copy_(host_inputs[:used], non_blocking=True)
         graph, *outputs = self.graphs[bs, bool(shared)]
         graph.replay()
         if self.tp.size > 1:
             return self.model.gather_logits(outputs[0][:n]), None
-        logits, greedy = outputs
-        return logits[:n], greedy[:n]
+        logits, drawn = outputs
+        return logits[:n], drawn[:n]

@@ -212,3 +212,44 @@ def test_processors_bf16_parity(checkpoint, batch, hf_model, processors):
             gap = float(scores[ref_tokens[row, j]] - scores[tokens[row, j]])
             assert gap < NEAR_TIE, f"row {row} parts at step {j} with a score gap of {gap:.3f}"
     print(f"processors {processors}: {agreed} of {tokens.numel()} tokens before parting")
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_no_compilation_after_startup(checkpoint, enforce_eager):
+    """Every Triton kernel variant a request can need compiles inside from_pretrained:
+    serving prompts of many new lengths, alone and in batches, greedy and sampled, compiles
+    nothing (counted by Triton's hook for kernels missing from its in-memory cache)."""
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None or not hasattr(knobs.runtime, "jit_cache_hook"):
+        pytest.skip("this Triton has no compilation hook")
+    engine = hf_paged.from_pretrained(checkpoint, dtype=torch.bfloat16, max_model_len=4096,
+                                      gpu_memory_utilization=0.5, enforce_eager=enforce_eager)
+    compiled = []
+
+    def hook(*args, **kwargs):
+        fn = kwargs.get("fn")
+        compiled.append(getattr(fn, "name", repr(fn)))
+        return False
+
+    previous, knobs.runtime.jit_cache_hook = knobs.runtime.jit_cache_hook, hook
+    try:
+        gen = torch.Generator().manual_seed(3)
+        greedy = hf_paged.SamplingParams(max_new_tokens=3)
+        sampled = hf_paged.SamplingParams(max_new_tokens=3, temperature=0.6, top_k=20, top_p=0.9)
+        for n in (1, 2, 3, 5, 8, 15, 16, 17, 31, 33, 100, 128, 129, 257, 1000, 1024, 1500, 3000):
+            prompt = torch.randint(0, 10000, (n,), generator=gen).tolist()
+            engine.generate_tokens([prompt], greedy)
+            engine.generate_tokens([prompt[: n // 2 + 1], prompt, prompt[:7]], sampled)
+        prompts = [torch.randint(0, 10000, (n,), generator=gen).tolist()
+                   for n in range(40, 3000, 97)]
+        engine.generate_tokens(prompts, sampled)
+        assert engine.generate(torch.tensor([prompts[0]]), max_new_tokens=4,
+                               repetition_penalty=1.2, no_repeat_ngram_size=2).shape[1] > 40
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    assert compiled == [], f"compiled after start-up: {sorted(set(compiled))}"
