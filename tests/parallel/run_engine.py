@@ -8,7 +8,9 @@ and optionally "failing_processor": true (then a call whose logits processor rai
 the first call again), "kill_worker": true (then kill the engine's worker and call again),
 "interrupt": true (then Ctrl-C a call mid-step, and close the engine) or
 "data_parallel": true (the README's data-parallel recipe with accelerate: the calls' prompts
-split between the launched processes, new tokens gathered on rank 0).
+split between the launched processes, new tokens gathered on rank 0), or "leave_open": true
+(the engine is not closed: once the results are written this process kills itself with
+SIGKILL, leaving its workers, whose pids the results list, to notice on their own).
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def data_parallel(engine, call: dict) -> list:
 
 def main() -> None:
     jobs, out = json.loads(sys.argv[1]), sys.argv[2]
-    results = []
+    results, open_engines = [], []
     for job in jobs:
         engine = hf_paged.from_pretrained(job["checkpoint"], **job["engine"])
         result = {}
@@ -119,12 +121,18 @@ def main() -> None:
             result["killed"] = kill_worker(engine, job["calls"][0])
         if job.get("interrupt"):
             result["interrupted"] = interrupt(engine, job["calls"][0])
-        engine.close()
+        if job.get("leave_open"):
+            result["worker_pids"] = [w.pid for w in engine.executor.ranks.workers]
+            open_engines.append(engine)
+        else:
+            engine.close()
         results.append(result)
     if "RANK" in os.environ:
         out += f".rank{os.environ['RANK']}"
     with open(out, "w") as f:
         json.dump(results, f)
+    if open_engines:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,13 +32,13 @@ DP_CALL = dict(lengths=[5, 9, 14, 3, 11], seed=7, generate=dict(max_new_tokens=8
 SPAWNED = ["gqa_tied", "mha_untied", "one_kv_head"]
 
 
-def run_jobs(jobs: list[dict], out: Path, launcher: list[str] = ()) -> None:
+def run_jobs(jobs: list[dict], out: Path, launcher: list[str] = (), returncode: int = 0) -> None:
     # One thread a process, as torchrun sets it: ranks spinning on shared cores crawl.
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, *launcher, "-m", "tests.parallel.run_engine", json.dumps(jobs),
          str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert proc.returncode == returncode, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
 def reference(hf_models, name: str, call: dict, new_only: bool = False) -> list:
@@ -48,12 +50,14 @@ def reference(hf_models, name: str, call: dict, new_only: bool = False) -> list:
 @pytest.fixture(scope="module")
 def spawned(checkpoints, tmp_path_factory) -> list[dict]:
     """TP=2 engines from this (ordinary) process; then the first is interrupted by Ctrl-C,
-    the second runs a logits processor that raises, the last one's worker is killed."""
+    the second's worker is killed, the last runs a logits processor that raises and is left
+    open when the process dies by SIGKILL."""
     jobs = [dict(checkpoint=checkpoints[n], engine=dict(TIGHT, tensor_parallel_size=2),
-                 calls=[CALL], interrupt=i == 0, failing_processor=i == 1, kill_worker=i == 2)
+                 calls=[CALL], interrupt=i == 0, kill_worker=i == 1, failing_processor=i == 2,
+                 leave_open=i == 2)
             for i, n in enumerate(SPAWNED)]
     out = tmp_path_factory.mktemp("spawned") / "results.json"
-    run_jobs(jobs, out)
+    run_jobs(jobs, out, returncode=-signal.SIGKILL)
     return json.loads(out.read_text())
 
 
@@ -81,13 +85,13 @@ def test_tp2_matches_transformers_with_preemption_chunks_and_prefix_cache(
 
 
 def test_an_error_in_rank_0s_sampling_keeps_the_ranks_in_step(spawned):
-    report = spawned[1]["failing_processor"]
+    report = spawned[2]["failing_processor"]
     assert report["error"] == "processor failed"
-    assert [report["again"]] == spawned[1]["outputs"]
+    assert [report["again"]] == spawned[2]["outputs"]
 
 
 def test_a_killed_worker_raises_in_the_caller_and_close_returns(spawned):
-    report = spawned[-1]["killed"]
+    report = spawned[1]["killed"]
     assert "worker rank 1" in report["error"] and "SIGKILL" in report["error"], report
     assert report["raise_seconds"] < 10 and report["close_seconds"] < 10
     assert report["worker_reaped"]
@@ -97,6 +101,20 @@ def test_ctrl_c_in_the_caller_then_close_leaves_no_worker(spawned):
     report = spawned[0]["interrupted"]
     assert report["interrupted"] and report["workers_reaped"], report
     assert report["close_seconds"] < 10
+
+
+def test_workers_of_a_killed_caller_exit_on_their_own(spawned):
+    def running(pid: int) -> bool:  # a zombie has exited; only its parent may reap it
+        try:
+            return "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        except FileNotFoundError:
+            return False
+
+    pids = spawned[2]["worker_pids"]
+    deadline = time.monotonic() + 10
+    while any(map(running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(running, pids))
 
 
 def test_torchrun_ranks_return_identical_outputs(torchrun, hf_models):
