@@ -41,10 +41,13 @@ def measure(
     system, startup_s = common.timed(build, device)
     try:
         sizes = {"decode": decode} if ttft is None else {"decode": decode, "ttft": ttft}
-        # The warm-up requests are the first of their prompt length: anything compiled or
-        # allocated on first use shows as their time over the steady one.
+        # The warm-up requests (fresh prompts, the measured lengths) are the first of their
+        # prompt length: anything compiled or allocated on first use shows as their time over
+        # the steady one.
         first = {
-            name: common.timed(lambda w=w: system.run(warmup_requests(w.head(1))), device)[1]
+            name: common.timed(
+                lambda w=w: system.run(warmup_requests(w.head(1), w.max_new_tokens[0])), device
+            )[1]
             for name, w in sizes.items()
         }
         decode_ms, decode_samples = median_ms(system, decode, device)
