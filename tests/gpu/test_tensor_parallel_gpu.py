@@ -1,7 +1,7 @@
 """Tensor parallelism on CUDA: NCCL ranks on one GPU each, decode CUDA graphs replayed on
 every rank, logits gathered on rank 0. float32 tiny checkpoints, so tokens equal stock
-transformers' exactly. Needs two GPUs (the CPU suite runs the same paths over gloo); each
-multi-process run is a subprocess with a timeout, as in tests/parallel."""
+transformers' exactly. All but the first test need two GPUs (the CPU suite runs the same paths
+over gloo); each multi-process run is a subprocess with a timeout, as in tests/parallel."""
 
 from __future__ import annotations
 
@@ -15,10 +15,8 @@ from hf_paged.random_checkpoint import random_qwen3
 from tests.conftest import TINY_CONFIGS
 from tests.parallel.test_tensor_parallel import CALL, SAMPLED, TIGHT, reference, run_jobs
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"),
-]
+pytestmark = pytest.mark.gpu
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 NAMES = ["gqa4_untied", "one_kv_head"]
 
 
@@ -33,6 +31,16 @@ def tiny(tmp_path_factory):
     return paths, models
 
 
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="for machines with one GPU")
+def test_more_ranks_than_gpus_is_refused_before_any_process_starts(tiny):
+    import hf_paged
+
+    paths, _ = tiny
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) needs 2 GPUs, 1 visible"):
+        hf_paged.from_pretrained(paths["gqa4_untied"], tensor_parallel_size=2, device="cuda")
+
+
+@two_gpus
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
 def test_tp2_on_two_gpus_matches_transformers(tiny, tmp_path, eager):
     paths, models = tiny
@@ -44,6 +52,7 @@ def test_tp2_on_two_gpus_matches_transformers(tiny, tmp_path, eager):
         assert result["outputs"] == [reference(models, name, CALL)], name
 
 
+@two_gpus
 def test_torchrun_on_two_gpus_identical_on_both_ranks(tiny, tmp_path):
     paths, models = tiny
     jobs = [dict(checkpoint=paths["gqa4_untied"], calls=[CALL, SAMPLED],
@@ -56,6 +65,7 @@ def test_torchrun_on_two_gpus_identical_on_both_ranks(tiny, tmp_path):
     assert rank0[0]["outputs"][0] == reference(models, "gqa4_untied", CALL)
 
 
+@two_gpus
 def test_a_killed_gpu_worker_raises_and_close_returns(tiny, tmp_path):
     """NCCL waits forever for a dead rank: the caller must notice the death itself."""
     paths, _ = tiny
