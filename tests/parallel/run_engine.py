@@ -95,7 +95,7 @@ def data_parallel(engine, call: dict) -> list:
     from accelerate import PartialState
     from accelerate.utils import gather_object
 
-    state = PartialState()
+    state = PartialState(cpu=engine.device.type == "cpu")
     ids, mask = left_padded(call["lengths"], engine.hf_config.vocab_size, seed=call["seed"])
     prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
     params = hf_paged.SamplingParams(max_new_tokens=call["generate"]["max_new_tokens"])

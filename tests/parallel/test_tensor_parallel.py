@@ -23,6 +23,7 @@ TIMEOUT_S = 300  # generous for two busy cores; a hang takes this long to fail
 # preempted request finds its blocks in the prefix cache when it comes back), and a 16-token
 # budget splits their prompts (chunked prefill).
 TIGHT = dict(block_size=8, num_kv_blocks=12, max_num_batched_tokens=16)
+CPU = dict(device="cpu", block_size=8)  # gloo even where a GPU is present
 CALL = dict(lengths=[20, 25, 30, 35], seed=2, generate=dict(max_new_tokens=12))
 SAMPLED = dict(CALL, generate=dict(max_new_tokens=12, do_sample=True, temperature=1.5, top_k=50,
                                    top_p=0.95))
@@ -52,7 +53,7 @@ def spawned(checkpoints, tmp_path_factory) -> list[dict]:
     """TP=2 engines from this (ordinary) process; then the first is interrupted by Ctrl-C,
     the second's worker is killed, the last runs a logits processor that raises and is left
     open when the process dies by SIGKILL."""
-    jobs = [dict(checkpoint=checkpoints[n], engine=dict(TIGHT, tensor_parallel_size=2),
+    jobs = [dict(checkpoint=checkpoints[n], engine=dict(CPU, **TIGHT, tensor_parallel_size=2),
                  calls=[CALL], interrupt=i == 0, kill_worker=i == 1, failing_processor=i == 2,
                  leave_open=i == 2)
             for i, n in enumerate(SPAWNED)]
@@ -65,9 +66,8 @@ def spawned(checkpoints, tmp_path_factory) -> list[dict]:
 def torchrun(checkpoints, tmp_path_factory) -> list[list[dict]]:
     """Two launched ranks: one TP=2 engine, then one engine each for data parallelism."""
     jobs = [dict(checkpoint=checkpoints["gqa4_untied"],
-                 engine=dict(block_size=8, tensor_parallel_size=2),
-                 calls=[CALL, SAMPLED, SCORED]),
-            dict(checkpoint=checkpoints["gqa_tied"], engine=dict(block_size=8),
+                 engine=dict(CPU, tensor_parallel_size=2), calls=[CALL, SAMPLED, SCORED]),
+            dict(checkpoint=checkpoints["gqa_tied"], engine=CPU,
                  calls=[DP_CALL], data_parallel=True)]
     out = tmp_path_factory.mktemp("torchrun") / "results.json"
     run_jobs(jobs, out, ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"])
