@@ -1,4 +1,4 @@
-"""`hf-paged generate | make-checkpoint | bench`."""
+"""`hf-paged generate | make-checkpoint | run | bench`."""
 
 from __future__ import annotations
 
@@ -36,23 +36,50 @@ def main(argv: list[str] | None = None) -> int:
 
     mk = sub.add_parser("make-checkpoint", help="write a random Qwen3 checkpoint")
     mk.add_argument("--shape", default="tiny", choices=["tiny", "0.6b", "1.7b", "8b"])
-    mk.add_argument("--dtype", default="bfloat16")
+    mk.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("out")
+
+    run = sub.add_parser("run", help="run a Python script unchanged, with transformers patched "
+                         "so that Qwen3 checkpoints load on hf_paged")
+    run.add_argument("script")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
 
     bench = sub.add_parser("bench", help="run a benchmark script from benchmarks/")
     bench.add_argument("name", choices=["throughput", "latency"])
     bench.add_argument("args", nargs=argparse.REMAINDER)
 
     args = parser.parse_args(argv)
-    if args.command == "make-checkpoint":
-        from hf_paged.random_checkpoint import make_checkpoint
+    if args.command == "run":
+        return _run_script(args.script, args.args)
+    try:
+        if args.command == "make-checkpoint":
+            from hf_paged.random_checkpoint import make_checkpoint
 
-        print(make_checkpoint(args.shape, args.out, args.dtype, args.seed))
-        return 0
-    if args.command == "bench":
-        return _bench(args.name, args.args)
-    return _generate(args)
+            print(make_checkpoint(args.shape, args.out, args.dtype, args.seed))
+            return 0
+        if args.command == "bench":
+            return _bench(args.name, args.args)
+        return _generate(args)
+    except (ValueError, TypeError, OSError, RuntimeError) as error:
+        # Bad input: one line, no traceback.
+        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
+
+
+def _run_script(script: str, args: list[str]) -> int:
+    """Run ``script`` as ``__main__`` with ``args``, as ``python script args`` would, after
+    ``patch_transformers()``. The script's own exceptions propagate as they would there."""
+    if not os.path.isfile(script):
+        print(f"error: run: no such script {script!r}", file=sys.stderr)
+        return 2
+    import hf_paged
+
+    hf_paged.patch_transformers()
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -63,7 +90,7 @@ def _generate(args: argparse.Namespace) -> int:
     model = args.model
     if model is None:
         model = str(DEFAULT_MODEL)
-        if not (DEFAULT_MODEL / "config.json").exists():
+        if not (DEFAULT_MODEL / "tokenizer.json").exists():  # absent, or older: no tokenizer
             from hf_paged.random_checkpoint import make_checkpoint
 
             make_checkpoint("tiny", model, dtype="float32")
@@ -72,7 +99,10 @@ def _generate(args: argparse.Namespace) -> int:
                                       tensor_parallel_size=args.tensor_parallel_size)
     print(f"loaded {model} on {engine.device} in {time.perf_counter() - t0:.1f} s")
     tokenizer = _tokenizer(model)
-    prompts = [[int(t) for t in ids.split(",")] for ids in args.token_ids or []]
+    try:
+        prompts = [[int(t) for t in ids.split(",")] for ids in args.token_ids or []]
+    except ValueError:
+        raise ValueError("--token-ids takes comma-separated integers, e.g. 1,2,3") from None
     if args.prompt:
         if tokenizer is None:
             print("error: --prompt needs a tokenizer in the checkpoint; use --token-ids",
@@ -93,20 +123,27 @@ def _generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     out = engine.generate(input_ids, attention_mask=mask, **kwargs)
     seconds = time.perf_counter() - t0
-    for row in out[:, width:].tolist():
-        print(tokenizer.decode(row) if tokenizer else row)
-    print(f"{out.shape[0]} sequences, {out[:, width:].numel()} new tokens in {seconds:.2f} s")
+    _print_rows("hf_paged", out[:, width:], tokenizer)
+    print(f"hf_paged: {out.shape[0]} sequences, {out[:, width:].numel()} new tokens in "
+          f"{seconds:.2f} s")
     if args.check:
         from transformers import AutoModelForCausalLM
 
         ref_model = AutoModelForCausalLM.from_pretrained(model, dtype=engine.runner.dtype)
         ref = ref_model.to(engine.device).generate(input_ids.to(engine.device),
                                                    attention_mask=mask.to(engine.device),
-                                                   **kwargs)
-        same = torch.equal(ref.cpu(), out)
-        print("transformers parity:", "identical tokens" if same else "DIFFERENT tokens")
+                                                   **kwargs).cpu()
+        _print_rows("transformers", ref[:, width:], tokenizer)
+        same = torch.equal(ref, out)
+        print("parity with transformers:", "identical tokens" if same else "DIFFERENT tokens")
         return 0 if same else 1
     return 0
+
+
+def _print_rows(label: str, new_tokens, tokenizer) -> None:
+    """Each row's new tokens, as text when there is a tokenizer, labelled by who made them."""
+    for i, row in enumerate(new_tokens.tolist()):
+        print(f"{label} [{i}]: {tokenizer.decode(row)!r}" if tokenizer else f"{label} [{i}]: {row}")
 
 
 def _tokenizer(model: str):

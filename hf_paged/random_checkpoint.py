@@ -1,13 +1,19 @@
 """Qwen3 checkpoints with real shapes and seeded random weights, for machines without a hub.
 
 The embedding (and LM head) is drawn wide enough that logits are peaked: greedy decoding then
-has clear winners, so token-for-token comparisons with transformers are meaningful.
+has clear winners, so token-for-token comparisons with transformers are meaningful. Each
+checkpoint comes with a small byte-level BPE tokenizer, trained when it is written on a text
+kept in the package, with a Qwen-style chat template, so prompts, pipelines and chat work
+offline.
 """
 
 from __future__ import annotations
 
+import json
+from importlib import resources
+
 import torch
-from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 _QWEN3 = dict(
     vocab_size=151936, max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
@@ -46,8 +52,51 @@ def random_qwen3(config: Qwen3Config, seed: int = 0, logit_scale: float = 4.0) -
     return model.eval()
 
 
+# Qwen3's layout: <|endoftext|> (padding), <|im_start|>, <|im_end|> (end of a turn: EOS) are
+# consecutive ids from pad_token_id.
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_TOKENIZER_VOCAB = 1024
+
+
+def train_tokenizer(config: Qwen3Config) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer of at most 1,024 ids trained on ``data/tokenizer_corpus.txt``,
+    its special tokens at the config's ids (Qwen3's layout) and padding on the left."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if config.eos_token_id != config.pad_token_id + 2:
+        raise ValueError("the tokenizer puts <|endoftext|>, <|im_start|>, <|im_end|> at "
+                         "pad_token_id, +1, +2: eos_token_id must be pad_token_id + 2")
+    text = resources.files("hf_paged").joinpath("data/tokenizer_corpus.txt").read_text("utf-8")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=min(config.vocab_size, _TOKENIZER_VOCAB), special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tokenizer.train_from_iterator([text], trainer)
+    # Training numbers the special tokens 0, 1, 2; move them to the model's ids.
+    spec = json.loads(tokenizer.to_str())
+    ids = {token: config.pad_token_id + i for i, token in enumerate(SPECIAL_TOKENS)}
+    for added in spec["added_tokens"]:
+        added["id"] = ids[added["content"]]
+    spec["model"]["vocab"].update(ids)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(spec)), eos_token="<|im_end|>",
+        pad_token="<|endoftext|>", padding_side="left", chat_template=CHAT_TEMPLATE,
+        model_max_length=config.max_position_embeddings,
+    )
+
+
 def make_checkpoint(shape: str, out_dir: str, dtype: str = "bfloat16", seed: int = 0) -> str:
-    """Write a random Qwen3 checkpoint of a named shape (``SHAPES``) to ``out_dir``."""
+    """Write a random Qwen3 checkpoint of a named shape (``SHAPES``), with its generation
+    config and tokenizer, to ``out_dir``."""
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
     config = Qwen3Config(**SHAPES[shape], dtype=dtype)
@@ -57,4 +106,5 @@ def make_checkpoint(shape: str, out_dir: str, dtype: str = "bfloat16", seed: int
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
     ).save_pretrained(out_dir)
+    train_tokenizer(config).save_pretrained(out_dir)
     return out_dir

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tests and the benchmarks on a CUDA machine, in one call from the repository root:
 #
-#   scripts/gpu_run.sh [STEP...]      STEP: tests w1 w2 w3 preempt profile w4 (default: the first four)
+#   scripts/gpu_run.sh [STEP...]      STEP: tests w1 w2 w3 preempt profile dropin w4 (default:
+#                                     the first four)
 #
 # Everything printed also goes to $OUT/run.log, and the result JSONs, README-table.md and
 # throughput.png are copied into $OUT, when OUT is set. Each step runs under a time limit (a
@@ -15,6 +16,8 @@
 #   SHAPE=0.6b CKPT=/tmp/ckpt/0.6b   the random bf16 checkpoint, built once
 #   RESULTS=benchmarks/results       where the benchmarks write their JSON
 #   T_TESTS=60 T_W1=270 T_W2=150 T_W3=60 T_PRE=240 T_PROF=120   time limits of the steps (s)
+#   T_DROPIN_TESTS=240 T_DROPIN=420   the drop-in GPU tests (three script runs in subprocesses) and
+#                        the drop-in benchmark (the stock script's generate alone takes minutes)
 #   REPEATS=3            repeats of each w2 latency measurement
 #   BENCH_ARGS=...       more arguments for every benchmark, e.g. "-E max_num_seqs=128"
 #   W1_ARGS W2_ARGS W3_ARGS=...      more arguments for one benchmark, e.g. W1_ARGS="--baselines cb"
@@ -69,7 +72,8 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
 
   for s in "${STEPS[@]}"; do
     case $s in
-      tests) step tests "${T_TESTS:-60}" python -m pytest tests/gpu tests/kernels -m gpu -q ;;
+      tests) step tests "${T_TESTS:-60}" python -m pytest tests/gpu tests/kernels -m gpu -q \
+            --ignore tests/gpu/test_dropin_gpu.py ;;
       w1) bench w1 "${T_W1:-270}" bench_throughput "${W1_ARGS:-}" "${BASELINE_ARGS[@]}" ;;
       w2) bench w2 "${T_W2:-150}" bench_latency "${W2_ARGS:-}" "${BASELINE_ARGS[@]}" \
             --repeats "${REPEATS:-3}" ;;
@@ -78,11 +82,16 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
             --model "$CKPT" --results-dir "$RESULTS" ${PRE_ARGS:---num-requests 64 --num-kv-blocks 1000} ;;
       profile) step profile "${T_PROF:-120}" python -m benchmarks.profile_steps \
             --model "$CKPT" --results-dir "$RESULTS" ;;
+      dropin)
+        step dropin-tests "${T_DROPIN_TESTS:-240}" python -m pytest tests/gpu/test_dropin_gpu.py -q
+        step dropin "${T_DROPIN:-420}" python -m benchmarks.bench_dropin --model "$CKPT" \
+            --results-dir "$RESULTS" ;;
       w4) python -m benchmarks.make_checkpoint --shape 8b --out "${CKPT8B:-/tmp/ckpt/8b}" \
             --dtype bfloat16
           CKPT=${CKPT8B:-/tmp/ckpt/8b} bench w4 "${T_W4:-1800}" bench_throughput "${W4_ARGS:-}" \
             --workload w4 --baselines --tensor-parallel-size ${TP_SIZES:-1 2 4} ;;
-      *) echo "unknown step $s (steps: tests w1 w2 w3 preempt profile w4)"; STATUS+=("$s unknown") ;;
+      *) echo "unknown step $s (steps: tests w1 w2 w3 preempt profile dropin w4)"
+         STATUS+=("$s unknown") ;;
     esac
   done
 

@@ -117,6 +117,7 @@ class PagedEngine:
         )
         self.in_flight: LaunchedStep | None = None  # launched, tokens not collected yet
         self._last_batch = None
+        self.closed = False
 
     @property
     def device(self) -> torch.device:
@@ -178,6 +179,8 @@ class PagedEngine:
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError, naming the argument, for a request the engine cannot serve."""
+        if self.closed:
+            raise RuntimeError("this engine was closed; load the model again to generate")
         if len(prompt_token_ids) == 0:
             raise ValueError("input_ids: the prompt is empty (no unpadded tokens)")
         vocab = self.hf_config.vocab_size
@@ -193,9 +196,10 @@ class PagedEngine:
             )
         needed = self.block_manager.blocks_needed(total)
         if needed > self.block_manager.num_blocks:
+            memory = "gpu_memory_utilization" if self.device.type == "cuda" else "cpu_kv_cache_gib"
             raise ValueError(
                 f"max_new_tokens: the request needs {needed} KV blocks but the whole cache has "
-                f"{self.block_manager.num_blocks}; raise num_kv_blocks or gpu_memory_utilization"
+                f"{self.block_manager.num_blocks}; raise num_kv_blocks or {memory}"
             )
 
     def step(self) -> list[Sequence]:
@@ -354,6 +358,29 @@ class PagedEngine:
         bar.set_postfix_str(f"{kind} {tokens / seconds:,.0f} tok/s, cache hit {hit:.0%}")
         bar.update(num_finished)
 
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (joined, or killed if they do not stop)
+        and free the process groups, the KV cache, the CUDA graphs and the weights, so that
+        another model can load in this process; the engine serves nothing afterwards. Calling
+        it again does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        self.in_flight = self._last_batch = None
+        self.executor.close()
+        self.runner.close()
+        self.model.hf_model.to_empty(device="meta")  # frees the weights whoever holds them
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> PagedEngine:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     # ---- transformers-shaped entry point --------------------------------------------------
 
     def generate(self, inputs=None, generation_config=None, **kwargs):
@@ -362,11 +389,6 @@ class PagedEngine:
         from hf_paged.generation import generate
 
         return generate(self, inputs, generation_config, **kwargs)
-
-    def close(self) -> None:
-        """Stop the engine's tensor-parallel worker processes (joined, or killed if they do not
-        stop) and free its process groups. Safe to call twice."""
-        self.executor.close()
 
     def stats(self) -> dict[str, int]:
         s, bm = self.scheduler, self.block_manager

@@ -143,6 +143,8 @@ class ParallelExecutor(Executor):
 def resolve_device(device: torch.device | str | None) -> torch.device:
     """CUDA when available; under a launcher the GPU of the local rank."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r}: CUDA is not available on this machine")
     if device.type == "cuda" and device.index is None:
         local = os.environ.get("LOCAL_RANK")
         index = int(local) % torch.cuda.device_count() if local else torch.cuda.current_device()

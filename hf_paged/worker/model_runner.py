@@ -172,17 +172,19 @@ class ModelRunner:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
-        elif self.device.type == "cuda":
-            num_blocks = self._blocks_that_fit_on_gpu()
         else:
-            num_blocks = int(cfg.cpu_kv_cache_gib * 2**30) // self._block_bytes()
-            # More blocks than every running sequence at full length could use is waste.
+            if self.device.type == "cuda":
+                num_blocks = self._blocks_that_fit_on_gpu()
+            else:
+                num_blocks = int(cfg.cpu_kv_cache_gib * 2**30) // self._block_bytes()
+            # More blocks than every running sequence at full length could use is waste (and
+            # on a shared GPU, memory taken from its neighbours).
             num_blocks = min(num_blocks, cfg.max_num_seqs * self.max_blocks_per_seq)
         num_blocks = self.tp.min_over_ranks(num_blocks, self.device)  # one cache shape for all
         if num_blocks < 1:
+            memory = "gpu_memory_utilization" if self.device.type == "cuda" else "cpu_kv_cache_gib"
             raise ValueError(
-                "no memory is left for the KV cache: raise gpu_memory_utilization or set "
-                "num_kv_blocks"
+                f"no memory is left for the KV cache: raise {memory} or set num_kv_blocks"
             )
         attn = self.model.attention_layers[0]
         shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
@@ -251,6 +253,17 @@ class ModelRunner:
                 self._warmup(num_seqs, 1, context)
             if self.config.attention_backend == "triton":
                 self._warmup(_CASCADE_MIN_SEQS, 1, context, shared=True)
+
+    def close(self) -> None:
+        """Drop the decode graphs (their memory pool and input buffers), the KV cache and the
+        other device buffers."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.graphs.clear()
+        self.graph_batch_sizes = []
+        self.graph_inputs = self.graph_cu_seqlens = self.last_tokens = self.seen = None
+        for layer in self.model.attention_layers:
+            layer.k_cache = layer.v_cache = torch.empty(0)
 
     # ---- inputs ---------------------------------------------------------------------------
 

@@ -1,0 +1,91 @@
+"""``patch_transformers()``: transformers' ``from_pretrained`` returns hf_paged models for
+Qwen3 checkpoints, so existing scripts run on the engine unchanged."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+
+import transformers
+from transformers import AutoConfig
+
+from hf_paged.integrations.causal_lm import AutoModelForCausalLM
+
+# The loaders a script calls for a Qwen3 causal LM.
+PATCHED = ("AutoModelForCausalLM", "Qwen3ForCausalLM")
+# Keywords that help read a checkpoint's config.json from the hub.
+_CONFIG_KEYWORDS = ("revision", "token", "cache_dir", "local_files_only", "force_download",
+                    "proxies")
+_ABSENT = object()
+# class -> the ``from_pretrained`` entry of its own ``__dict__`` before patching (or _ABSENT).
+_saved: dict[type, object] = {}
+
+
+class TransformersPatch:
+    """What ``patch_transformers()`` returns; as a context manager it unpatches on exit."""
+
+    def __enter__(self) -> TransformersPatch:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        unpatch_transformers()
+
+    def unpatch(self) -> None:
+        unpatch_transformers()
+
+
+def patch_transformers() -> TransformersPatch:
+    """Make ``transformers.AutoModelForCausalLM.from_pretrained`` and
+    ``transformers.Qwen3ForCausalLM.from_pretrained`` return hf_paged's ``Qwen3ForCausalLM``
+    for Qwen3 checkpoints; other checkpoints load with stock transformers, with a warning.
+    Patching twice is the same as once."""
+    for name in PATCHED:
+        cls = getattr(transformers, name)
+        if cls in _saved:
+            continue
+        _saved[cls] = cls.__dict__.get("from_pretrained", _ABSENT)
+        stock = inspect.getattr_static(cls, "from_pretrained")  # the classmethod, maybe inherited
+        cls.from_pretrained = classmethod(_loader(cls, stock))
+    return TransformersPatch()
+
+
+def unpatch_transformers() -> None:
+    """Give transformers back its own ``from_pretrained``."""
+    for cls, original in list(_saved.items()):
+        if original is _ABSENT:
+            del cls.from_pretrained
+        else:
+            cls.from_pretrained = original
+        del _saved[cls]
+
+
+def _loader(patched_cls: type, stock):
+    """A ``from_pretrained`` that serves Qwen3 checkpoints with hf_paged and hands the rest
+    (and subclasses of the patched class) to ``stock``, the original classmethod."""
+
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        if cls is patched_cls:
+            model_type = _model_type(pretrained_model_name_or_path, kwargs)
+            if model_type == "qwen3" and not model_args and kwargs.get("config") is None:
+                return AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path,
+                                                            **kwargs)
+            if model_type is not None:
+                why = ("hf_paged serves Qwen3 checkpoints only" if model_type != "qwen3" else
+                       "hf_paged reads the checkpoint's own config (no config or model_args)")
+                warnings.warn(f"{why}; {pretrained_model_name_or_path!r} (model_type "
+                              f"{model_type!r}) loads with stock transformers", stacklevel=2)
+        return stock.__get__(None, cls)(pretrained_model_name_or_path, *model_args, **kwargs)
+
+    from_pretrained.__doc__ = (f"{patched_cls.__name__}.from_pretrained, patched by hf_paged: "
+                               "Qwen3 checkpoints load on hf_paged's engine.")
+    return from_pretrained
+
+
+def _model_type(path_or_id, kwargs: dict) -> str | None:
+    """The checkpoint's model_type, or None when its config cannot be read (stock
+    transformers then reports why)."""
+    hub = {name: kwargs[name] for name in _CONFIG_KEYWORDS if name in kwargs}
+    try:
+        return getattr(AutoConfig.from_pretrained(path_or_id, **hub), "model_type", None)
+    except (OSError, ValueError, KeyError):
+        return None

@@ -1,0 +1,86 @@
+"""A transformers-style forward over padded ``[batch, seq_len]`` tensors, through the swapped
+modules, on a scratch KV cache of its own: scoring never touches the engine's cache.
+
+transformers (SDPA attention) lets every query attend to the earlier keys that the attention
+mask keeps, with RoPE at ``position_ids``. Packing each row's kept tokens into one sequence,
+at their own positions, gives those attention sets, so the paged prefill path computes them.
+A dropped token still gets an output: it attends to the kept keys before it (never to its
+own), so it runs as a one-token sequence over the first ``c`` keys of its row, storing
+nothing; with ``c == 0`` SDPA's attention output is zero, which a context of one all-zero
+block (key and value zero) reproduces. Every layer runs over all tokens before the next one
+starts, so the layers share one scratch cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from hf_paged.modeling.attention import AttentionMetadata
+from hf_paged.modeling.swap import PagedQwen3
+
+
+@torch.no_grad()
+def full_forward(
+    model: PagedQwen3,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """Final hidden states ``[batch, seq_len, hidden]``, as transformers' model computes them."""
+    device = model.embed_tokens.weight.device
+    batch, width = input_ids.shape
+    keep = attention_mask.to(device).bool()
+    arange = torch.arange(batch * width, device=device)
+    kept, dropped = arange[keep.flatten()], arange[~keep.flatten()]  # row-major order
+    # Kept tokens: one sequence per row, in blocks of their own; block `zero` stays empty.
+    lengths = keep.sum(1)
+    blocks = (lengths + block_size - 1) // block_size
+    first_block = torch.cumsum(blocks, 0) - blocks
+    zero = int(blocks.sum())
+    row_blocks = first_block[:, None] + torch.arange(max(int(blocks.max()), 1), device=device)
+    row_of_kept = kept // width
+    index_in_row = torch.cumsum(keep, 1).flatten()[kept] - 1
+    # Dropped tokens: one-token sequences over the kept keys before them (or the zero block).
+    before = torch.cumsum(keep, 1).flatten()[dropped]
+    row_of_dropped = dropped // width
+    dropped_tables = torch.where(before[:, None] > 0, row_blocks[row_of_dropped], zero)
+    kept_lengths = lengths[lengths > 0]
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat([first_block[row_of_kept] * block_size + index_in_row,
+                                torch.full_like(dropped, -1)]),
+        cu_seqlens_q=F.pad(torch.cat([kept_lengths, torch.ones_like(dropped)]).cumsum(0),
+                           (1, 0)).to(torch.int32),
+        seq_lens=torch.cat([kept_lengths, before.clamp(min=1)]).to(torch.int32),
+        block_tables=torch.cat([row_blocks[lengths > 0], dropped_tables]).clamp(max=zero)
+        .to(torch.int32),
+        max_query_len=max(int(lengths.max()), 1),
+    )
+    order = torch.cat([kept, dropped])
+    tokens = input_ids.to(device, torch.long).flatten()[order]
+    positions = position_ids.to(device, torch.long).expand(batch, width).flatten()[order]
+    out = torch.empty(batch * width, model.config.hidden_size,
+                      dtype=model.embed_tokens.weight.dtype, device=device)
+    with _scratch_cache(model, zero + 1, block_size):
+        out[order] = model.forward(tokens, positions, meta)
+    return out.view(batch, width, -1)
+
+
+@contextlib.contextmanager
+def _scratch_cache(model: PagedQwen3, num_blocks: int, block_size: int):
+    """Point every attention layer at one fresh, zeroed cache, then back at the engine's."""
+    layers = model.attention_layers
+    weight = model.embed_tokens.weight
+    shape = (num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
+    k, v = (torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in "kv")
+    saved = [(layer.k_cache, layer.v_cache) for layer in layers]
+    try:
+        for layer in layers:
+            layer.k_cache, layer.v_cache = k, v
+        yield
+    finally:
+        for layer, (k_cache, v_cache) in zip(layers, saved):
+            layer.k_cache, layer.v_cache = k_cache, v_cache

@@ -1,0 +1,91 @@
+"""patch_transformers(): transformers' loaders return hf_paged models for Qwen3 checkpoints,
+stock ones (with a warning) for anything else, and everything is restored afterwards."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import transformers
+
+import hf_paged
+from tests.integrations.conftest import SMALL
+
+IDS = torch.tensor([[5, 60, 7, 80, 9]])
+
+
+@pytest.fixture(scope="module")
+def llama_checkpoint(tmp_path_factory) -> str:
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=64)
+    path = str(tmp_path_factory.mktemp("llama"))
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def _own_loaders():
+    return [vars(getattr(transformers, n)).get("from_pretrained") for n in
+            ("AutoModelForCausalLM", "Qwen3ForCausalLM")]
+
+
+def test_patched_loaders_serve_qwen3(tiny_checkpoint, stock_model):
+    before = _own_loaders()
+    with hf_paged.patch_transformers():
+        for loader in (transformers.AutoModelForCausalLM, transformers.Qwen3ForCausalLM):
+            model = loader.from_pretrained(tiny_checkpoint, dtype="auto", **SMALL)
+            assert isinstance(model, hf_paged.Qwen3ForCausalLM)
+            assert torch.equal(model.generate(IDS, max_new_tokens=5),
+                               stock_model.generate(IDS, max_new_tokens=5))
+            model.close()
+    assert _own_loaders() == before
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(tiny_checkpoint)) is (
+        transformers.Qwen3ForCausalLM)
+
+
+def test_patch_twice_then_unpatch(tiny_checkpoint):
+    before = _own_loaders()
+    handle = hf_paged.patch_transformers()
+    hf_paged.patch_transformers()
+    assert _own_loaders() != before
+    hf_paged.unpatch_transformers()
+    assert _own_loaders() == before
+    handle.unpatch()  # nothing left to undo
+    assert _own_loaders() == before
+
+
+def test_other_architectures_load_stock_with_a_warning(llama_checkpoint):
+    with hf_paged.patch_transformers():
+        with pytest.warns(UserWarning, match="llama.*stock transformers") as caught:
+            model = transformers.AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+    assert type(model) is transformers.LlamaForCausalLM
+    assert len([w for w in caught if "hf_paged" in str(w.message)]) == 1
+
+
+def test_a_config_object_loads_stock_with_a_warning(tiny_checkpoint, stock_model):
+    with hf_paged.patch_transformers():
+        with pytest.warns(UserWarning, match="own config"):
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                tiny_checkpoint, config=stock_model.config)
+    assert type(model) is transformers.Qwen3ForCausalLM
+
+
+def test_subclasses_load_stock_without_a_warning(tiny_checkpoint):
+    class Custom(transformers.Qwen3ForCausalLM):
+        pass
+
+    with hf_paged.patch_transformers(), warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        assert type(Custom.from_pretrained(tiny_checkpoint)) is Custom
+
+
+def test_pipeline_from_a_path_under_the_patch(tiny_checkpoint):
+    prompts = ["The river starts", "Hello! How are you today? I am fine"]
+    stock = transformers.pipeline("text-generation", model=tiny_checkpoint)
+    expected = stock(prompts, max_new_tokens=6, do_sample=False, batch_size=2)
+    with hf_paged.patch_transformers():
+        paged = transformers.pipeline("text-generation", model=tiny_checkpoint)
+        assert isinstance(paged.model, hf_paged.Qwen3ForCausalLM)
+        assert paged(prompts, max_new_tokens=6, do_sample=False, batch_size=2) == expected
+        paged.model.close()
