@@ -6,7 +6,8 @@ A job: {"checkpoint": path, "engine": {engine options}, "calls": [{"lengths": [.
 "seed": int, "generate": {generate kwargs}}]}, each call seeded with torch.manual_seed(0),
 and optionally "failing_processor": true (then a call whose logits processor raises, and
 the first call again), "kill_worker": true (then kill the engine's worker and call again),
-"interrupt": true (then Ctrl-C a call mid-step, and close the engine) or
+"interrupt": true (then Ctrl-C a call mid-step, and close the engine), "model_object":
+true (load transformers' way, hf_paged.AutoModelForCausalLM, and also try its forward) or
 "data_parallel": true (the README's data-parallel recipe with accelerate: the calls' prompts
 split between the launched processes, new tokens gathered on rank 0), or "leave_open": true
 (the engine is not closed: once the results are written this process kills itself with
@@ -108,8 +109,17 @@ def main() -> None:
     jobs, out = json.loads(sys.argv[1]), sys.argv[2]
     results, open_engines = [], []
     for job in jobs:
-        engine = hf_paged.from_pretrained(job["checkpoint"], **job["engine"])
         result = {}
+        if job.get("model_object"):
+            model = hf_paged.AutoModelForCausalLM.from_pretrained(job["checkpoint"],
+                                                                  **job["engine"])
+            engine = model.engine
+            try:
+                model(torch.tensor([[5, 6, 7]]))
+            except ValueError as e:
+                result["forward_error"] = str(e)
+        else:
+            engine = hf_paged.from_pretrained(job["checkpoint"], **job["engine"])
         if job.get("data_parallel"):
             result["outputs"] = [data_parallel(engine, call) for call in job["calls"]]
         else:

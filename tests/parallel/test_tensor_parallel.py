@@ -51,11 +51,11 @@ def reference(hf_models, name: str, call: dict, new_only: bool = False) -> list:
 @pytest.fixture(scope="module")
 def spawned(checkpoints, tmp_path_factory) -> list[dict]:
     """TP=2 engines from this (ordinary) process; then the first is interrupted by Ctrl-C,
-    the second's worker is killed, the last runs a logits processor that raises and is left
-    open when the process dies by SIGKILL."""
+    the second (loaded as transformers' model object) has its worker killed, the last runs a
+    logits processor that raises and is left open when the process dies by SIGKILL."""
     jobs = [dict(checkpoint=checkpoints[n], engine=dict(CPU, **TIGHT, tensor_parallel_size=2),
-                 calls=[CALL], interrupt=i == 0, kill_worker=i == 1, failing_processor=i == 2,
-                 leave_open=i == 2)
+                 calls=[CALL], interrupt=i == 0, model_object=i == 1, kill_worker=i == 1,
+                 failing_processor=i == 2, leave_open=i == 2)
             for i, n in enumerate(SPAWNED)]
     out = tmp_path_factory.mktemp("spawned") / "results.json"
     run_jobs(jobs, out, returncode=-signal.SIGKILL)
@@ -88,6 +88,10 @@ def test_an_error_in_rank_0s_sampling_keeps_the_ranks_in_step(spawned):
     report = spawned[2]["failing_processor"]
     assert report["error"] == "processor failed"
     assert [report["again"]] == spawned[2]["outputs"]
+
+
+def test_the_model_object_generates_under_tp_and_refuses_its_forward(spawned):
+    assert "tensor_parallel_size > 1" in spawned[1]["forward_error"]
 
 
 def test_a_killed_worker_raises_in_the_caller_and_close_returns(spawned):
