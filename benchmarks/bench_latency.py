@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt of the decode request")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--ttft-prompt-len", type=int, default=1024)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     args = parser.parse_args(argv)
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -106,7 +107,8 @@ def main(argv: list[str] | None = None) -> None:
 
     print("w2 hf_paged")
     paged = partial(
-        PagedSystem, args.model, dtype, device, **common.engine_options(args.engine_option)
+        PagedSystem, args.model, dtype, device, tensor_parallel_size=args.tensor_parallel_size,
+        **common.engine_options(args.engine_option)
     )
     result["hf_paged"]["hf_paged"] = measure(paged, decode, ttft, device)
     result.save()

@@ -2,9 +2,13 @@
 
     python -m benchmarks.bench_throughput --model /tmp/ckpt/0.6b                  # W1
     python -m benchmarks.bench_throughput --model /tmp/ckpt/0.6b --workload w3 --baselines
+    python -m benchmarks.bench_throughput --model /tmp/ckpt/8b --workload w4 --baselines  # W4
 
 W1 is nano-vllm's bench (256 requests, 133,966 output tokens); W3 is 256 requests sharing one
-2,048-token prefix, measured with hf_paged's prefix caching on and then off. Each hf_paged run
+2,048-token prefix, measured with hf_paged's prefix caching on and then off. W4 is W1 on the
+8B shape with tensor_parallel_size 1, 2 and 4 (``--tensor-parallel-size`` chooses; sizes
+above the visible GPU count are skipped): a size-N run's floor reads each rank's 1/N of the
+weights and KV cache at every GPU's bandwidth at once. Each hf_paged run
 builds a fresh engine (start-up timed), warms it up on other prompts, and times one
 ``generate_tokens`` call over the whole workload.
 
@@ -30,13 +34,14 @@ SAME_REQUESTS = "hf_paged@baseline_requests"  # hf_paged on the requests the bas
 
 
 def build_workload(args: argparse.Namespace, max_token_id: int) -> tuple[Workload, dict]:
+    w3_shaped = args.workload == "w3"
     sizes = {
         "num_requests": args.num_requests,
-        "max_input_len" if args.workload == "w1" else "prefix_len": args.max_input_len,
-        "max_output_len" if args.workload == "w1" else "new_tokens": args.max_output_len,
+        "prefix_len" if w3_shaped else "max_input_len": args.max_input_len,
+        "new_tokens" if w3_shaped else "max_output_len": args.max_output_len,
     }
     sizes = {name: value for name, value in sizes.items() if value is not None}
-    make = w1 if args.workload == "w1" else w3
+    make = w3 if args.workload == "w3" else w1
     workload = make(**sizes, max_token_id=max_token_id)
     description = {"description": make.__doc__.splitlines()[0], **sizes, **workload.describe()}
     description["temperature"] = args.temperature
@@ -87,7 +92,9 @@ def measure(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     common.add_common_args(parser, BASELINES)
-    parser.add_argument("--workload", choices=["w1", "w3"], default="w1")
+    parser.add_argument("--workload", choices=["w1", "w3", "w4"], default="w1")
+    parser.add_argument("--tensor-parallel-size", type=int, nargs="+",
+                        help="one hf_paged run per size (default: 1, 2 and 4 for w4, else 1)")
     parser.add_argument("--num-requests", type=int)
     parser.add_argument("--max-input-len", type=int, help="W1 prompt length bound; W3 prefix")
     parser.add_argument("--max-output-len", type=int, help="W1 output length bound; W3 new tokens")
@@ -115,29 +122,46 @@ def main(argv: list[str] | None = None) -> None:
     result["baseline_requests"] = len(few.prompts) if with_baselines else None
     common.reuse_baselines(result, args)
 
-    def measure_on(requests: Workload, build: Callable[[], System]) -> Callable[[], dict]:
-        bandwidth = result["floor"]["bandwidth_bytes_per_s"]
+    def measure_on(requests: Workload, build: Callable[[], System], ranks: int = 1):
+        bandwidth = result["floor"]["bandwidth_bytes_per_s"] * ranks  # every rank reads at once
         return partial(measure, build, requests, args.batch_size, cost, bandwidth, device)
 
     options = common.engine_options(args.engine_option)
     sampling = {"temperature": args.temperature}
     paged = partial(PagedSystem, args.model, dtype, device, sampling=sampling, **options)
+    tp_sizes = args.tensor_parallel_size or ([1, 2, 4] if args.workload == "w4" else [1])
     if args.workload == "w3":
         settings = {
             f"prefix_caching_{s}": {"enable_prefix_caching": s == "on"} for s in ("on", "off")
         }
     else:
         settings = {"hf_paged": {}}
-        if args.temperature:
+        if args.temperature and args.workload != "w4":  # W4: one line per size
             settings["greedy"] = {"sampling": {"temperature": 0.0}}
         if args.repetition_penalty != 1.0:
             penalty = {**sampling, "repetition_penalty": args.repetition_penalty}
             settings["repetition_penalty"] = {"sampling": penalty}
+    if tp_sizes != [1]:  # one run per size, each setting
+        settings = {
+            (f"tensor_parallel_size_{n}" if label == "hf_paged" else f"{label}_tp{n}"):
+            dict(extra, tensor_parallel_size=n)
+            for n in tp_sizes for label, extra in settings.items()
+        }
+    gpus = torch.cuda.device_count() if device.type == "cuda" else None
+    skipped = {label: f"{gpus} GPU(s) visible" for label, extra in settings.items()
+               if gpus is not None and extra.get("tensor_parallel_size", 1) > gpus}
+    if skipped:
+        print(f"{args.workload}: skipped {', '.join(skipped)} ({gpus} GPU(s) visible)")
+        result["skipped"] = skipped
+        settings = {label: extra for label, extra in settings.items() if label not in skipped}
     runs = {
-        label: measure_on(workload, partial(paged, **extra)) for label, extra in settings.items()
+        label: measure_on(workload, partial(paged, **extra), extra.get("tensor_parallel_size", 1))
+        for label, extra in settings.items()
     }
     if with_baselines:
-        runs[SAME_REQUESTS] = measure_on(few, partial(paged, **next(iter(settings.values()))))
+        first = next(iter(settings.values()))
+        runs[SAME_REQUESTS] = measure_on(few, partial(paged, **first),
+                                         first.get("tensor_parallel_size", 1))
     for label, run in runs.items():
         print(f"{args.workload} {label}")
         result["hf_paged"][label] = run()
@@ -158,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
             ),
         },
     )
-    if args.workload == "w3":
+    if args.workload == "w3" and len(settings) == 2:
         on, off = (result["hf_paged"][label]["output_tokens_per_s"] for label in settings)
         result["prefix_caching_speedup"] = on / off
     common.finish(result)

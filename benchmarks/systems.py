@@ -72,6 +72,7 @@ class PagedSystem:
         }
 
     def close(self) -> None:
+        self.engine.close()  # tensor-parallel workers stop before the next system starts
         del self.engine
         free_memory()
 

@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float)
     gen.add_argument("--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's)")
     gen.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    gen.add_argument("--tensor-parallel-size", type=int, default=1,
+                     help="split the model across this many GPUs (processes on CPU)")
     gen.add_argument("--check", action="store_true",
                      help="also run stock transformers generate and compare the tokens")
 
@@ -93,7 +95,8 @@ def _generate(args: argparse.Namespace) -> int:
 
             make_checkpoint("tiny", model, dtype="float32")
     t0 = time.perf_counter()
-    engine = hf_paged.from_pretrained(model, dtype=args.dtype, device=args.device)
+    engine = hf_paged.from_pretrained(model, dtype=args.dtype, device=args.device,
+                                      tensor_parallel_size=args.tensor_parallel_size)
     print(f"loaded {model} on {engine.device} in {time.perf_counter() - t0:.1f} s")
     tokenizer = _tokenizer(model)
     try:

@@ -31,6 +31,9 @@ class EngineConfig:
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes across requests.
         progress_bar: show a tqdm bar with prefill/decode throughput; ``None`` shows it for
             long runs only (at least 4,096 new tokens requested).
+        tensor_parallel_size: ranks the model is split across (one GPU each on CUDA). From an
+            ordinary process the caller is rank 0 and the other ranks are spawned; under
+            torchrun the launched processes are the ranks, in groups of this size.
     """
 
     max_num_seqs: int = 256
@@ -45,9 +48,10 @@ class EngineConfig:
     attention_backend: str | None = None
     enable_prefix_caching: bool = True
     progress_bar: bool | None = None
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
             _require_positive_int(name, getattr(self, name))
         for name in ("max_model_len", "num_kv_blocks", "max_graph_batch_size"):
             if getattr(self, name) is not None:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tests and the benchmarks on a CUDA machine, in one call from the repository root:
 #
-#   scripts/gpu_run.sh [STEP...]      STEP: tests w1 w2 w3 preempt profile dropin beam (default: the
-#                                     first four)
+#   scripts/gpu_run.sh [STEP...]      STEP: tests w1 w2 w3 preempt profile dropin w4 beam
+#                                     (default: the first four)
 #
 # Everything printed also goes to $OUT/run.log, and the result JSONs, README-table.md and
 # throughput.png are copied into $OUT, when OUT is set. Each step runs under a time limit (a
@@ -24,6 +24,9 @@
 #   W1_ARGS W2_ARGS W3_ARGS BEAM_ARGS=...   more arguments for one benchmark, e.g.
 #                        W1_ARGS="--baselines cb"
 #   PRE_ARGS="--num-requests 64 --num-kv-blocks 1000"   the preemption check (float32: slow)
+#   W4: W1 on the 8B shape (CKPT8B=/tmp/ckpt/8b, built once: several minutes) with
+#       tensor_parallel_size 1, 2 and 4 (TP_SIZES="1 2 4"; sizes above the GPU count are
+#       skipped), no baselines; T_W4=1800. On a machine with 4 GPUs: scripts/gpu_run.sh w4
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
@@ -86,7 +89,11 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
         step dropin-tests "${T_DROPIN_TESTS:-240}" python -m pytest tests/gpu/test_dropin_gpu.py -q
         step dropin "${T_DROPIN:-420}" python -m benchmarks.bench_dropin --model "$CKPT" \
             --results-dir "$RESULTS" ;;
-      *) echo "unknown step $s (steps: tests w1 w2 w3 preempt profile dropin beam)"
+      w4) python -m benchmarks.make_checkpoint --shape 8b --out "${CKPT8B:-/tmp/ckpt/8b}" \
+            --dtype bfloat16
+          CKPT=${CKPT8B:-/tmp/ckpt/8b} bench w4 "${T_W4:-1800}" bench_throughput "${W4_ARGS:-}" \
+            --workload w4 --baselines --tensor-parallel-size ${TP_SIZES:-1 2 4} ;;
+      *) echo "unknown step $s (steps: tests w1 w2 w3 preempt profile dropin w4 beam)"
          STATUS+=("$s unknown") ;;
     esac
   done

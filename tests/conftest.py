@@ -9,8 +9,9 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from hf_paged.random_checkpoint import SHAPES, random_qwen3
 
-# Three tiny shapes: grouped-query heads with tied embeddings, multi-head attention with an
-# untied LM head, and a wider-head GQA model; vocabularies small enough for fast CPU runs.
+# Tiny shapes: grouped-query heads with tied embeddings, multi-head attention with an untied
+# LM head, a wider-head GQA model, and a single KV head (replicated under tensor parallelism);
+# vocabularies small enough for fast CPU runs.
 TINY_CONFIGS = {
     "gqa_tied": dict(SHAPES["tiny"]),
     "mha_untied": dict(SHAPES["tiny"], num_attention_heads=4, num_key_value_heads=4,
@@ -18,6 +19,7 @@ TINY_CONFIGS = {
     "gqa4_untied": dict(SHAPES["tiny"], hidden_size=128, num_attention_heads=8,
                         num_key_value_heads=2, head_dim=32, num_hidden_layers=3,
                         tie_word_embeddings=False),
+    "one_kv_head": dict(SHAPES["tiny"], num_attention_heads=4, num_key_value_heads=1),
 }
 
 

@@ -13,12 +13,14 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from hf_paged.config import EngineConfig
 from hf_paged.engine.block_manager import BlockManager
-from hf_paged.engine.model_runner import LaunchedStep, ModelRunner
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.sequence import Sequence
 from hf_paged.kernels.flash_attn import PAGE_MULTIPLE
-from hf_paged.modeling.swap import PagedQwen3, build_model, check_supported
+from hf_paged.modeling.swap import check_shardable, check_supported
 from hf_paged.sampling_params import SamplingParams
+from hf_paged.worker.executor import Executor, create_executor, resolve_device
+from hf_paged.worker.model_runner import LaunchedStep
+from hf_paged.worker.parallel import RunnerSpec
 
 _LONG_RUN_TOKENS = 4096
 
@@ -67,32 +69,46 @@ def _importable(package: str) -> bool:
     return True
 
 
+def _shared_hooks(seqs: list[Sequence]) -> list:
+    """The distinct hooks objects of ``seqs`` that carry state to other ranks, in order."""
+    found = {}
+    for seq in seqs:
+        hooks = seq.params.hooks
+        if hooks is not None and hasattr(hooks, "shared_state"):
+            found.setdefault(id(hooks), hooks)
+    return list(found.values())
+
+
 class PagedEngine:
     """A Qwen3 model served by continuous batching over a paged KV cache.
 
     Build it with ``hf_paged.from_pretrained``. ``generate`` mirrors transformers'
     ``GenerationMixin.generate``; ``generate_tokens`` takes token-id lists with per-request
     ``SamplingParams``; ``add_request``/``step`` drive the engine by hand.
+
+    Under torchrun with ``tensor_parallel_size > 1`` every rank holds an engine and makes the
+    same calls; rank 0's schedules and samples, the others follow its steps inside ``run``
+    (so ``generate``/``generate_tokens``) and return its results. Only rank 0 may ``step``.
     """
 
     def __init__(
         self,
-        model: PagedQwen3,
+        executor: Executor,
         config: EngineConfig,
         generation_config: GenerationConfig,
         max_model_len: int,
         tokenizer=None,
-        load_seconds: float = 0.0,
     ):
-        self.model = model
-        self.hf_config: PretrainedConfig = model.config
+        self.executor = executor
+        self.runner = executor.runner  # this rank's
+        self.model = self.runner.model
+        self.hf_config: PretrainedConfig = self.model.config
         self.config = config
         self.generation_config = generation_config
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(model, config, max_model_len)
         # Start-up phases: weights loaded, KV cache sized and allocated, decode graphs captured.
-        self.startup_seconds = {"load": load_seconds, **self.runner.startup_seconds}
+        self.startup_seconds = dict(executor.startup_seconds)
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -119,17 +135,15 @@ class PagedEngine:
         """Load a Qwen3 checkpoint (a folder or a hub id) into a new engine.
 
         ``dtype`` defaults to the checkpoint's own (float32 when it names none), ``device``
-        to CUDA when available. Any ``EngineConfig`` field may be passed by name.
+        to CUDA when available (under torchrun, the local rank's GPU). Any ``EngineConfig``
+        field may be passed by name.
         """
         config = EngineConfig.from_options(**engine_options)
         path = resolve_checkpoint(path_or_id)
         hf_config = AutoConfig.from_pretrained(path)
         check_supported(hf_config)
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {str(device)!r}: CUDA is not available on this machine")
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        check_shardable(hf_config, config.tensor_parallel_size)
+        device = resolve_device(device)
         dtype = resolve_dtype(dtype, hf_config)
         max_positions = hf_config.max_position_embeddings
         max_model_len = config.max_model_len or max_positions
@@ -141,14 +155,13 @@ class PagedEngine:
         config.attention_backend = resolve_backend(
             config.attention_backend, device, config.block_size
         )
-        start = time.perf_counter()
-        model = build_model(hf_config, path, dtype, device, config.attention_backend, max_model_len)
-        load_seconds = time.perf_counter() - start
         try:
             generation_config = GenerationConfig.from_pretrained(path)
         except OSError:
             generation_config = GenerationConfig.from_model_config(hf_config)
-        return cls(model, config, generation_config, max_model_len, load_seconds=load_seconds)
+        executor = create_executor(
+            RunnerSpec(hf_config, path, dtype, device, config, max_model_len))
+        return cls(executor, config, generation_config, max_model_len)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -211,6 +224,11 @@ class PagedEngine:
         it; return the requests that finished. A request's last token therefore arrives one
         ``step`` after the step that computed it. A step holding beam-search rows is collected
         before the next is scheduled instead: the host's choice of beams is that step's input."""
+        if not self.executor.is_leader:
+            raise RuntimeError(
+                "under torchrun only rank 0 of a tensor-parallel group steps the engine; call "
+                "generate() or generate_tokens() on every rank instead"
+            )
         previous, self.in_flight = self.in_flight, None
         batch = None
         finished: list[Sequence] = []
@@ -223,7 +241,7 @@ class PagedEngine:
                 previous = None
             batch = self.scheduler.schedule()
             if batch.seqs:
-                self.in_flight = self.runner.launch(batch)
+                self.in_flight = self.executor.launch(batch)
                 self._last_batch = batch
             if previous is not None:
                 finished = self._collect(previous)
@@ -238,9 +256,9 @@ class PagedEngine:
         return finished
 
     def _collect(self, step: LaunchedStep) -> list[Sequence]:
-        tokens, candidates = self.runner.collect(step)
+        tokens, candidates = self.executor.collect(step)
         finished = self.scheduler.postprocess(step.batch, tokens, candidates)
-        self.runner.release(finished + self.scheduler.take_dropped())
+        self.executor.release(finished + self.scheduler.take_dropped())
         return finished
 
     @staticmethod
@@ -250,7 +268,7 @@ class PagedEngine:
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)
         root = seq.group.root if seq.group is not None else seq
-        self.runner.release([seq, root, *self.scheduler.take_dropped()])
+        self.executor.release([seq, root, *self.scheduler.take_dropped()])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or self.in_flight is not None
@@ -296,7 +314,41 @@ class PagedEngine:
         self, seqs: list[Sequence], progress_bar: bool | None = None, on_step=None
     ) -> list[Sequence]:
         """Step until every one of ``seqs`` has finished, calling ``on_step(seqs)`` after each
-        step. If anything fails, the requests are dropped so that the engine stays usable."""
+        step. If anything fails, the requests are dropped so that the engine stays usable.
+        Under torchrun, ranks other than 0 follow rank 0's steps instead and take its results
+        at the end (``on_step`` runs once then)."""
+        if not self.executor.is_leader:
+            self._follow(seqs)
+            if on_step is not None:
+                on_step(seqs)
+            return seqs
+        try:
+            self._run(seqs, progress_bar, on_step)
+        except BaseException as e:
+            self.executor.finish_run(f"{type(e).__name__}: {e}")
+            raise
+        self.executor.finish_run((
+            [(s.output_token_ids, s.finish_reason) for s in seqs],
+            [hooks.shared_state() for hooks in _shared_hooks(seqs)],
+        ))
+        return seqs
+
+    def _follow(self, seqs: list[Sequence]) -> None:
+        """Rank 0's outputs (and its hooks' state: e.g. per-step scores) into ``seqs``."""
+        results, hook_states = self.executor.follow_run()
+        if len(results) != len(seqs):
+            raise RuntimeError(
+                f"rank 0 ran {len(results)} requests where this rank queued {len(seqs)}: every "
+                "rank must make the same generate() calls"
+            )
+        for seq, (tokens, reason) in zip(seqs, results):
+            self.scheduler.abort(seq)  # queued here only to be validated: rank 0 schedules
+            seq.token_ids.extend(tokens)
+            seq.finish_reason = reason
+        for hooks, state in zip(_shared_hooks(seqs), hook_states):
+            hooks.load_shared_state(state)
+
+    def _run(self, seqs: list[Sequence], progress_bar: bool | None, on_step) -> None:
         show = self.config.progress_bar if progress_bar is None else progress_bar
         if show is None:
             show = sum(s.params.max_new_tokens for s in seqs) >= _LONG_RUN_TOKENS
@@ -318,7 +370,6 @@ class PagedEngine:
             raise
         finally:
             bar.close()
-        return seqs
 
     def _update_bar(self, bar: tqdm, num_finished: int, seconds: float) -> None:
         batch = self._last_batch
@@ -332,12 +383,15 @@ class PagedEngine:
     # ---- lifecycle ------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Free the KV cache, the CUDA graphs and the weights, so that another model can load
-        in this process; the engine serves nothing afterwards. Calling it again does nothing."""
+        """Stop the tensor-parallel worker processes (joined, or killed if they do not stop)
+        and free the process groups, the KV cache, the CUDA graphs and the weights, so that
+        another model can load in this process; the engine serves nothing afterwards. Calling
+        it again does nothing."""
         if self.closed:
             return
         self.closed = True
         self.in_flight = self._last_batch = None
+        self.executor.close()
         self.runner.close()
         self.model.hf_model.to_empty(device="meta")  # frees the weights whoever holds them
         if self.device.type == "cuda":

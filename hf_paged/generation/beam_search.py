@@ -27,7 +27,7 @@ from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
 
 from hf_paged.engine.sequence import Sequence, SequenceGroup
 from hf_paged.generation.settings import Resolved
-from hf_paged.sampling_params import SamplingParams
+from hf_paged.sampling_params import RequestHooks, SamplingParams
 
 _MASK = -1.0e9  # transformers' score of a beam that may not be chosen
 
@@ -51,10 +51,11 @@ class Hypothesis:
     beam_indices: list[int]  # for each token, the batch-wide row of the beam it extended
 
 
-class BeamCohort:
+class BeamCohort(RequestHooks):
     """One generate call's groups: its logits processors and stopping criteria, how many
     groups could not stop yet, and the longest any ran before it could (the call's step count
-    when rows are kept)."""
+    when rows are kept). As the roots' hooks it hands the groups' results to the other ranks
+    under torchrun (the roots sample nothing, so no other hook is called)."""
 
     def __init__(self, resolved: Resolved, settings: BeamSettings, pad: int):
         self.prompt_ids = resolved.input_ids[:: settings.num_beams]  # padded, one per group
@@ -65,6 +66,17 @@ class BeamCohort:
         self.pad = pad
         self.num_open = 0
         self.num_steps = 0
+        self.groups: list[BeamGroup] = []
+
+    def shared_state(self) -> tuple:
+        return self.num_steps, [(g.finished, g.num_steps, g.score_rows, g.logit_rows)
+                                for g in self.groups]
+
+    def load_shared_state(self, state: tuple) -> None:
+        self.num_steps, groups = state
+        for group, (finished, num_steps, score_rows, logit_rows) in zip(self.groups, groups):
+            group.finished, group.num_steps = finished, num_steps
+            group.score_rows, group.logit_rows = score_rows, logit_rows
 
     def running_ids(self, group: BeamGroup, tokens: list[list[int]]) -> torch.Tensor:
         """Rows of transformers' running sequences: the group's padded prompt, then tokens."""
@@ -230,13 +242,13 @@ def beam_search(engine, resolved: Resolved, prompts: list[list[int]], pad: int,
         eos_token_ids=() if eos is None else tuple(eos.tolist()),
         keep_rows=output_scores or output_logits,
     )
-    params = SamplingParams(max_new_tokens=resolved.max_new_tokens,
-                            eos_token_ids=settings.eos_token_ids)
     cohort = BeamCohort(resolved, settings, pad)
+    params = SamplingParams(max_new_tokens=resolved.max_new_tokens,
+                            eos_token_ids=settings.eos_token_ids, hooks=cohort)
     for prompt in prompts:
         engine.validate_request(prompt, params)
-    groups = [BeamGroup(engine.add_request(p, params), row, settings, cohort)
-              for row, p in enumerate(prompts)]
+    cohort.groups = groups = [BeamGroup(engine.add_request(p, params), row, settings, cohort)
+                              for row, p in enumerate(prompts)]
     engine.run([g.root for g in groups], progress_bar)
     # transformers fills with ``pad_token_id or eos_token_id[0]`` (-1 without an EOS id).
     fill = (config._pad_token_tensor or eos[0]) if eos is not None else -1

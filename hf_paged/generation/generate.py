@@ -96,6 +96,14 @@ class CallHooks(RequestHooks):
                     scores[i, self.pad] = 0.0
         return scores
 
+    def shared_state(self) -> tuple:
+        """What this call's copy on another rank needs for the same outputs (under torchrun
+        only rank 0 samples; the engine sends this to the others)."""
+        return self.scores, self.logits
+
+    def load_shared_state(self, state: tuple) -> None:
+        self.scores, self.logits = state
+
     def record(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
         rows, cols = self._positions(seqs)
         at = torch.tensor(rows, device=tokens.device), torch.tensor(cols, device=tokens.device)

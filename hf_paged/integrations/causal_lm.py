@@ -180,6 +180,9 @@ class Qwen3ForCausalLM(nn.Module):
         _refuse_forward_options(past_key_values, inputs_embeds, use_cache, kwargs)
         if self.engine.closed:
             raise RuntimeError("this model was closed; load it again to use it")
+        if self.engine.config.tensor_parallel_size > 1:  # the other ranks only follow steps
+            raise ValueError("the model call (forward) runs in one process: it is not available "
+                             "with tensor_parallel_size > 1; generate() is")
         input_ids = _check_input_ids(input_ids, self.config.vocab_size)
         attention_mask = _attention_mask(attention_mask, input_ids)
         if position_ids is None:

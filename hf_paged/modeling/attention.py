@@ -12,6 +12,7 @@ from hf_paged.kernels import reference
 from hf_paged.modeling.linear import QKVParallelLinear, RowParallelLinear
 from hf_paged.modeling.norm import RMSNorm
 from hf_paged.modeling.rotary import RotaryEmbedding
+from hf_paged.modeling.tp import SINGLE, TensorParallel
 
 
 @dataclass
@@ -57,20 +58,21 @@ class Qwen3PagedAttention(nn.Module):
     attached by the model runner once it has sized them.
     """
 
-    def __init__(self, config, backend: str):
+    def __init__(self, config, backend: str, tp: TensorParallel = SINGLE):
         super().__init__()
         head_dim = getattr(config, "head_dim", None) or (
             config.hidden_size // config.num_attention_heads
         )
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, head_dim, config.num_attention_heads,
-            config.num_key_value_heads, bias=config.attention_bias,
+            config.num_key_value_heads, bias=config.attention_bias, tp=tp,
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
         self.o_proj = RowParallelLinear(
-            config.num_attention_heads * head_dim, config.hidden_size, bias=config.attention_bias
+            config.num_attention_heads * head_dim, config.hidden_size, bias=config.attention_bias,
+            tp=tp,
         )
         self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)

@@ -3,47 +3,48 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hf_paged.modeling.linear import tp_rank_and_size
+from hf_paged.modeling.linear import narrow
+from hf_paged.modeling.tp import SINGLE, TensorParallel
 
 
 class VocabParallelEmbedding(nn.Module):
     """Each rank holds a contiguous slice of the vocabulary; the others' rows add zeros."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp=None):
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE):
         super().__init__()
-        self.tp_rank, self.tp_size = tp or tp_rank_and_size()
+        self.tp = tp
         self.vocab_size = vocab_size
-        self.shard_size = -(-vocab_size // self.tp_size)
-        self.vocab_start = self.tp_rank * self.shard_size
-        rows = min(self.shard_size, vocab_size - self.vocab_start)
+        self.shard_size = -(-vocab_size // tp.size)
+        self.vocab_start = tp.rank * self.shard_size
+        rows = max(min(self.shard_size, vocab_size - self.vocab_start), 0)
         self.weight = nn.Parameter(torch.empty(rows, hidden_size), requires_grad=False)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        param.data.copy_(loaded.narrow(0, self.vocab_start, param.shape[0]))
+    def weight_loader(self, param: nn.Parameter, loaded) -> None:
+        param.data.copy_(narrow(loaded, 0, self.vocab_start, param.shape[0]))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
+        if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.vocab_start
         inside = (local >= 0) & (local < self.weight.shape[0])
-        y = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * inside[:, None]
-        dist.all_reduce(y)
-        return y
+        rows = local.clamp(0, max(self.weight.shape[0] - 1, 0))
+        return self.tp.all_reduce(F.embedding(rows, self.weight) * inside[:, None])
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits over this rank's vocabulary slice, gathered to full width."""
+    """Logits over this rank's vocabulary slice (padded to the common shard width);
+    ``gather`` puts the full vocabulary together on rank 0."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.weight)
-        if self.tp_size == 1:
+        if self.tp.size == 1:
             return logits
-        # Shards are padded to one size for the gather, then the padding is cut off.
-        logits = F.pad(logits, (0, self.shard_size - logits.shape[-1])).contiguous()
-        parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-        dist.all_gather(parts, logits)
-        return torch.cat(parts, -1)[..., : self.vocab_size]
+        return F.pad(logits, (0, self.shard_size - logits.shape[-1]))
+
+    def gather(self, local_logits: torch.Tensor) -> torch.Tensor | None:
+        """Full-vocabulary logits on rank 0, None on the other ranks."""
+        logits = self.tp.gather_last_dim(local_logits)
+        return None if logits is None else logits[..., : self.vocab_size]

@@ -3,32 +3,34 @@
 Column-parallel layers split the output features across ranks, row-parallel layers the input
 features (and all-reduce their partial sums). The merged layers (QKV, gate/up) hold several
 checkpoint tensors side by side; their ``weight_loader`` takes a ``shard_id`` saying which.
+A loader receives a torch tensor or a safetensors slice and reads only its rank's part.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hf_paged.modeling.tp import SINGLE, TensorParallel, kv_head_layout
 
-def tp_rank_and_size() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+
+def narrow(loaded, dim: int, start: int, size: int) -> torch.Tensor:
+    """``loaded[start:start+size]`` along ``dim`` (0 or 1); on a safetensors slice this reads
+    only those bytes from the file."""
+    return loaded[(slice(None),) * dim + (slice(start, start + size),)]
 
 
 def _divide(n: int, d: int, what: str) -> int:
     if n % d:
-        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size ({d})")
+        raise ValueError(f"{what} ({n}) is not divisible by tensor_parallel_size ({d})")
     return n // d
 
 
 class _ParallelLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: tuple[int, int]):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel):
         super().__init__()
-        self.tp_rank, self.tp_size = tp
+        self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = None
         if bias:
@@ -41,62 +43,66 @@ class _ParallelLinear(nn.Module):
 class ColumnParallelLinear(_ParallelLinear):
     """Output features split across ranks; each rank keeps its slice of the output."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp=None):
-        tp = tp or tp_rank_and_size()
-        super().__init__(in_features, _divide(out_features, tp[1], "output features"), bias, tp)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 tp: TensorParallel = SINGLE):
+        super().__init__(in_features, _divide(out_features, tp.size, "output features"), bias, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded) -> None:
         size = param.shape[0]
-        param.data.copy_(loaded.narrow(0, self.tp_rank * size, size))
+        param.data.copy_(narrow(loaded, 0, self.tp.rank * size, size))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs stored side by side (gate and up projections)."""
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False, tp=None):
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False,
+                 tp: TensorParallel = SINGLE):
+        for size in out_sizes:
+            _divide(size, tp.size, "intermediate_size")
         self.out_sizes = out_sizes
         super().__init__(in_features, sum(out_sizes), bias, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
-        size = self.out_sizes[shard_id] // self.tp_size
-        offset = sum(self.out_sizes[:shard_id]) // self.tp_size
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: int) -> None:
+        size = self.out_sizes[shard_id] // self.tp.size
+        offset = sum(self.out_sizes[:shard_id]) // self.tp.size
+        param.data.narrow(0, offset, size).copy_(narrow(loaded, 0, self.tp.rank * size, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """Query, key and value projections in one matrix; each rank holds whole heads."""
+    """Query, key and value projections in one matrix; each rank holds whole heads. With
+    fewer KV heads than ranks, each KV head is replicated on ``size / num_kv_heads`` ranks
+    (the ranks whose query heads read it)."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False, tp=None):
-        tp = tp or tp_rank_and_size()
-        self.num_heads = _divide(num_heads, tp[1], "num_attention_heads")
-        self.num_kv_heads = _divide(num_kv_heads, tp[1], "num_key_value_heads")
+                 bias: bool = False, tp: TensorParallel = SINGLE):
+        self.num_heads, self.num_kv_heads = kv_head_layout(num_heads, num_kv_heads, tp.size)
+        self.kv_shard = tp.rank * num_kv_heads // tp.size // self.num_kv_heads
         self.head_dim = head_dim
-        super().__init__(hidden, (num_heads + 2 * num_kv_heads) * head_dim, bias, tp)
+        local = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        super().__init__(hidden, local * tp.size, bias, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: str) -> None:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
-        param.data.narrow(0, offset, size).copy_(loaded.narrow(0, self.tp_rank * size, size))
+        offset, size, index = {
+            "q": (0, q, self.tp.rank), "k": (q, kv, self.kv_shard), "v": (q + kv, kv, self.kv_shard)
+        }[shard_id]
+        param.data.narrow(0, offset, size).copy_(narrow(loaded, 0, index * size, size))
 
 
 class RowParallelLinear(_ParallelLinear):
     """Input features split across ranks; partial products are summed by an all-reduce."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp=None):
-        tp = tp or tp_rank_and_size()
-        super().__init__(_divide(in_features, tp[1], "input features"), out_features, bias, tp)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 tp: TensorParallel = SINGLE):
+        super().__init__(_divide(in_features, tp.size, "input features"), out_features, bias, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded) -> None:
         if param.dim() == 1:  # the bias is added once, after the reduction
-            param.data.copy_(loaded)
+            param.data.copy_(loaded[()])
             return
         size = param.shape[1]
-        param.data.copy_(loaded.narrow(1, self.tp_rank * size, size))
+        param.data.copy_(narrow(loaded, 1, self.tp.rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias if self.tp_rank == 0 else None
-        y = F.linear(x, self.weight, bias)
-        if self.tp_size > 1:
-            dist.all_reduce(y)
-        return y
+        bias = self.bias if self.tp.rank == 0 else None
+        return self.tp.all_reduce(F.linear(x, self.weight, bias))

@@ -1,4 +1,5 @@
-"""safetensors checkpoint -> (sharded) parameters, one tensor at a time."""
+"""safetensors checkpoint -> (sharded) parameters, one tensor at a time; a tensor-parallel
+rank reads only its own slices of the file."""
 
 from __future__ import annotations
 
@@ -58,9 +59,9 @@ def load_weights(model: nn.Module, path: str, tied_embeddings: bool) -> None:
                 # Loaders live on the modules: parameters are re-created when materialised.
                 module = model.get_submodule(target.rpartition(".")[0])
                 loader = getattr(module, "weight_loader", None)
-                tensor = f.get_tensor(name)
-                if loader is None:
-                    param.copy_(tensor)
+                tensor = f.get_slice(name)
+                if loader is None:  # replicated on every rank
+                    param.copy_(tensor[()])
                 elif shard_id is None:
                     loader(param, tensor)
                 else:

@@ -7,16 +7,17 @@ from torch import nn
 
 from hf_paged import kernels
 from hf_paged.modeling.linear import MergedColumnParallelLinear, RowParallelLinear
+from hf_paged.modeling.tp import SINGLE, TensorParallel
 
 
 class Qwen3PagedMLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, tp: TensorParallel = SINGLE):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
         inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter])
-        self.down_proj = RowParallelLinear(inter, config.hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], tp=tp)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))

@@ -17,6 +17,7 @@ from hf_paged.modeling.loader import load_weights
 from hf_paged.modeling.mlp import Qwen3PagedMLP
 from hf_paged.modeling.norm import RMSNorm
 from hf_paged.modeling.rotary import RotaryEmbedding
+from hf_paged.modeling.tp import SINGLE, TensorParallel, kv_head_layout
 
 SUPPORTED = "Qwen3 checkpoints (model_type 'qwen3', Qwen3ForCausalLM)"
 
@@ -29,6 +30,16 @@ def check_supported(config) -> None:
         )
     if "sliding_attention" in (getattr(config, "layer_types", None) or []):
         raise ValueError("sliding-window attention layers are not supported by hf_paged")
+
+
+def check_shardable(config, tp_size: int) -> None:
+    """Raise ValueError, naming both numbers, when ``tp_size`` ranks cannot split the model."""
+    kv_head_layout(config.num_attention_heads, config.num_key_value_heads, tp_size)
+    if config.intermediate_size % tp_size:
+        raise ValueError(
+            f"intermediate_size ({config.intermediate_size}) is not divisible by "
+            f"tensor_parallel_size ({tp_size})"
+        )
 
 
 class PagedQwen3:
@@ -59,9 +70,15 @@ class PagedQwen3:
             hidden = layer.mlp(hidden)
         return self.norm(hidden, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in the model dtype, then float32, as transformers' generate reads them."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits in the model dtype, then float32, as transformers' generate reads them; under
+        tensor parallelism on rank 0 only (None on the others)."""
+        return self.gather_logits(self.lm_head(hidden))
+
+    def gather_logits(self, local_logits: torch.Tensor) -> torch.Tensor | None:
+        """This rank's vocabulary slice of the logits -> full float32 logits on rank 0."""
+        logits = self.lm_head.gather(local_logits)
+        return None if logits is None else logits.float()
 
 
 def build_model(
@@ -71,22 +88,24 @@ def build_model(
     device: torch.device,
     attention_backend: str,
     max_positions: int,
+    tp: TensorParallel = SINGLE,
 ) -> PagedQwen3:
-    """Skeleton on meta -> swap -> allocate on ``device`` -> load weights."""
+    """Skeleton on meta -> swap -> allocate on ``device`` -> load this rank's weights."""
     check_supported(config)
+    check_shardable(config, tp.size)
     with torch.device("meta"):
         hf = Qwen3ForCausalLM(config)
         inner = hf.model
         eps = config.rms_norm_eps
         for layer in inner.layers:
-            layer.self_attn = Qwen3PagedAttention(config, attention_backend)
-            layer.mlp = Qwen3PagedMLP(config)
+            layer.self_attn = Qwen3PagedAttention(config, attention_backend, tp)
+            layer.mlp = Qwen3PagedMLP(config, tp)
             layer.input_layernorm = RMSNorm(config.hidden_size, eps)
             layer.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         inner.norm = RMSNorm(config.hidden_size, eps)
-        inner.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        inner.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         inner.rotary_emb = RotaryEmbedding(inner.rotary_emb, max_positions)
-        hf.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        hf.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     if tied:
         del hf.lm_head.weight

@@ -11,8 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_paged
-from hf_paged.engine import model_runner
 from hf_paged.random_checkpoint import make_checkpoint
+from hf_paged.worker import model_runner
 
 pytestmark = pytest.mark.gpu
 

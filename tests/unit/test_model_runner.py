@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from hf_paged.engine.model_runner import ModelRunner
 from hf_paged.engine.scheduler import ScheduledBatch
+from hf_paged.worker.model_runner import ModelRunner
 
 
 def shared_prefix_len(tables: np.ndarray, starts: list[int], num_tokens=None, backend="triton"):

@@ -13,9 +13,15 @@ its pending input tokens from there) and reach the host through a pinned buffer 
 ``collect`` waits for, so the host prepares step N+1 while the device runs step N. Host
 buffers that a copy may still be reading alternate between two twins.
 
-A step first makes its copy-on-write block copies. Rows of a ``SequenceGroup`` member (beam
-search) are not sampled: their log-softmax, through the group's processors, goes to the host
-as its top candidates (and as whole rows when the group keeps them).
+Under tensor parallelism every rank holds a runner: rank 0 ``prepare``s a step's inputs on the
+host (the executor sends them to the other ranks), every rank runs the same ``forward`` (graph
+replay included), rank 0 alone receives the gathered logits and samples, and the sampled
+tokens are broadcast back so that every rank reads the same pending tokens next step.
+
+A step first makes its copy-on-write block copies (every rank, in its own cache shard). Rows of
+a ``SequenceGroup`` member (beam search) are not sampled: their log-softmax, through the
+group's processors, goes to the host as its top candidates (and as whole rows when the group
+keeps them).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from hf_paged.engine.scheduler import ScheduledBatch
 from hf_paged.engine.sequence import Sequence
 from hf_paged.modeling.attention import AttentionMetadata
 from hf_paged.modeling.swap import PagedQwen3
+from hf_paged.modeling.tp import SINGLE, TensorParallel
 from hf_paged.sampling_params import SamplingParams
 
 # Cascade attention (kernels.attention) pays two more kernels a layer to read a shared prefix
@@ -87,6 +94,33 @@ class BlockTableMirror:
 
 
 @dataclass
+class StepInputs:
+    """One step's inputs as host data: what every rank needs to run the same forward.
+
+    Per token: ``ids`` (0 where pending), ``src`` (its row in the last step's samples, or -1),
+    ``positions``, ``slots``. Per sequence: ``cu_seqlens`` (B+1), ``seq_lens``, ``tables``
+    (block-table rows). ``logits_rows``: the token rows whose logits are sampled. ``graph_bs``:
+    the decode graph to replay (0: eager); ``shared``: cascade prefix tokens (0: none).
+    """
+
+    ids: list[int]
+    src: list[int]
+    positions: list[int]
+    slots: list[int]
+    cu_seqlens: list[int]
+    seq_lens: list[int]
+    tables: np.ndarray
+    logits_rows: list[int]
+    max_query_len: int
+    graph_bs: int
+    shared: int
+    # Copy-on-write block copies (source, destination) to make before the forward, in order.
+    block_copies: list[tuple[int, int]]
+    # Tokens the step draws: sampled rows of no group, then one per follower forked by it.
+    num_drawn: int
+
+
+@dataclass
 class LaunchedStep:
     """A step enqueued on the device; ``tokens`` (one per sampled row) is valid once ``done``
     has passed."""
@@ -103,8 +137,10 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    def __init__(self, model: PagedQwen3, config: EngineConfig, max_model_len: int):
+    def __init__(self, model: PagedQwen3, config: EngineConfig, max_model_len: int,
+                 tp: TensorParallel = SINGLE):
         self.model = model
+        self.tp = tp
         self.config = config
         self.max_model_len = max_model_len
         self.block_size = config.block_size
@@ -159,6 +195,7 @@ class ModelRunner:
             # More blocks than every running sequence at full length could use is waste (and
             # on a shared GPU, memory taken from its neighbours).
             num_blocks = min(num_blocks, cfg.max_num_seqs * self.max_blocks_per_seq)
+        num_blocks = self.tp.min_over_ranks(num_blocks, self.device)  # one cache shape for all
         if num_blocks < 1:
             memory = "gpu_memory_utilization" if self.device.type == "cuda" else "cpu_kv_cache_gib"
             raise ValueError(
@@ -215,8 +252,9 @@ class ModelRunner:
         )
         hidden = self.model.forward(tokens, positions, meta)
         logits = self.model.compute_logits(hidden[:num_seqs])
-        sampled = SamplingParams(temperature=1.0, top_k=2, top_p=0.5)
-        self._sample(logits, [Sequence([0], sampled)] * num_seqs)
+        if logits is not None:  # rank 0 samples
+            sampled = SamplingParams(temperature=1.0, top_k=2, top_p=0.5)
+            self._sample(logits, [Sequence([0], sampled)] * num_seqs)
         torch.cuda.synchronize()
 
     def _compile_kernels(self, decode: bool) -> None:
@@ -244,7 +282,7 @@ class ModelRunner:
 
     # ---- inputs ---------------------------------------------------------------------------
 
-    def _prepare(self, batch: ScheduledBatch):
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """Flat token ids, positions and slots, plus per-sequence metadata, built with plain
         ints for the one-token (decode) rows: this runs on the host every step. A token still
         pending on the device gets id 0 here and ``src`` names its row in ``last_tokens``
@@ -278,7 +316,13 @@ class ModelRunner:
             if sample:
                 logits_rows.append(cu_seqlens[-1] - 1)
         tables = self.block_tables.gather(batch.seqs)
-        return input_ids, src, positions, slots, cu_seqlens, seq_lens, tables, logits_rows
+        drawn = sum(1 for s, m in zip(batch.seqs, batch.sample) if m and s.group is None)
+        return StepInputs(
+            input_ids, src, positions, slots, cu_seqlens, seq_lens, tables, logits_rows,
+            max(batch.num_tokens), self._graph_batch_size(batch),
+            self._shared_prefix_len(batch, tables), batch.block_copies,
+            drawn + len(batch.sample_copies),
+        )
 
     def release(self, seqs: list[Sequence]) -> None:
         """Forget finished or aborted sequences."""
@@ -290,49 +334,28 @@ class ModelRunner:
 
     # ---- running --------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> LaunchedStep:
         """Enqueue the batch's forward and sampling on the device without waiting for it."""
-        ids, src, positions, slots, cu, seq_lens, tables, rows = self._prepare(batch)
-        if batch.block_copies:
-            self._copy_blocks(batch.block_copies)
-        self.flip ^= 1
-        dev = self.device
-        graph_bs = self._graph_batch_size(batch)
-        shared = self._shared_prefix_len(batch, tables)
-        drawn = None
+        return self.run(batch, self.prepare(batch))
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, inputs: StepInputs) -> LaunchedStep:
+        """Rank 0: the forward of prepared ``inputs``, then sampling."""
         sampled_seqs = [s for s, sample in zip(batch.seqs, batch.sample) if sample]
-        if graph_bs:
-            logits, drawn = self._replay(graph_bs, shared, ids, src, positions, slots, seq_lens,
-                                         tables, [s.params for s in sampled_seqs])
-        else:
-            meta = AttentionMetadata(
-                slot_mapping=self._to_device(slots, torch.long),
-                cu_seqlens_q=self._to_device(cu, torch.int32),
-                seq_lens=self._to_device(seq_lens, torch.int32),
-                block_tables=torch.from_numpy(tables).to(dev, non_blocking=True),
-                max_query_len=max(batch.num_tokens),
-                shared_prefix=self._to_device([shared], torch.int32) if shared else None,
-            )
-            input_ids = self._to_device(ids, torch.long)
-            if max(src) >= 0:
-                src_ids = self._to_device(src, torch.long)
-                input_ids = self._take_pending(input_ids, src_ids)
-            positions = self._to_device(positions, torch.long)
-            hidden = self.model.forward(input_ids, positions, meta)
-            if not rows:  # only partial prefill chunks: nothing to sample yet
-                return LaunchedStep(batch, None, None)
-            if len(rows) != hidden.shape[0]:
-                hidden = hidden[self._to_device(rows, torch.long)]
-            logits = self.model.compute_logits(hidden)
-        candidates = None
-        if batch.sample_copies or any(s.group is not None for s in sampled_seqs):
-            logits, drawn, sampled_seqs, candidates = self._split_rows(
-                batch, logits, drawn, sampled_seqs)
-        tokens = self._sample(logits, sampled_seqs, drawn)
-        self.last_tokens[: len(tokens)].copy_(tokens)
+        logits, drawn = self.forward(inputs, [s.params for s in sampled_seqs])
+        if logits is None:  # only partial prefill chunks: nothing to sample yet
+            return LaunchedStep(batch, None, None)
+        tokens = candidates = None
+        try:
+            if batch.sample_copies or any(s.group is not None for s in sampled_seqs):
+                logits, drawn, sampled_seqs, candidates = self._split_rows(
+                    batch, logits, drawn, sampled_seqs)
+            tokens = self._sample(logits, sampled_seqs, drawn)
+        finally:  # the other ranks wait for this step's tokens even if sampling failed
+            if inputs.num_drawn:
+                self._share_tokens(tokens, inputs.num_drawn)
         self.last_rows = {s.seq_id: row for row, s in enumerate(sampled_seqs)}
-        if dev.type != "cuda":
+        if self.device.type != "cuda":
             return LaunchedStep(batch, tokens, None, candidates)
         host = self.host_tokens[self.flip][: len(tokens)]
         host.copy_(tokens, non_blocking=True)
@@ -341,6 +364,44 @@ class ModelRunner:
         done = torch.cuda.Event()
         done.record()
         return LaunchedStep(batch, host, done, candidates)
+
+    @torch.inference_mode()
+    def follow(self, inputs: StepInputs) -> None:
+        """Ranks other than 0: the same forward as rank 0, then rank 0's sampled tokens."""
+        self.forward(inputs)
+        if inputs.logits_rows and inputs.num_drawn:
+            self._share_tokens(None, inputs.num_drawn)
+
+    def forward(
+        self, inputs: StepInputs, params: list[SamplingParams] | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Logits of the sampled rows (on rank 0; None elsewhere or when no row is sampled),
+        and the tokens a decode graph drew from them with ``params`` (rank 0's)."""
+        if inputs.block_copies:
+            self._copy_blocks(inputs.block_copies)
+        self.flip ^= 1
+        if inputs.graph_bs:
+            return self._replay(inputs, params)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(inputs.slots, torch.long),
+            cu_seqlens_q=self._to_device(inputs.cu_seqlens, torch.int32),
+            seq_lens=self._to_device(inputs.seq_lens, torch.int32),
+            block_tables=torch.from_numpy(inputs.tables).to(dev, non_blocking=True),
+            max_query_len=inputs.max_query_len,
+            shared_prefix=self._to_device([inputs.shared], torch.int32) if inputs.shared else None,
+        )
+        input_ids = self._to_device(inputs.ids, torch.long)
+        if max(inputs.src) >= 0:
+            input_ids = self._take_pending(input_ids, self._to_device(inputs.src, torch.long))
+        positions = self._to_device(inputs.positions, torch.long)
+        hidden = self.model.forward(input_ids, positions, meta)
+        rows = inputs.logits_rows
+        if not rows:
+            return None, None
+        if len(rows) != hidden.shape[0]:
+            hidden = hidden[self._to_device(rows, torch.long)]
+        return self.model.compute_logits(hidden), None
 
     def _split_rows(self, batch: ScheduledBatch, logits, drawn, sampled_seqs):
         """Rows to sample (plain sequences, then each follower on its leader's row) and the
@@ -396,6 +457,15 @@ class ModelRunner:
                 src, dst = (self._to_device(list(x), torch.long) for x in zip(*wave))
                 for layer in self.model.attention_layers:
                     kernels.copy_blocks(layer.k_cache, layer.v_cache, src, dst)
+
+    def _share_tokens(self, tokens: torch.Tensor | None, n: int) -> None:
+        """Keep the sampled tokens on the device as the next step's pending inputs; under
+        tensor parallelism rank 0 broadcasts them (zeros if its sampling failed)."""
+        if tokens is not None:
+            self.last_tokens[:n].copy_(tokens)
+        elif self.tp.rank == 0:
+            self.last_tokens[:n].zero_()
+        self.tp.broadcast_from_first(self.last_tokens[:n])
 
     @staticmethod
     def collect(step: LaunchedStep) -> tuple[list[int], list[tuple]]:
@@ -551,7 +621,10 @@ class ModelRunner:
 
                 def step(ids=ids, src=src, positions=positions, meta=meta, settings=settings):
                     ids = self._take_pending(ids, src)
-                    logits = self.model.compute_logits(self.model.forward(ids, positions, meta))
+                    hidden = self.model.forward(ids, positions, meta)
+                    if self.tp.size > 1:  # this rank's vocabulary slice, gathered after replay
+                        return (self.model.lm_head(hidden),)
+                    logits = self.model.compute_logits(hidden)
                     return logits, kernels.sample(logits, *settings)  # greedy rows: argmax
 
                 with torch.inference_mode():
@@ -565,25 +638,33 @@ class ModelRunner:
         self.graph_batch_sizes = sizes
         torch.cuda.synchronize()
 
-    def _replay(self, graph_bs, shared, ids, src, positions, slots, seq_lens, tables, params):
+    def _replay(self, inputs: StepInputs, params: list[SamplingParams] | None):
         """Logits and tokens drawn with ``params`` for the first ``len(ids)`` rows of graph
-        ``graph_bs``, the cascade one when ``shared`` (tokens) is set."""
+        ``graph_bs``, the cascade one when ``shared`` (tokens) is set. Under tensor parallelism
+        the graph stops at each rank's logits slice: they are gathered on rank 0 after the
+        replay, and rank 0 samples outside the graph (so no tokens are drawn here)."""
+        ids, src, positions, slots = inputs.ids, inputs.src, inputs.positions, inputs.slots
+        seq_lens, tables, shared = inputs.seq_lens, inputs.tables, inputs.shared
         # This twin's last copy belonged to the step before last, whose tokens were collected.
-        n, bs, width = len(ids), graph_bs, self.max_blocks_per_seq
+        n, bs, width = len(ids), inputs.graph_bs, self.max_blocks_per_seq
         host_inputs = self.host_inputs[self.flip]
         host = host_inputs.numpy()
         host[0] = shared
         head = host[1 : 1 + _GRAPH_FIELDS * bs].reshape(_GRAPH_FIELDS, bs)
         head[:5, :n] = (ids, src, positions, slots, seq_lens)
-        head[5, :n] = np.array([p.temperature for p in params], np.float32).view(np.int32)
-        head[6, :n] = [p.top_k for p in params]
-        head[7, :n] = np.array([p.top_p for p in params], np.float32).view(np.int32)
+        if self.tp.size == 1:  # the graph samples
+            head[5, :n] = np.array([p.temperature for p in params], np.float32).view(np.int32)
+            head[6, :n] = [p.top_k for p in params]
+            head[7, :n] = np.array([p.top_p for p in params], np.float32).view(np.int32)
         # Padding rows: no store, empty context, greedy.
         head[:, n:] = np.array([0, -1, 0, -1, 0, 0, 0, _ONE_BITS], np.int32)[:, None]
         tail = host[1 + _GRAPH_FIELDS * bs : 1 + _GRAPH_FIELDS * bs + n * width]
         tail.reshape(n, width)[:, : tables.shape[1]] = tables
         used = 1 + bs * _GRAPH_FIELDS + n * width
         self.graph_inputs[:used].copy_(host_inputs[:used], non_blocking=True)
-        graph, logits, drawn = self.graphs[graph_bs, bool(shared)]
+        graph, *outputs = self.graphs[bs, bool(shared)]
         graph.replay()
+        if self.tp.size > 1:
+            return self.model.gather_logits(outputs[0][:n]), None
+        logits, drawn = outputs
         return logits[:n], drawn[:n]

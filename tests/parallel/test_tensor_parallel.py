@@ -1,0 +1,150 @@
+"""Tensor parallelism on CPU over gloo, against stock transformers float32 (exact tokens):
+ranks spawned from an ordinary process, torchrun mode, a killed worker, and data parallelism
+under accelerate. The multi-process runs are two subprocesses (one spawning, one torchrun)
+with a timeout each, so that a hang fails the tests instead of stalling the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY_CONFIGS, left_padded
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 300  # generous for two busy cores; a hang takes this long to fail
+# A cache of 12 blocks of 8 tokens cannot hold the four requests at once (preemption; a
+# preempted request finds its blocks in the prefix cache when it comes back), and a 16-token
+# budget splits their prompts (chunked prefill).
+TIGHT = dict(block_size=8, num_kv_blocks=12, max_num_batched_tokens=16)
+CPU = dict(device="cpu", block_size=8)  # gloo even where a GPU is present
+CALL = dict(lengths=[20, 25, 30, 35], seed=2, generate=dict(max_new_tokens=12))
+SAMPLED = dict(CALL, generate=dict(max_new_tokens=12, do_sample=True, temperature=1.5, top_k=50,
+                                   top_p=0.95))
+SCORED = dict(CALL, generate=dict(max_new_tokens=4, output_scores=True,
+                                  return_dict_in_generate=True))
+BEAMS = dict(CALL, generate=dict(max_new_tokens=8, num_beams=3, num_return_sequences=2))
+DP_CALL = dict(lengths=[5, 9, 14, 3, 11], seed=7, generate=dict(max_new_tokens=8))
+SPAWNED = ["gqa_tied", "mha_untied", "one_kv_head"]
+
+
+def run_jobs(jobs: list[dict], out: Path, launcher: list[str] = (), returncode: int = 0) -> None:
+    # One thread a process, as torchrun sets it: ranks spinning on shared cores crawl.
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, *launcher, "-m", "tests.parallel.run_engine", json.dumps(jobs),
+         str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == returncode, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+def reference(hf_models, name: str, call: dict, new_only: bool = False) -> list:
+    ids, mask = left_padded(call["lengths"], TINY_CONFIGS[name]["vocab_size"], seed=call["seed"])
+    out = hf_models[name].generate(ids, attention_mask=mask, do_sample=False, **call["generate"])
+    return (out[:, ids.shape[1]:] if new_only else out).tolist()
+
+
+@pytest.fixture(scope="module")
+def spawned(checkpoints, tmp_path_factory) -> list[dict]:
+    """TP=2 engines from this (ordinary) process; then the first is interrupted by Ctrl-C,
+    the second (loaded as transformers' model object) has its worker killed, the last runs a
+    logits processor that raises and is left open when the process dies by SIGKILL."""
+    jobs = [dict(checkpoint=checkpoints[n], engine=dict(CPU, **TIGHT, tensor_parallel_size=2),
+                 calls=[CALL], interrupt=i == 0, model_object=i == 1, kill_worker=i == 1,
+                 failing_processor=i == 2, leave_open=i == 2)
+            for i, n in enumerate(SPAWNED)]
+    out = tmp_path_factory.mktemp("spawned") / "results.json"
+    run_jobs(jobs, out, returncode=-signal.SIGKILL)
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def torchrun(checkpoints, tmp_path_factory) -> list[list[dict]]:
+    """Two launched ranks: one TP=2 engine, then one engine each for data parallelism."""
+    jobs = [dict(checkpoint=checkpoints["gqa4_untied"],
+                 engine=dict(CPU, tensor_parallel_size=2), calls=[CALL, SAMPLED, SCORED, BEAMS]),
+            dict(checkpoint=checkpoints["gqa_tied"], engine=CPU,
+                 calls=[DP_CALL], data_parallel=True)]
+    out = tmp_path_factory.mktemp("torchrun") / "results.json"
+    run_jobs(jobs, out, ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"])
+    return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in (0, 1)]
+
+
+@pytest.mark.parametrize("index", range(len(SPAWNED)))
+def test_tp2_matches_transformers_with_preemption_chunks_and_prefix_cache(
+        spawned, hf_models, index):
+    name, result = SPAWNED[index], spawned[index]
+    assert result["outputs"] == [reference(hf_models, name, CALL)]
+    stats = result["stats"]
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0, stats
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_an_error_in_rank_0s_sampling_keeps_the_ranks_in_step(spawned):
+    report = spawned[2]["failing_processor"]
+    assert report["error"] == "processor failed"
+    assert [report["again"]] == spawned[2]["outputs"]
+
+
+def test_the_model_object_generates_under_tp_and_refuses_its_forward(spawned):
+    assert "tensor_parallel_size > 1" in spawned[1]["forward_error"]
+
+
+def test_a_killed_worker_raises_in_the_caller_and_close_returns(spawned):
+    report = spawned[1]["killed"]
+    assert "worker rank 1" in report["error"] and "SIGKILL" in report["error"], report
+    assert report["raise_seconds"] < 10 and report["close_seconds"] < 10
+    assert report["worker_reaped"]
+
+
+def test_ctrl_c_in_the_caller_then_close_leaves_no_worker(spawned):
+    report = spawned[0]["interrupted"]
+    assert report["interrupted"] and report["workers_reaped"], report
+    assert report["close_seconds"] < 10
+
+
+def test_workers_of_a_killed_caller_exit_on_their_own(spawned):
+    def running(pid: int) -> bool:  # a zombie has exited; only its parent may reap it
+        try:
+            return "Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        except FileNotFoundError:
+            return False
+
+    pids = spawned[2]["worker_pids"]
+    deadline = time.monotonic() + 10
+    while any(map(running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(running, pids))
+
+
+def test_torchrun_ranks_return_identical_outputs(torchrun, hf_models):
+    """Greedy and beam search equal transformers; sampled outputs (drawn on rank 0) and
+    per-step scores (its processors') are the same on both ranks."""
+    rank0, rank1 = (results[0]["outputs"] for results in torchrun)
+    assert rank0 == rank1
+    greedy, sampled, scored, beams = rank0
+    assert greedy == reference(hf_models, "gqa4_untied", CALL)
+    assert beams == reference(hf_models, "gqa4_untied", BEAMS)
+    assert sampled != greedy
+    assert len(scored["scores"]) == 4 and scored["sequences"] == [row[:-8] for row in greedy]
+
+
+def test_data_parallel_under_accelerate(torchrun, hf_models):
+    """One engine per launched process (tensor_parallel_size=1): accelerate's process group
+    shards nothing; prompts split with split_between_processes, gathered on rank 0."""
+    assert torchrun[0][1]["outputs"] == [reference(hf_models, "gqa_tied", DP_CALL, new_only=True)]
+
+
+def test_tp_size_the_heads_cannot_split_is_refused_before_any_process_starts(checkpoints):
+    import hf_paged
+
+    with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by "
+                                         r"tensor_parallel_size \(3\)"):
+        hf_paged.from_pretrained(checkpoints["gqa_tied"], tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        hf_paged.from_pretrained(checkpoints["gqa_tied"], tensor_parallel_size=0)
