@@ -179,7 +179,7 @@ def generate(
     feeder = StreamFeeder(streamer, pad) if streamer is not None else None
     if feeder:
         feeder.start(resolved.input_ids)
-    seqs = engine._add_all(prompts, params)
+    seqs = _add_requests(engine, prompts, params, config.num_return_sequences or 1)
     if hooks:
         hooks.rows = {s.seq_id: row for row, s in enumerate(seqs)}
     engine.run(seqs, progress_bar, on_step=feeder.feed if feeder else None)
@@ -201,6 +201,17 @@ def generate(
         scores=per_step(hooks.scores, steps, engine.device) if record_scores else None,
         logits=per_step(hooks.logits, steps, engine.device) if record_logits else None,
     )
+
+
+def _add_requests(engine, prompts: list[list[int]], params: SamplingParams, copies: int):
+    """One request per (expanded) row; the ``copies`` rows of one prompt prefill it once and
+    share its KV blocks when the engine can run them together."""
+    if copies == 1 or copies > engine.config.max_num_seqs:
+        return engine._add_all(prompts, params)
+    for prompt in prompts[::copies]:  # all checked before any is queued
+        engine.validate_request(prompt, params)
+    return [seq for prompt in prompts[::copies]
+            for seq in engine.add_forked_requests(prompt, params, copies)]
 
 
 def _unpadded_rows(input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
