@@ -532,16 +532,21 @@ class ModelRunner:
 
     def _process(self, logits: torch.Tensor, seqs: list[Sequence], penalized: list[int]):
         """Repetition penalties over each request's seen-token mask, then each hooks object's
-        ``process`` over all of its requests at once."""
-        logits = logits.clone()
+        ``process`` over all of its requests at once. Works in place: ``logits`` is this
+        step's own (a graph's output buffer is rewritten only by a later replay)."""
         if penalized:
-            index = self._to_device(penalized, torch.long)
             rows = self._to_device([self._seen_row(seqs[i]) for i in penalized], torch.long)
             penalty = self._to_device([seqs[i].params.repetition_penalty for i in penalized],
                                       torch.float32)[:, None]
-            scores = logits[index]
+            every = len(penalized) == len(seqs)  # the common case: no gather, no scatter
+            index = None if every else self._to_device(penalized, torch.long)
+            scores = logits if every else logits[index]
             penalized_scores = torch.where(scores < 0, scores * penalty, scores / penalty)
-            logits[index] = torch.where(self.seen[rows], penalized_scores, scores)
+            scores = torch.where(self.seen[rows], penalized_scores, scores)
+            if every:
+                logits = scores
+            else:
+                logits[index] = scores
         for members in self._hook_groups(seqs):
             hooks = seqs[members[0]].params.hooks
             index = self._to_device(members, torch.long)

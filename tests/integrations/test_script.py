@@ -34,16 +34,28 @@ def run_script(way: str, checkpoint: str, timeout: float = 300) -> dict[str, lis
     return lines
 
 
-def check_same_text(checkpoint: str, loss_tolerance: float) -> None:
+def check_same_text(checkpoint: str, loss_tolerance: float, exact: bool = True) -> None:
+    """``exact=False`` (bf16, where summation order can swap near-tied tokens): both patched
+    ways print the same text, and each line agrees with stock's beyond its prompt."""
     runs = {way: run_script(way, checkpoint) for way in WAYS}
     stock = runs.pop("stock")
     assert stock["model class"] == ["transformers Qwen3ForCausalLM"]
     assert len(stock["generate"]) == 2 and len(stock["pipeline"]) == 2
+    expected = {k: v for k, v in stock.items() if k not in ("model class", "loss")}
     for way, lines in runs.items():
         assert lines.pop("model class") == ["hf_paged Qwen3ForCausalLM"], way
         loss = float(lines.pop("loss")[0])
         assert abs(loss - float(stock["loss"][0])) <= loss_tolerance, way
-        assert lines == {k: v for k, v in stock.items() if k not in ("model class", "loss")}, way
+        if exact:
+            assert lines == expected, way
+        else:
+            assert lines.keys() == expected.keys(), way
+            for label, texts in expected.items():
+                for ours, theirs in zip(lines[label], texts, strict=True):
+                    shared = os.path.commonprefix([ours, theirs])
+                    assert len(shared) >= min(len(theirs), 12), (way, label, ours, theirs)
+    if not exact:
+        assert runs["patched"] == runs["run"]
 
 
 def test_unmodified_script_three_ways(tiny_checkpoint):
