@@ -20,7 +20,7 @@ from transformers.generation.stopping_criteria import (
 from hf_paged.engine.sequence import Sequence
 from hf_paged.generation import processors as procs
 from hf_paged.generation.beam_search import beam_search
-from hf_paged.generation.outputs import decoder_only_output, pad_outputs, per_step
+from hf_paged.generation.outputs import decoder_only_output, on_device, pad_outputs, per_step
 from hf_paged.generation.settings import Resolved, resolve
 from hf_paged.generation.streaming import StreamFeeder
 from hf_paged.sampling_params import RequestHooks, SamplingParams
@@ -80,8 +80,8 @@ class CallHooks(RequestHooks):
             for i, col in enumerate(cols):
                 by_length.setdefault(col, []).append(i)
             for col, members in by_length.items():
-                index = torch.tensor(members, device=logits.device)
-                at = torch.tensor([rows[i] for i in members], device=logits.device)
+                index = on_device(members, logits.device)
+                at = on_device([rows[i] for i in members], logits.device)
                 full = logits.new_zeros(len(self.done), logits.shape[1])
                 full[at] = logits[index]
                 scores[index] = self.rest(self.input_ids[:, :col], full)[at]
@@ -106,7 +106,7 @@ class CallHooks(RequestHooks):
 
     def record(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
         rows, cols = self._positions(seqs)
-        at = torch.tensor(rows, device=tokens.device), torch.tensor(cols, device=tokens.device)
+        at = on_device(rows, tokens.device), on_device(cols, tokens.device)
         self.input_ids[at] = tokens
 
     def on_token(self, seq: Sequence) -> bool:

@@ -158,6 +158,9 @@ class ModelRunner:
         self.seen = torch.zeros(0, model.config.vocab_size, dtype=torch.bool, device=self.device)
         self.seen_rows: dict[int, int] = {}
         self.free_seen_rows: list[int] = []
+        # The value marked, on the device: assigning a Python True copies it from the host and
+        # waits for the device (no asynchronous overlap).
+        self.true = torch.ones((), dtype=torch.bool, device=self.device)
         self.flip = 0  # which twin of each double-buffered host buffer this step uses
         if self.device.type == "cuda":
             self.host_tokens = [
@@ -527,7 +530,8 @@ class ModelRunner:
             seqs[members[0]].params.hooks.record([seqs[i] for i in members], tokens[index])
         if penalized:  # the new tokens count as seen from the next step on
             rows = self._to_device([self.seen_rows[seqs[i].seq_id] for i in penalized], torch.long)
-            self.seen[rows, tokens[self._to_device(penalized, torch.long)]] = True
+            self.seen.index_put_((rows, tokens[self._to_device(penalized, torch.long)]),
+                                 self.true)
         return tokens
 
     def _process(self, logits: torch.Tensor, seqs: list[Sequence], penalized: list[int]):
@@ -576,7 +580,8 @@ class ModelRunner:
             self.free_seen_rows = list(range(len(grown) - 1, old - 1, -1))
         row = self.seen_rows[seq.seq_id] = self.free_seen_rows.pop()
         self.seen[row] = False
-        self.seen[row, self._to_device(seq.token_ids, torch.long)] = True
+        self.seen.index_put_((self._to_device([row], torch.long),
+                              self._to_device(seq.token_ids, torch.long)), self.true)
         return row
 
     # ---- CUDA graphs ----------------------------------------------------------------------
