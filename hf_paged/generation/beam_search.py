@@ -26,9 +26,9 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
 
 from hf_paged.engine.sequence import Sequence, SequenceGroup
-from hf_paged.generation.outputs import on_device
 from hf_paged.generation.settings import Resolved
 from hf_paged.sampling_params import RequestHooks, SamplingParams
+from hf_paged.worker.model_runner import to_device
 
 _MASK = -1.0e9  # transformers' score of a beam that may not be chosen
 
@@ -99,7 +99,7 @@ class BeamCohort(RequestHooks):
                 group = seqs[i].group
                 rows.append(group.row * self.num_beams + group.members.index(seqs[i]))
                 ids[rows[-1]] = self.running_ids(group, [seqs[i].output_token_ids])[0]
-            index, at = (on_device(x, device) for x in (members, rows))
+            index, at = (to_device(x, device) for x in (members, rows))
             full = log_probs.new_zeros(size, log_probs.shape[1])
             full[at] = log_probs[index]
             log_probs[index] = self.processors(ids.to(device), full)[at]

@@ -20,10 +20,11 @@ from transformers.generation.stopping_criteria import (
 from hf_paged.engine.sequence import Sequence
 from hf_paged.generation import processors as procs
 from hf_paged.generation.beam_search import beam_search
-from hf_paged.generation.outputs import decoder_only_output, on_device, pad_outputs, per_step
+from hf_paged.generation.outputs import decoder_only_output, pad_outputs, per_step
 from hf_paged.generation.settings import Resolved, resolve
 from hf_paged.generation.streaming import StreamFeeder
 from hf_paged.sampling_params import RequestHooks, SamplingParams
+from hf_paged.worker.model_runner import to_device
 
 
 class CallHooks(RequestHooks):
@@ -80,8 +81,8 @@ class CallHooks(RequestHooks):
             for i, col in enumerate(cols):
                 by_length.setdefault(col, []).append(i)
             for col, members in by_length.items():
-                index = on_device(members, logits.device)
-                at = on_device([rows[i] for i in members], logits.device)
+                index = to_device(members, logits.device)
+                at = to_device([rows[i] for i in members], logits.device)
                 full = logits.new_zeros(len(self.done), logits.shape[1])
                 full[at] = logits[index]
                 scores[index] = self.rest(self.input_ids[:, :col], full)[at]
@@ -106,7 +107,7 @@ class CallHooks(RequestHooks):
 
     def record(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
         rows, cols = self._positions(seqs)
-        at = on_device(rows, tokens.device), on_device(cols, tokens.device)
+        at = to_device(rows, tokens.device), to_device(cols, tokens.device)
         self.input_ids[at] = tokens
 
     def on_token(self, seq: Sequence) -> bool:

@@ -7,12 +7,6 @@ import torch
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 
-def on_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """Host ints as a device tensor without waiting for the device (``torch.tensor(...,
-    device=...)`` copies synchronously, which would stall asynchronous steps)."""
-    return torch.tensor(values).to(device, non_blocking=True)
-
-
 def pad_outputs(input_ids: torch.Tensor, outputs: list[list[int]], pad: int) -> torch.Tensor:
     """The prompt rows followed by each row's new tokens, short rows filled with ``pad``."""
     longest = max(len(o) for o in outputs)

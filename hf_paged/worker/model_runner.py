@@ -93,6 +93,12 @@ class BlockTableMirror:
         return self.free_rows.pop()
 
 
+def to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long):
+    """A host list on ``device`` without waiting for the device: ``torch.tensor(...,
+    device=...)`` copies synchronously, which would wait for the step before."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 @dataclass
 class StepInputs:
     """One step's inputs as host data: what every rank needs to run the same forward.
@@ -497,9 +503,7 @@ class ModelRunner:
         return shared if len(batch.seqs) * shared >= _CASCADE_MIN_TOKENS else 0
 
     def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        """A host list on the device without waiting for the device (a blocking copy would
-        wait for the step before)."""
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        return to_device(values, self.device, dtype)
 
     def _take_pending(self, ids: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         """``ids`` with each pending token (``src >= 0``) read from the last step's samples."""

@@ -223,7 +223,7 @@ def test_no_compilation_after_startup(checkpoint, enforce_eager):
 
     knobs = getattr(triton, "knobs", None)
     if knobs is None or not hasattr(knobs.runtime, "jit_cache_hook"):
-        pytest.skip("this Triton has no compilation hook")
+        pytest.skip("this Triton has no knobs.runtime.jit_cache_hook to count compilations with")
     engine = hf_paged.from_pretrained(checkpoint, dtype=torch.bfloat16, max_model_len=4096,
                                       gpu_memory_utilization=0.5, enforce_eager=enforce_eager)
     compiled = []
