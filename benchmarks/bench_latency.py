@@ -1,6 +1,10 @@
 """Batch-1 latency (W2): milliseconds per output token, and time to first token.
 
     python -m benchmarks.bench_latency --model /tmp/ckpt/0.6b
+    python -m benchmarks.bench_latency --model /tmp/ckpt/8b --tensor-parallel-size 1 2 --baselines
+
+With several ``--tensor-parallel-size`` values (W4's batch-1 lines) each size is one hf_paged
+run, labelled ``tensor_parallel_size_N``, and the result is ``w4-batch1-<device>.json``.
 
 ms per output token = wall time of one request (128-token prompt, 256 new tokens) / 256, its
 prefill included. Time to first token = wall time of one request with a 1,024-token prompt and
@@ -78,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt of the decode request")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--ttft-prompt-len", type=int, default=1024)
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--tensor-parallel-size", type=int, nargs="+", default=[1],
+                        help="one hf_paged run per size; sizes above the GPU count are skipped")
     args = parser.parse_args(argv)
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -89,8 +94,12 @@ def main(argv: list[str] | None = None) -> None:
     floor = common.floor_settings(device, args.bandwidth, cost)
     bandwidth = floor["bandwidth_bytes_per_s"]
     floor_ms = cost.floor_bytes(decode.head(1)) / bandwidth * 1e3 / args.new_tokens
+    sizes = args.tensor_parallel_size
+    if device.type == "cuda":
+        sizes = [n for n in sizes if n <= torch.cuda.device_count()]
+    by_size = sizes != [1]
     result = common.ResultFile(
-        "w2",
+        "w4-batch1" if by_size else "w2",
         args,
         device,
         partial(summary, floor_ms=floor_ms, ttft_prompt_len=args.ttft_prompt_len),
@@ -105,13 +114,15 @@ def main(argv: list[str] | None = None) -> None:
     result["floor"] = floor
     common.reuse_baselines(result, args)
 
-    print("w2 hf_paged")
-    paged = partial(
-        PagedSystem, args.model, dtype, device, tensor_parallel_size=args.tensor_parallel_size,
-        **common.engine_options(args.engine_option)
-    )
-    result["hf_paged"]["hf_paged"] = measure(paged, decode, ttft, device)
-    result.save()
+    if skipped := sorted(set(args.tensor_parallel_size) - set(sizes)):
+        result["skipped"] = {f"tensor_parallel_size_{n}": "more ranks than GPUs" for n in skipped}
+    for n in sizes:
+        label = f"tensor_parallel_size_{n}" if by_size else "hf_paged"
+        print(f"{result['workload']} {label}")
+        paged = partial(PagedSystem, args.model, dtype, device, tensor_parallel_size=n,
+                        **common.engine_options(args.engine_option))
+        result["hf_paged"][label] = measure(paged, decode, ttft, device)
+        result.save()
 
     generate = partial(GenerateSystem, args.model, dtype, device, batch_size=1)
     static = partial(generate, static=True, max_cache_len=args.prompt_len + args.new_tokens)
@@ -127,25 +138,32 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def summary(data: dict, floor_ms: float, ttft_prompt_len: int) -> list[dict]:
-    mine, baselines = data["hf_paged"]["hf_paged"], data["baselines"]
-    return [
-        common.summary_row(
-            "decode ms/token, batch 1",
-            mine["decode_ms_per_token"],
-            baselines,
-            "decode_ms_per_token",
-            floor=floor_ms,
-            higher_is_better=False,
-        ),
-        common.summary_row(
-            f"time to first token ms, {ttft_prompt_len}-token prompt",
-            mine["ttft_ms"],
-            baselines,
-            "ttft_ms",
-            floor=None,
-            higher_is_better=False,
-        ),
-    ]
+    """Two lines per hf_paged run (the baselines on the first run's lines); a size-N run's
+    floor reads each rank's 1/N of the weights at every GPU's bandwidth at once."""
+    rows = []
+    for i, (label, mine) in enumerate(data["hf_paged"].items()):
+        baselines = data["baselines"] if i == 0 else {}
+        ranks = mine["engine_config"]["tensor_parallel_size"]
+        suffix = "" if label == "hf_paged" else f", {label.replace('_', ' ')}"
+        rows += [
+            common.summary_row(
+                "decode ms/token, batch 1" + suffix,
+                mine["decode_ms_per_token"],
+                baselines,
+                "decode_ms_per_token",
+                floor=floor_ms / ranks,
+                higher_is_better=False,
+            ),
+            common.summary_row(
+                f"time to first token ms, {ttft_prompt_len}-token prompt" + suffix,
+                mine["ttft_ms"],
+                baselines,
+                "ttft_ms",
+                floor=None,
+                higher_is_better=False,
+            ),
+        ]
+    return rows
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import torch
+
 from hf_paged.random_checkpoint import SHAPES, make_checkpoint
 
 
@@ -21,11 +23,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="folder to write the checkpoint to")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the weights are drawn (default: the GPU when there is one)")
     args = parser.parse_args(argv)
     if has_checkpoint(args.out):
         print(f"checkpoint already in {args.out}; nothing to do")
         return
-    make_checkpoint(args.shape, str(args.out), dtype=args.dtype, seed=args.seed)
+    make_checkpoint(args.shape, str(args.out), dtype=args.dtype, seed=args.seed,
+                    device=args.device)
     print(f"wrote a random {args.shape} ({args.dtype}) checkpoint to {args.out}")
 
 

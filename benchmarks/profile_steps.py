@@ -3,11 +3,15 @@ launch, waiting for the previous step's tokens, bookkeeping) and device kernels,
 of the W1/W2 workloads: decode at batch 1, decode at batch 256, and a 1,024-token prefill.
 
     python -m benchmarks.profile_steps --model /tmp/ckpt/0.6b
+    python -m benchmarks.profile_steps --model /tmp/ckpt/8b --tensor-parallel-size 2 \
+        --name w4-profile-tp2
 
-Writes ``<results>/profile-<device>.json``: per case, milliseconds per step of wall time (steps
+Writes ``<results>/<name>-<device>.json``: per case, milliseconds per step of wall time (steps
 are not synchronised, so in steady state this is the step period), of each host phase, of device
 kernel time (a second run, synchronised, under the profiler), and the ten costliest kernels.
 ``collect`` is time the host spends waiting for the device: the slack left after host work.
+With tensor parallelism the kernels are rank 0's, and ``collective_ms_per_step`` is the time of
+its NCCL kernels: the all-reduces (waiting for the slowest rank included) and the logits gather.
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ def profile_case(engine, make_prompts, new_tokens: int, measure_steps) -> dict:
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:10]
     return {
         "measured_steps": steps[0],
+        "collective_ms_per_step": sum(v for k, v in kernels.items() if "nccl" in k.lower()) / n,
         "wall_ms_per_step": 1e3 * totals.pop("step") / n,
         "host_ms_per_step": {k: 1e3 * v / n for k, v in totals.items()},
         "device_kernel_ms_per_step": sum(kernels.values()) / n,
@@ -103,28 +108,41 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--name", default="profile", help="the result file's name before the "
+                        "device (default: profile)")
     args = parser.parse_args()
     device = torch.device("cuda")
-    engine = hf_paged.from_pretrained(args.model, dtype=torch.bfloat16, progress_bar=False)
+    engine = hf_paged.from_pretrained(args.model, dtype=torch.bfloat16, progress_bar=False,
+                                      tensor_parallel_size=args.tensor_parallel_size)
     gen = torch.Generator().manual_seed(0)
 
     def prompts(n: int, length: int):
         return lambda: torch.randint(0, 10000, (n, length), generator=gen).tolist()
 
     engine.generate_tokens(prompts(4, 1024)(), SamplingParams(max_new_tokens=8))  # warm-up
-    cases = {
+    try:
+        cases = profile_cases(engine, prompts)
+    finally:
+        engine.close()
+    result = {"device": common.device_info(device), "git_commit": common.git_commit(),
+              "checkpoint": args.model, "tensor_parallel_size": args.tensor_parallel_size,
+              "cases": cases}
+    out = args.results_dir / f"{args.name}-{result['device']['slug']}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(cases, indent=1))
+
+
+def profile_cases(engine, prompts) -> dict:
+    """Decode at batch 1 and 256, and a lone 1,024-token prefill."""
+    return {
         # steps 20..69: decode only
         "decode_batch_1": profile_case(engine, prompts(1, 512), 80, lambda i: 20 <= i < 70),
         "decode_batch_256": profile_case(engine, prompts(256, 256), 80, lambda i: 50 <= i < 75),
         # step 0 of a lone 1,024-token prompt is its whole prefill; step 1 collects its token
         "prefill_1024": profile_case(engine, prompts(1, 1024), 1, lambda i: i < 2),
     }
-    result = {"device": common.device_info(device), "git_commit": common.git_commit(),
-              "cases": cases}
-    out = args.results_dir / f"profile-{result['device']['slug']}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(cases, indent=1))
 
 
 if __name__ == "__main__":

@@ -35,12 +35,17 @@ SHAPES: dict[str, dict] = {
 
 
 @torch.no_grad()
-def random_qwen3(config: Qwen3Config, seed: int = 0, logit_scale: float = 4.0) -> Qwen3ForCausalLM:
+def random_qwen3(
+    config: Qwen3Config, seed: int = 0, logit_scale: float = 4.0, device: str = "cpu"
+) -> Qwen3ForCausalLM:
     """A Qwen3 model with seeded weights: std ``1.5 / sqrt(fan_in)`` inside the blocks (they
     visibly transform the residual stream, so outputs are not a bigram table) and embeddings of
-    std ``logit_scale / sqrt(hidden_size)``, so that logits spread over about ``logit_scale``."""
-    gen = torch.Generator().manual_seed(seed)
-    model = Qwen3ForCausalLM(config).to(config.dtype or torch.float32)
+    std ``logit_scale / sqrt(hidden_size)``, so that logits spread over about ``logit_scale``.
+    The weights are drawn on ``device`` (a GPU draws an 8B model in seconds, the CPU in
+    minutes); a seed gives the same weights on the same kind of device only."""
+    gen = torch.Generator(device).manual_seed(seed)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config).to(config.dtype or torch.float32)
     wide = logit_scale / config.hidden_size**0.5
     for name, param in model.named_parameters():
         if "norm" in name:
@@ -48,7 +53,7 @@ def random_qwen3(config: Qwen3Config, seed: int = 0, logit_scale: float = 4.0) -
             continue
         embedding = "embed_tokens" in name or "lm_head" in name
         std = wide if embedding else 1.5 / param.shape[-1] ** 0.5
-        param.copy_(torch.randn(param.shape, generator=gen) * std)
+        param.copy_(torch.randn(param.shape, generator=gen, device=device) * std)
     return model.eval()
 
 
@@ -94,13 +99,15 @@ def train_tokenizer(config: Qwen3Config) -> PreTrainedTokenizerFast:
     )
 
 
-def make_checkpoint(shape: str, out_dir: str, dtype: str = "bfloat16", seed: int = 0) -> str:
+def make_checkpoint(
+    shape: str, out_dir: str, dtype: str = "bfloat16", seed: int = 0, device: str = "cpu"
+) -> str:
     """Write a random Qwen3 checkpoint of a named shape (``SHAPES``), with its generation
-    config and tokenizer, to ``out_dir``."""
+    config and tokenizer, to ``out_dir``; the weights are drawn on ``device``."""
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
     config = Qwen3Config(**SHAPES[shape], dtype=dtype)
-    model = random_qwen3(config, seed)
+    model = random_qwen3(config, seed, device=device)
     model.save_pretrained(out_dir)
     GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,

@@ -2,6 +2,7 @@
 # The GPU tests and the benchmarks on a CUDA machine, in one call from the repository root:
 #
 #   scripts/gpu_run.sh [STEP...]      STEP: tests w1 w2 w3 preempt profile dropin w4 beam
+#                                     tp-tests
 #                                     (default: the first four)
 #
 # Everything printed also goes to $OUT/run.log, and the result JSONs, README-table.md and
@@ -24,9 +25,12 @@
 #   W1_ARGS W2_ARGS W3_ARGS BEAM_ARGS=...   more arguments for one benchmark, e.g.
 #                        W1_ARGS="--baselines cb"
 #   PRE_ARGS="--num-requests 64 --num-kv-blocks 1000"   the preemption check (float32: slow)
-#   W4: W1 on the 8B shape (CKPT8B=/tmp/ckpt/8b, built once: several minutes) with
+#   W4: the 8B shape (CKPT8B=/tmp/ckpt/8b, built once, drawn on the GPU) with
 #       tensor_parallel_size 1, 2 and 4 (TP_SIZES="1 2 4"; sizes above the GPU count are
-#       skipped), no baselines; T_W4=1800. On a machine with 4 GPUs: scripts/gpu_run.sh w4
+#       skipped): W1 without baselines (T_W4=900), batch-1 decode and TTFT (T_W4B=300), and a
+#       step profile per size with its NCCL time (T_W4P=150 each). On several GPUs:
+#       scripts/gpu_run.sh tp-tests w4
+#   tp-tests: the tensor-parallel GPU tests and the CPU (gloo) ones; T_TP=400
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
@@ -89,11 +93,21 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
         step dropin-tests "${T_DROPIN_TESTS:-240}" python -m pytest tests/gpu/test_dropin_gpu.py -q
         step dropin "${T_DROPIN:-420}" python -m benchmarks.bench_dropin --model "$CKPT" \
             --results-dir "$RESULTS" ;;
-      w4) python -m benchmarks.make_checkpoint --shape 8b --out "${CKPT8B:-/tmp/ckpt/8b}" \
-            --dtype bfloat16
-          CKPT=${CKPT8B:-/tmp/ckpt/8b} bench w4 "${T_W4:-1800}" bench_throughput "${W4_ARGS:-}" \
-            --workload w4 --baselines --tensor-parallel-size ${TP_SIZES:-1 2 4} ;;
-      *) echo "unknown step $s (steps: tests w1 w2 w3 preempt profile dropin w4 beam)"
+      tp-tests) step tp-tests "${T_TP:-400}" python -m pytest -q \
+            tests/gpu/test_tensor_parallel_gpu.py tests/parallel ;;
+      w4) local ckpt8b=${CKPT8B:-/tmp/ckpt/8b} sizes
+          read -r -a sizes <<< "${TP_SIZES:-1 2 4}"
+          python -m benchmarks.make_checkpoint --shape 8b --out "$ckpt8b" --dtype bfloat16
+          CKPT=$ckpt8b bench w4 "${T_W4:-900}" bench_throughput "${W4_ARGS:-}" \
+            --workload w4 --baselines --tensor-parallel-size "${sizes[@]}"
+          CKPT=$ckpt8b bench w4-batch1 "${T_W4B:-300}" bench_latency "" --baselines \
+            --tensor-parallel-size "${sizes[@]}"
+          for n in "${sizes[@]}"; do
+            [[ $n -le $(nvidia-smi -L | wc -l) ]] || continue
+            step "w4-prof$n" "${T_W4P:-150}" python -m benchmarks.profile_steps --model "$ckpt8b" \
+              --results-dir "$RESULTS" --tensor-parallel-size "$n" --name "w4-profile-tp$n"
+          done ;;
+      *) echo "unknown step $s (steps: tests w1 w2 w3 preempt profile dropin w4 beam tp-tests)"
          STATUS+=("$s unknown") ;;
     esac
   done
