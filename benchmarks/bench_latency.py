@@ -1,10 +1,11 @@
 """Batch-1 latency (W2): milliseconds per output token, and time to first token.
 
     python -m benchmarks.bench_latency --model /tmp/ckpt/0.6b
-    python -m benchmarks.bench_latency --model /tmp/ckpt/8b --tensor-parallel-size 1 2 --baselines
+    python -m benchmarks.bench_latency --model /tmp/ckpt/8b --workload w4 \
+        --tensor-parallel-size 1 2 --baselines
 
-With several ``--tensor-parallel-size`` values (W4's batch-1 lines) each size is one hf_paged
-run, labelled ``tensor_parallel_size_N``, and the result is ``w4-batch1-<device>.json``.
+``--workload w4`` (W4's batch-1 lines) runs hf_paged once per ``--tensor-parallel-size``,
+labelled ``tensor_parallel_size_N``, into ``w4-batch1-<device>.json``.
 
 ms per output token = wall time of one request (128-token prompt, 256 new tokens) / 256, its
 prefill included. Time to first token = wall time of one request with a 1,024-token prompt and
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt of the decode request")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--ttft-prompt-len", type=int, default=1024)
+    parser.add_argument("--workload", choices=["w2", "w4"], default="w2")
     parser.add_argument("--tensor-parallel-size", type=int, nargs="+", default=[1],
                         help="one hf_paged run per size; sizes above the GPU count are skipped")
     args = parser.parse_args(argv)
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = args.tensor_parallel_size
     if device.type == "cuda":
         sizes = [n for n in sizes if n <= torch.cuda.device_count()]
-    by_size = sizes != [1]
+    by_size = args.workload == "w4"
     result = common.ResultFile(
         "w4-batch1" if by_size else "w2",
         args,

@@ -30,7 +30,7 @@ import hf_paged
 from benchmarks import common
 from hf_paged.sampling_params import SamplingParams
 
-PHASES = [("scheduler", "schedule"), ("runner", "_prepare"), ("runner", "_replay"),
+PHASES = [("scheduler", "schedule"), ("runner", "prepare"), ("runner", "_replay"),
           ("runner", "_sample"), ("runner", "collect"), ("scheduler", "postprocess")]
 
 

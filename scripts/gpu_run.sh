@@ -101,7 +101,7 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
           CKPT=$ckpt8b bench w4 "${T_W4:-900}" bench_throughput "${W4_ARGS:-}" \
             --workload w4 --baselines --tensor-parallel-size "${sizes[@]}"
           CKPT=$ckpt8b bench w4-batch1 "${T_W4B:-300}" bench_latency "" --baselines \
-            --tensor-parallel-size "${sizes[@]}"
+            --workload w4 --tensor-parallel-size "${sizes[@]}"
           for n in "${sizes[@]}"; do
             [[ $n -le $(nvidia-smi -L | wc -l) ]] || continue
             step "w4-prof$n" "${T_W4P:-150}" python -m benchmarks.profile_steps --model "$ckpt8b" \

@@ -207,18 +207,23 @@ class Ranks:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        nccl = self.tp.group is not None and dist.get_backend(self.tp.group) == "nccl"
-        if self.broken and nccl:
-            # A collective waiting for a dead rank never finishes: abort instead of destroying.
-            dist.distributed_c10d._abort_process_group(self.tp.group)
-        else:
-            for group in self.groups:
-                dist.destroy_process_group(group)
+        release_groups(self.groups)
         if self.owns_default_group:
             global _spawned_groups_open
             _spawned_groups_open -= 1
             if dist.is_initialized():
-                dist.destroy_process_group()
+                release_groups([dist.group.WORLD])
+
+
+def release_groups(groups: list[dist.ProcessGroup]) -> None:
+    """Free process groups without waiting on the other ranks. An NCCL group is aborted:
+    destroying it finalizes the communicator with every rank at once, so a rank whose peer
+    has exited (or died, or is still mid-step) would wait forever."""
+    for group in groups:
+        if dist.get_backend(group) == "nccl":
+            dist.distributed_c10d._abort_process_group(group)
+        else:
+            dist.destroy_process_group(group)
 
 
 def join_launched_ranks(size: int, device: torch.device) -> Ranks:
@@ -309,7 +314,7 @@ def worker() -> None:
         store.set(f"worker{rank}/loaded", "")
         runner = ModelRunner(model, spec.config, spec.max_model_len, tp)
         serve(runner, StepChannel(cpu_group))
-        dist.destroy_process_group()
+        release_groups([cpu_group, group])
     except BaseException:
         if os.getppid() != parent_pid:
             os._exit(0)  # rank 0 is gone (and the group with it): nothing to report
