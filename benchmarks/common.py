@@ -9,6 +9,7 @@ import ast
 import datetime
 import gc
 import json
+import logging
 import math
 import os
 import platform
@@ -29,6 +30,9 @@ from transformers import AutoConfig
 from benchmarks.workloads import Workload
 
 T = TypeVar("T")
+# hf_paged's start-up stages, rank by rank, with times: where a slow or stuck start is.
+logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+logging.getLogger("hf_paged").setLevel(logging.INFO)
 RESULTS_DIR = Path(__file__).parent / "results"
 
 # Peak HBM bandwidth used for the floor, by a substring of the device name.

@@ -27,6 +27,7 @@ keeps them).
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ from hf_paged.sampling_params import SamplingParams
 # Cascade attention (kernels.attention) pays two more kernels a layer to read a shared prefix
 # once per tile of sequences instead of once per sequence: worth it from this many sequences
 # times shared tokens and this many sequences (the smallest graph with a cascade twin).
+logger = logging.getLogger(__name__)
 _CASCADE_MIN_TOKENS = 1 << 13
 _CASCADE_MIN_SEQS = 16
 # A decode graph's per-row inputs: ids, pending-token rows, positions, slots, context lengths,
@@ -154,8 +156,11 @@ class ModelRunner:
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
         start = time.perf_counter()
+        self._log("sizing and allocating the KV cache")
         self.num_blocks = self._allocate_kv_cache()
         self.startup_seconds = {"kv_cache": time.perf_counter() - start, "graphs": 0.0}
+        self._log(f"KV cache of {self.num_blocks} blocks "
+                  f"({self.num_blocks * self._block_bytes() / 2**30:.2f} GiB)")
         self.block_tables = BlockTableMirror(self.max_blocks_per_seq)
         # The last step's sampled tokens, on the device, and the row of each sequence in them.
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.long, device=self.device)
@@ -178,12 +183,19 @@ class ModelRunner:
         graphs_possible = self.device.type == "cuda" and config.attention_backend == "triton"
         if self.device.type == "cuda":
             start = time.perf_counter()
+            self._log("compiling kernels")
             self._compile_kernels(decode=not graphs_possible or config.enforce_eager)
             self.startup_seconds["kernels"] = time.perf_counter() - start
         if graphs_possible and not config.enforce_eager:
             start = time.perf_counter()
+            self._log("capturing the decode graphs")
             self._capture_decode_graphs()
             self.startup_seconds["graphs"] = time.perf_counter() - start
+        self._log(f"ready; start-up seconds {self.startup_seconds}")
+
+    def _log(self, message: str) -> None:
+        """Start-up stages, for ``logging`` at INFO (where a slow or stuck start is)."""
+        logger.info("rank %d of %d: %s", self.tp.rank, self.tp.size, message)
 
     # ---- KV cache -------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ messages travel over a separate gloo group, in host memory, so they cross machin
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import pickle
 import signal
@@ -36,6 +37,7 @@ from hf_paged.modeling.swap import build_model
 from hf_paged.modeling.tp import TensorParallel
 from hf_paged.worker.model_runner import ModelRunner, StepInputs
 
+logger = logging.getLogger(__name__)
 STEP, RESULTS, STOP = 1, 2, 3  # message kinds
 # A worker that has not reached the rendezvous by then has failed to start.
 _START_TIMEOUT_S = 600
@@ -79,6 +81,7 @@ class RunnerSpec:
 
     def build(self, tp: TensorParallel, device: torch.device):
         """This rank's model shard; the runner comes after every rank has loaded."""
+        logger.info("rank %d of %d: loading the weights on %s", tp.rank, tp.size, device)
         return build_model(self.hf_config, self.checkpoint, self.dtype, device,
                            self.config.attention_backend, self.max_model_len, tp)
 
@@ -194,36 +197,43 @@ class Ranks:
             return False
 
     def close(self) -> None:
-        """Stop the workers and free the process groups; never waits on a broken group."""
+        """Stop the workers and free the process groups; never waits on a broken group.
+
+        NCCL frees a communicator only with every rank of it at once (its shutdown and abort
+        wait for the others), so the ranks tear down together: a spawned worker as soon as
+        it reads STOP, while rank 0 does the same here, and only then is it waited for;
+        under torchrun every rank's own ``close()``. A group with a dead rank is aborted."""
         if self.workers and not self.broken:
             try:
                 self.channel.send(STOP)
             except RuntimeError:
                 self.broken = True
-        deadline = time.monotonic() + (0 if self.broken else 30)
+        if self.broken:
+            self._reap_workers(deadline=time.monotonic())
+        logger.info("rank %d of %d: freeing the process groups%s", self.tp.rank, self.tp.size,
+                    " (broken)" if self.broken else "")
+        nccl = self.tp.group is not None and dist.get_backend(self.tp.group) == "nccl"
+        if self.broken and nccl:
+            # A collective waiting for a dead rank never finishes: abort instead of destroying.
+            dist.distributed_c10d._abort_process_group(self.tp.group)
+        else:
+            for group in self.groups:
+                dist.destroy_process_group(group)
+        if self.owns_default_group:
+            global _spawned_groups_open
+            _spawned_groups_open -= 1
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        self._reap_workers(deadline=time.monotonic() + 30)
+
+    def _reap_workers(self, deadline: float) -> None:
+        """Wait for the spawned workers to exit until ``deadline``, then kill them."""
         for proc in self.workers:
             try:
                 proc.wait(max(deadline - time.monotonic(), 0))
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        release_groups(self.groups)
-        if self.owns_default_group:
-            global _spawned_groups_open
-            _spawned_groups_open -= 1
-            if dist.is_initialized():
-                release_groups([dist.group.WORLD])
-
-
-def release_groups(groups: list[dist.ProcessGroup]) -> None:
-    """Free process groups without waiting on the other ranks. An NCCL group is aborted:
-    destroying it finalizes the communicator with every rank at once, so a rank whose peer
-    has exited (or died, or is still mid-step) would wait forever."""
-    for group in groups:
-        if dist.get_backend(group) == "nccl":
-            dist.distributed_c10d._abort_process_group(group)
-        else:
-            dist.destroy_process_group(group)
 
 
 def join_launched_ranks(size: int, device: torch.device) -> Ranks:
@@ -266,7 +276,8 @@ def spawn_ranks(size: int, spec: RunnerSpec) -> Ranks:
         proc = subprocess.Popen(
             [sys.executable, "-c", "from hf_paged.worker.parallel import worker; worker()"],
             stdin=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=path))
-        proc.stdin.write(pickle.dumps((spec, rank, size, store.port, os.getpid())))
+        log_level = logging.getLogger("hf_paged").getEffectiveLevel()  # the worker's too
+        proc.stdin.write(pickle.dumps((spec, rank, size, store.port, os.getpid(), log_level)))
         proc.stdin.close()
         workers.append(proc)
     ranks = Ranks(TensorParallel(0, size), None, [], launched=False, workers=workers,
@@ -295,7 +306,9 @@ def _init_groups(device, store, rank, size):
 def worker() -> None:
     """A spawned rank (its arguments arrive pickled on stdin): build the shard, then follow
     rank 0's steps until it says stop. Start-up stages and errors go to rank 0's store."""
-    spec, rank, size, port, parent_pid = pickle.load(sys.stdin.buffer)
+    spec, rank, size, port, parent_pid, log_level = pickle.load(sys.stdin.buffer)
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("hf_paged").setLevel(log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops us
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     store = None
@@ -314,7 +327,8 @@ def worker() -> None:
         store.set(f"worker{rank}/loaded", "")
         runner = ModelRunner(model, spec.config, spec.max_model_len, tp)
         serve(runner, StepChannel(cpu_group))
-        release_groups([cpu_group, group])
+        logger.info("rank %d of %d: freeing the process groups", rank, size)
+        dist.destroy_process_group()  # with rank 0, which destroys its groups meanwhile
     except BaseException:
         if os.getppid() != parent_pid:
             os._exit(0)  # rank 0 is gone (and the group with it): nothing to report
