@@ -16,7 +16,8 @@
 #                        figures of the result JSON already in $RESULTS for this workload and device
 #   SHAPE=0.6b CKPT=/tmp/ckpt/0.6b   the random bf16 checkpoint, built once
 #   RESULTS=benchmarks/results       where the benchmarks write their JSON
-#   T_TESTS=60 T_W1=270 T_W2=150 T_W3=60 T_PRE=240 T_PROF=120 T_BEAM=240   time limits of the
+#   T_EACH=150           the limit of one test (with pytest-timeout installed)
+#   T_TESTS=90 T_W1=270 T_W2=150 T_W3=60 T_PRE=240 T_PROF=120 T_BEAM=240   time limits of the
 #                        steps (s)
 #   T_DROPIN_TESTS=240 T_DROPIN=420   the drop-in GPU tests (three script runs in subprocesses) and
 #                        the drop-in benchmark (the stock script's generate alone takes minutes)
@@ -45,6 +46,11 @@ case $BASELINES in
   reuse) BASELINE_ARGS=(--reuse-baselines auto) ;;
   *) echo "BASELINES must be 1, 0 or reuse, got $BASELINES" >&2; exit 2 ;;
 esac
+# A hung test fails alone, with every thread's stack, instead of eating its step's limit.
+EACH_TEST=()
+if python -c "import pytest_timeout" 2>/dev/null; then
+  EACH_TEST=(--timeout "${T_EACH:-150}")
+fi
 STEPS=("$@")
 [[ ${#STEPS[@]} -gt 0 ]] || STEPS=(tests w1 w2 w3)
 STATUS=()
@@ -54,6 +60,8 @@ step() {  # step NAME LIMIT COMMAND...: run COMMAND under a time limit, record h
   shift 2
   echo "=== $name (limit ${limit}s): $*"
   timeout --kill-after=20 "$limit" "$@" || rc=$?
+  # A step cut short can leave tensor-parallel ranks behind, spinning on the GPUs.
+  pkill -9 -f "[h]f_paged.worker.parallel|[t]ests.parallel.run_engine" || true
   local how="ok"
   [[ $rc -eq 0 ]] || how="exit $rc"
   [[ $rc -ne 124 ]] || how="timed out"
@@ -78,8 +86,8 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
 
   for s in "${STEPS[@]}"; do
     case $s in
-      tests) step tests "${T_TESTS:-60}" python -m pytest tests/gpu tests/kernels -m gpu -q \
-            --ignore tests/gpu/test_dropin_gpu.py ;;
+      tests) step tests "${T_TESTS:-90}" python -m pytest tests/gpu tests/kernels -m gpu -q \
+            --ignore tests/gpu/test_dropin_gpu.py "${EACH_TEST[@]}" ;;
       w1) bench w1 "${T_W1:-270}" bench_throughput "${W1_ARGS:-}" "${BASELINE_ARGS[@]}" ;;
       w2) bench w2 "${T_W2:-150}" bench_latency "${W2_ARGS:-}" "${BASELINE_ARGS[@]}" \
             --repeats "${REPEATS:-3}" ;;
@@ -90,10 +98,11 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
       profile) step profile "${T_PROF:-120}" python -m benchmarks.profile_steps \
             --model "$CKPT" --results-dir "$RESULTS" ;;
       dropin)
-        step dropin-tests "${T_DROPIN_TESTS:-240}" python -m pytest tests/gpu/test_dropin_gpu.py -q
+        step dropin-tests "${T_DROPIN_TESTS:-240}" python -m pytest tests/gpu/test_dropin_gpu.py -q \
+            "${EACH_TEST[@]}"
         step dropin "${T_DROPIN:-420}" python -m benchmarks.bench_dropin --model "$CKPT" \
             --results-dir "$RESULTS" ;;
-      tp-tests) step tp-tests "${T_TP:-400}" python -m pytest -q \
+      tp-tests) step tp-tests "${T_TP:-400}" python -m pytest -q "${EACH_TEST[@]}" \
             tests/gpu/test_tensor_parallel_gpu.py tests/parallel ;;
       w4) local ckpt8b=${CKPT8B:-/tmp/ckpt/8b} sizes
           read -r -a sizes <<< "${TP_SIZES:-1 2 4}"

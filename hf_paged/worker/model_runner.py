@@ -6,7 +6,8 @@ input buffers; a decode batch replays the smallest graph that fits, padded with 
 slot is -1 (not stored) and whose context is empty; the graph samples too, with per-row
 settings among its inputs. Sizes from ``_CASCADE_MIN_SEQS`` up have a
 second graph with cascade attention, replayed when the batch's sequences all start with the
-same cache blocks (a prompt shared through the prefix cache).
+same cache blocks (a prompt shared through the prefix cache). Small prefill steps replay
+graphs too (``prefill_graphs``), so a short prompt's first token skips the eager launches.
 
 ``launch`` only enqueues a step: its sampled tokens stay on the device (the next step reads
 its pending input tokens from there) and reach the host through a pinned buffer that
@@ -42,6 +43,7 @@ from hf_paged.modeling.attention import AttentionMetadata
 from hf_paged.modeling.swap import PagedQwen3
 from hf_paged.modeling.tp import SINGLE, TensorParallel
 from hf_paged.sampling_params import SamplingParams
+from hf_paged.worker.prefill_graphs import PrefillGraphs
 
 # Cascade attention (kernels.attention) pays two more kernels a layer to read a shared prefix
 # once per tile of sequences instead of once per sequence: worth it from this many sequences
@@ -51,6 +53,8 @@ _CASCADE_MIN_TOKENS = 1 << 13
 _CASCADE_MIN_SEQS = 16
 # A decode graph's per-row inputs: ids, pending-token rows, positions, slots, context lengths,
 # temperature, top-k, top-p.
+# Prefill steps of at most this many tokens and sequences replay a graph.
+_PREFILL_GRAPH_TOKENS, _PREFILL_GRAPH_SEQS = 2048, 8
 _GRAPH_FIELDS = 8
 _ONE_BITS = int(np.array(1.0, np.float32).view(np.int32))  # top_p = 1.0 as int32 bits
 
@@ -180,6 +184,7 @@ class ModelRunner:
         # (batch size, cascade) -> the graph, its logits and its sampled tokens
         self.graphs: dict[tuple[int, bool], tuple] = {}
         self.graph_batch_sizes: list[int] = []
+        self.prefill_graphs: PrefillGraphs | None = None
         graphs_possible = self.device.type == "cuda" and config.attention_backend == "triton"
         if self.device.type == "cuda":
             start = time.perf_counter()
@@ -190,6 +195,11 @@ class ModelRunner:
             start = time.perf_counter()
             self._log("capturing the decode graphs")
             self._capture_decode_graphs()
+            self._log("capturing the prefill graphs")
+            self.prefill_graphs = PrefillGraphs(
+                self, min(_PREFILL_GRAPH_TOKENS, config.max_num_batched_tokens),
+                min(_PREFILL_GRAPH_SEQS, config.max_num_seqs))
+            self.prefill_graphs.capture()
             self.startup_seconds["graphs"] = time.perf_counter() - start
         self._log(f"ready; start-up seconds {self.startup_seconds}")
 
@@ -297,6 +307,7 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         self.graphs.clear()
         self.graph_batch_sizes = []
+        self.prefill_graphs = None
         self.graph_inputs = self.graph_cu_seqlens = self.last_tokens = self.seen = None
         for layer in self.model.attention_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
@@ -403,6 +414,9 @@ class ModelRunner:
         self.flip ^= 1
         if inputs.graph_bs:
             return self._replay(inputs, params)
+        bucket = self.prefill_graphs.bucket(inputs) if self.prefill_graphs else 0
+        if bucket:
+            return self.prefill_graphs.run(inputs, bucket, self.flip), None
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=self._to_device(inputs.slots, torch.long),

@@ -104,6 +104,22 @@ def test_chunked_prefill_mixed_with_decode(num_splits, dtype):
     check(seq_lens, q_lens, 4, 2, 64, 16, dtype, num_splits=num_splits)
 
 
+def test_prefill_graph_padding_leaves_the_real_rows_alone():
+    """A prefill graph's layout: NaN query rows past the last sequence's, owned by none, and
+    empty trailing sequences. The real rows equal those of the unpadded call."""
+    query, k_cache, v_cache, cu, lens, tables = paged_batch(
+        [40, 9, 75], [13, 1, 30], 4, 2, 32, 16, torch.float32)
+    scale = 32**-0.5
+    expected = paged_attention(query, k_cache, v_cache, cu, lens, tables, scale,
+                               max_query_len=30)
+    nan_rows = torch.full((20, *query.shape[1:]), float("nan"), device=DEVICE)
+    padded = paged_attention(
+        torch.cat([query, nan_rows]), k_cache, v_cache, torch.cat([cu, cu[-1:].repeat(2)]),
+        torch.cat([lens, lens.new_zeros(2)]), torch.cat([tables, torch.zeros_like(tables[:2])]),
+        scale, max_query_len=64)
+    assert torch.equal(padded[: len(query)], expected)
+
+
 def test_prefill_without_hint_handles_decode_batch():
     check(DECODE_LENS, [1] * len(DECODE_LENS), 4, 2, 32, 16)
 
