@@ -1,6 +1,8 @@
 """The systems under test, behind one interface: ``run(workload)`` generates every request's
 ``max_new_tokens`` (EOS ignored) and returns the useful output tokens; ``describe()`` returns
-facts for the result JSON; ``close()`` frees the device memory.
+facts for the result JSON; ``close()`` frees the device memory. ``first_streamed_token_s``
+(where a system has it) times a ``generate`` call with a streamer, from the call to the
+streamer's first generated token: time to first token as a streaming user sees it.
 
 - ``PagedSystem``: hf_paged's engine (``generate_tokens`` with ``ignore_eos=True``).
 - ``GenerateSystem``: stock ``model.generate`` over left-padded batches (``static=True`` adds
@@ -13,10 +15,12 @@ facts for the result JSON; ``close()`` frees the device memory.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Protocol
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
+from transformers.generation.streamers import BaseStreamer
 
 import hf_paged
 from benchmarks.common import free_memory
@@ -29,6 +33,22 @@ class System(Protocol):
     def run(self, workload: Workload) -> int: ...
     def describe(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
+
+
+class FirstTokenTimer(BaseStreamer):
+    """Seconds from its creation to the first generated token (``generate`` puts the prompt
+    first, then each new token)."""
+
+    def __init__(self):
+        self.start, self.puts, self.seconds = time.perf_counter(), 0, None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.seconds = time.perf_counter() - self.start
+
+    def end(self) -> None:
+        pass
 
 
 def check_lengths(generated: list[int], workload: Workload) -> int:
@@ -61,6 +81,11 @@ class PagedSystem:
         after = self.engine.stats()
         self.last_run = {name: after[name] - before[name] for name in self.COUNTERS}
         return check_lengths([len(o) for o in outputs], workload)
+
+    def first_streamed_token_s(self, prompt: list[int]) -> float:
+        timer = FirstTokenTimer()
+        self.engine.generate(torch.tensor([prompt]), max_new_tokens=2, streamer=timer)
+        return timer.seconds
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -119,6 +144,13 @@ class GenerateSystem:
         if static:
             self.kwargs.update(cache_implementation="static", max_cache_len=max_cache_len)
         self.computed_tokens = 0
+
+    def first_streamed_token_s(self, prompt: list[int]) -> float:
+        timer = FirstTokenTimer()
+        ids = torch.tensor([prompt], device=self.device)
+        self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2,
+                            streamer=timer, **self.kwargs)
+        return timer.seconds
 
     def run(self, workload: Workload) -> int:
         self.computed_tokens = 0

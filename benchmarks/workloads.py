@@ -110,12 +110,12 @@ def w3(
     return Workload(prompts, [new_tokens] * num_requests)
 
 
-def warmup_requests(like: Workload, new_tokens: int = 16) -> Workload:
+def warmup_requests(like: Workload, new_tokens: int = 16, seed: int = 1) -> Workload:
     """Fresh random prompts of the same lengths as ``like``'s, ``new_tokens`` each, sharing a
     fresh prefix as long as the one ``like``'s prompts share: they warm up a system
     (compilation, CUDA graphs of the same batch size, shared-prefix code paths) without
-    seeding any prefix cache with the measured prompts."""
-    rng = random.Random(1)
+    seeding any prefix cache with the measured prompts (another ``seed``, other prompts)."""
+    rng = random.Random(seed)
     top = max(max(p) for p in like.prompts)
     shared = like.common_prefix_len() if len(like.prompts) > 1 else 0
     prefix = [rng.randint(0, top) for _ in range(shared)]

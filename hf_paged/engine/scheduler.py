@@ -107,9 +107,16 @@ class Scheduler:
                 i += 1
                 continue
             while not allocate(seq, n):
+                preempted = True
+                # A member waiting for its group's choice gives way first: it may be waiting
+                # for this very sequence, whose preemption would then repeat forever.
+                j = self._idle_member_index(besides=[seq, *batch.seqs])
+                if j is not None:
+                    self._preempt(self.running.pop(j), park=True)
+                    i -= j < i
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
-                preempted = True
                 if victim is seq:
                     break
             else:
@@ -308,12 +315,20 @@ class Scheduler:
         """Preempt the latest group member that waits for its group's choice (it is parked),
         when nothing else can run: the request at the queue's head (maybe the member the group
         waits for) needs its blocks."""
+        i = self._idle_member_index()
+        if i is not None:
+            self._preempt(self.running.pop(i), park=True)
+        return i is not None
+
+    def _idle_member_index(self, besides: list[Sequence] = ()) -> int | None:
+        """Where the latest running group member waiting for its group's choice is, other than
+        ``besides`` (those of the batch being built look idle: their chunk counts as done)."""
         for i in range(len(self.running) - 1, -1, -1):
             seq = self.running[i]
-            if seq.group is not None and seq.num_computed_tokens == seq.num_tokens:
-                self._preempt(self.running.pop(i), park=True)
-                return True
-        return False
+            if (seq.group is not None and seq.num_computed_tokens == seq.num_tokens
+                    and all(seq is not other for other in besides)):
+                return i
+        return None
 
     def _preempt(self, seq: Sequence, park: bool = False) -> None:
         self.block_manager.free(seq)

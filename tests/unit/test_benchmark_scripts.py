@@ -1,0 +1,48 @@
+"""The benchmark scripts end to end on CPU, with a tiny checkpoint and tiny workloads: they
+run for real on a GPU, where a script that breaks wastes scarce device time."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import bench_latency, bench_throughput
+from hf_paged.random_checkpoint import make_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> list[str]:
+    path = make_checkpoint("tiny", str(tmp_path_factory.mktemp("tiny")), dtype="float32")
+    return ["--model", path, "--device", "cpu", "--dtype", "float32"]
+
+
+def metrics(path) -> list[str]:
+    data = json.loads(path.read_text())
+    assert data["complete"], data
+    return [row["metric"] for row in data["summary"]]
+
+
+def test_latency_with_a_baseline(tiny, tmp_path):
+    bench_latency.main([*tiny, "--repeats", "1", "--new-tokens", "4", "--ttft-prompt-len", "32",
+                        "--results-dir", str(tmp_path), "--baselines", "generate"])
+    assert metrics(tmp_path / "w2-cpu.json") == [
+        "decode ms/token, batch 1", "time to first token ms, 32-token prompt",
+        "time to first streamed token ms, 32-token prompt"]
+
+
+def test_latency_per_tensor_parallel_size(tiny, tmp_path):
+    bench_latency.main([*tiny, "--workload", "w4", "--tensor-parallel-size", "1", "2",
+                        "--repeats", "1", "--new-tokens", "4", "--ttft-prompt-len", "32",
+                        "--results-dir", str(tmp_path), "--baselines"])
+    names = metrics(tmp_path / "w4-batch1-cpu.json")
+    assert len(names) == 6 and names[3].endswith("tensor parallel size 2")
+
+
+def test_throughput_with_a_baseline(tiny, tmp_path):
+    bench_throughput.main([*tiny, "--num-requests", "4", "--max-input-len", "32",
+                           "--max-output-len", "8", "--baseline-requests", "2",
+                           "--results-dir", str(tmp_path), "--baselines", "generate"])
+    data = json.loads((tmp_path / "w1-cpu.json").read_text())
+    assert data["complete"] and data["baselines"]["transformers_generate"]["output_tokens_per_s"]
+    assert metrics(tmp_path / "w1-cpu.json")[:2] == ["output tok/s", "output tok/s, greedy"]
