@@ -76,11 +76,12 @@ def measure(
             figures["first_ttft_request_ms"] = first["ttft"] * 1e3
             figures["first_over_steady_ttft"] = first["ttft"] * 1e3 / figures["ttft_ms"]
         figures.update(system.describe())
+        print(  # before closing: a close that hangs leaves the figures in the log
+            "  " + ", ".join(f"{k} {v:.4g}" for k, v in figures.items()
+                             if k.endswith(("ms", "token"))), flush=True
+        )
     finally:
         system.close()
-    print(
-        "  " + ", ".join(f"{k} {v:.4g}" for k, v in figures.items() if k.endswith(("ms", "token")))
-    )
     return figures
 
 

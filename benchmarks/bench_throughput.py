@@ -80,12 +80,12 @@ def measure(
             "fraction_of_floor": floor_s / seconds,
             **described,
         }
+        print(  # before closing: a close that hangs leaves the figure in the log
+            f"  {tokens} tokens in {seconds:.2f} s: {tokens / seconds:,.1f} tok/s "
+            f"(start-up {startup_s:.1f} s, warm-up {warmup_s:.1f} s)", flush=True
+        )
     finally:
         system.close()
-    print(
-        f"  {tokens} tokens in {seconds:.2f} s: {tokens / seconds:,.1f} tok/s "
-        f"(start-up {startup_s:.1f} s, warm-up {warmup_s:.1f} s)"
-    )
     return figures
 
 

@@ -30,8 +30,14 @@ import hf_paged
 from benchmarks import common
 from hf_paged.sampling_params import SamplingParams
 
-PHASES = [("scheduler", "schedule"), ("runner", "prepare"), ("runner", "_replay"),
+PHASES = [("scheduler", "schedule"), ("runner", "prepare"), ("runner.decode_graphs", "run"),
           ("runner", "_sample"), ("runner", "collect"), ("scheduler", "postprocess")]
+
+
+def attribute(obj, dotted: str):
+    for name in dotted.split("."):
+        obj = getattr(obj, name)
+    return obj
 
 
 def run_case(engine, prompts, new_tokens, measure_steps, on_measured) -> None:
@@ -55,7 +61,7 @@ def profile_case(engine, make_prompts, new_tokens: int, measure_steps) -> dict:
     totals: dict[str, float] = defaultdict(float)
     on = [False]
     for owner, name in PHASES:
-        obj = getattr(engine, owner)
+        obj = attribute(engine, owner)
         fn = getattr(obj, name)
 
         def wrapper(*args, fn=fn, name=name, **kwargs):
@@ -79,7 +85,7 @@ def profile_case(engine, make_prompts, new_tokens: int, measure_steps) -> dict:
 
     run_case(engine, make_prompts(), new_tokens, measure_steps, timed_step)
     for owner, name in PHASES:
-        getattr(engine, owner).__dict__.pop(name)
+        attribute(engine, owner).__dict__.pop(name)
 
     kernels: dict[str, float] = defaultdict(float)
 

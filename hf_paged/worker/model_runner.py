@@ -1,13 +1,8 @@
 """A scheduled batch -> input tensors and attention metadata -> model -> sampled tokens.
 
 Owns the KV cache (sized from free GPU memory on CUDA, from ``cpu_kv_cache_gib`` on CPU) and
-the decode CUDA graphs: one per batch size of a ladder, captured at start-up over static
-input buffers; a decode batch replays the smallest graph that fits, padded with rows whose
-slot is -1 (not stored) and whose context is empty; the graph samples too, with per-row
-settings among its inputs. Sizes from ``_CASCADE_MIN_SEQS`` up have a
-second graph with cascade attention, replayed when the batch's sequences all start with the
-same cache blocks (a prompt shared through the prefix cache). Small prefill steps replay
-graphs too (``prefill_graphs``), so a short prompt's first token skips the eager launches.
+the CUDA graphs that replay decode steps (``decode_graphs``) and small prefill steps
+(``prefill_graphs``), captured at start-up.
 
 ``launch`` only enqueues a step: its sampled tokens stay on the device (the next step reads
 its pending input tokens from there) and reach the host through a pinned buffer that
@@ -27,7 +22,6 @@ keeps them).
 
 from __future__ import annotations
 
-import bisect
 import logging
 import time
 from dataclasses import dataclass
@@ -43,20 +37,17 @@ from hf_paged.modeling.attention import AttentionMetadata
 from hf_paged.modeling.swap import PagedQwen3
 from hf_paged.modeling.tp import SINGLE, TensorParallel
 from hf_paged.sampling_params import SamplingParams
+from hf_paged.worker.decode_graphs import DecodeGraphs
 from hf_paged.worker.prefill_graphs import PrefillGraphs
 
+logger = logging.getLogger(__name__)
 # Cascade attention (kernels.attention) pays two more kernels a layer to read a shared prefix
 # once per tile of sequences instead of once per sequence: worth it from this many sequences
 # times shared tokens and this many sequences (the smallest graph with a cascade twin).
-logger = logging.getLogger(__name__)
 _CASCADE_MIN_TOKENS = 1 << 13
 _CASCADE_MIN_SEQS = 16
-# A decode graph's per-row inputs: ids, pending-token rows, positions, slots, context lengths,
-# temperature, top-k, top-p.
 # Prefill steps of at most this many tokens and sequences replay a graph.
 _PREFILL_GRAPH_TOKENS, _PREFILL_GRAPH_SEQS = 2048, 8
-_GRAPH_FIELDS = 8
-_ONE_BITS = int(np.array(1.0, np.float32).view(np.int32))  # top_p = 1.0 as int32 bits
 
 
 class BlockTableMirror:
@@ -181,9 +172,7 @@ class ModelRunner:
             self.host_tokens = [
                 torch.zeros(config.max_num_seqs, dtype=torch.long).pin_memory() for _ in "ab"
             ]
-        # (batch size, cascade) -> the graph, its logits and its sampled tokens
-        self.graphs: dict[tuple[int, bool], tuple] = {}
-        self.graph_batch_sizes: list[int] = []
+        self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         graphs_possible = self.device.type == "cuda" and config.attention_backend == "triton"
         if self.device.type == "cuda":
@@ -194,7 +183,10 @@ class ModelRunner:
         if graphs_possible and not config.enforce_eager:
             start = time.perf_counter()
             self._log("capturing the decode graphs")
-            self._capture_decode_graphs()
+            self.decode_graphs = DecodeGraphs(
+                self, config.max_graph_batch_size or min(config.max_num_seqs, 512),
+                _CASCADE_MIN_SEQS)
+            self.decode_graphs.capture()
             self._log("capturing the prefill graphs")
             self.prefill_graphs = PrefillGraphs(
                 self, min(_PREFILL_GRAPH_TOKENS, config.max_num_batched_tokens),
@@ -305,10 +297,8 @@ class ModelRunner:
         other device buffers."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.graphs.clear()
-        self.graph_batch_sizes = []
-        self.prefill_graphs = None
-        self.graph_inputs = self.graph_cu_seqlens = self.last_tokens = self.seen = None
+        self.decode_graphs = self.prefill_graphs = None
+        self.last_tokens = self.seen = None
         for layer in self.model.attention_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)
 
@@ -349,9 +339,10 @@ class ModelRunner:
                 logits_rows.append(cu_seqlens[-1] - 1)
         tables = self.block_tables.gather(batch.seqs)
         drawn = sum(1 for s, m in zip(batch.seqs, batch.sample) if m and s.group is None)
+        graph_bs = self.decode_graphs.batch_size(batch) if self.decode_graphs else 0
         return StepInputs(
             input_ids, src, positions, slots, cu_seqlens, seq_lens, tables, logits_rows,
-            max(batch.num_tokens), self._graph_batch_size(batch),
+            max(batch.num_tokens), graph_bs,
             self._shared_prefix_len(batch, tables), batch.block_copies,
             drawn + len(batch.sample_copies),
         )
@@ -413,7 +404,7 @@ class ModelRunner:
             self._copy_blocks(inputs.block_copies)
         self.flip ^= 1
         if inputs.graph_bs:
-            return self._replay(inputs, params)
+            return self.decode_graphs.run(inputs, params, self.flip)
         bucket = self.prefill_graphs.bucket(inputs) if self.prefill_graphs else 0
         if bucket:
             return self.prefill_graphs.run(inputs, bucket, self.flip), None
@@ -613,98 +604,3 @@ class ModelRunner:
         self.seen.index_put_((self._to_device([row], torch.long),
                               self._to_device(seq.token_ids, torch.long)), self.true)
         return row
-
-    # ---- CUDA graphs ----------------------------------------------------------------------
-
-    def _graph_batch_size(self, batch: ScheduledBatch) -> int:
-        if not self.graph_batch_sizes or not batch.is_decode:
-            return 0
-        i = bisect.bisect_left(self.graph_batch_sizes, len(batch.seqs))
-        return self.graph_batch_sizes[i] if i < len(self.graph_batch_sizes) else 0
-
-    def _capture_decode_graphs(self) -> None:
-        """Capture the decode graphs of every ladder size, with cascade attention and without.
-        The inputs of a graph of size ``bs`` are views of one int32 buffer laid out as the
-        shared prefix length (one entry), then ids, pending-token rows (``src``), positions,
-        slots, context lengths and each row's temperature, top-k and top-p (``bs`` each), then
-        the block tables (``bs`` full-width rows), so a replay fills a pinned host buffer and
-        sends it in a single copy. A graph also draws the next tokens (greedy rows take the
-        argmax), so sampling costs no launches outside it."""
-        cfg = self.config
-        max_bs = cfg.max_graph_batch_size or min(cfg.max_num_seqs, 512)
-        sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 16)) + [max_bs]
-        width = self.max_blocks_per_seq
-        size = 1 + max_bs * (_GRAPH_FIELDS + width)
-        self.graph_inputs = torch.zeros(size, dtype=torch.int32, device=self.device)
-        self.host_inputs = [torch.zeros(size, dtype=torch.int32).pin_memory() for _ in "ab"]
-        # Every tensor a graph reads must live as long as the graph: kept on self.
-        self.graph_cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, device=self.device)
-        pool = None
-        for bs in reversed(sizes):  # largest first, so the smaller graphs reuse its pool
-            for cascade in (False, True) if bs >= _CASCADE_MIN_SEQS else (False,):
-                self.graph_inputs.zero_()  # the larger graphs' layouts overlap this one's rows
-                fields = self.graph_inputs[1 : 1 + _GRAPH_FIELDS * bs].view(_GRAPH_FIELDS, bs)
-                ids, src, positions, slots, seq_lens, temperature, top_k, top_p = fields
-                src.fill_(-1)
-                slots.fill_(-1)  # nothing stored while capturing
-                meta = AttentionMetadata(
-                    slot_mapping=slots,
-                    cu_seqlens_q=self.graph_cu_seqlens[: bs + 1],
-                    seq_lens=seq_lens,
-                    block_tables=self.graph_inputs[
-                        1 + _GRAPH_FIELDS * bs : 1 + bs * (_GRAPH_FIELDS + width)].view(bs, width),
-                    max_query_len=1,
-                    shared_prefix=self.graph_inputs[:1] if cascade else None,
-                )
-                # Sampling settings travel as int32 bit patterns (floats viewed as such).
-                settings = (temperature.view(torch.float32), top_k, top_p.view(torch.float32))
-
-                def step(ids=ids, src=src, positions=positions, meta=meta, settings=settings):
-                    ids = self._take_pending(ids, src)
-                    hidden = self.model.forward(ids, positions, meta)
-                    if self.tp.size > 1:  # this rank's vocabulary slice, gathered after replay
-                        return (self.model.lm_head(hidden),)
-                    logits = self.model.compute_logits(hidden)
-                    return logits, kernels.sample(logits, *settings)  # greedy rows: argmax
-
-                with torch.inference_mode():
-                    step()  # warm-up outside capture: kernel compilation, lazy allocations
-                    torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        outputs = step()
-                pool = graph.pool()
-                self.graphs[bs, cascade] = (graph, *outputs)
-        self.graph_batch_sizes = sizes
-        torch.cuda.synchronize()
-
-    def _replay(self, inputs: StepInputs, params: list[SamplingParams] | None):
-        """Logits and tokens drawn with ``params`` for the first ``len(ids)`` rows of graph
-        ``graph_bs``, the cascade one when ``shared`` (tokens) is set. Under tensor parallelism
-        the graph stops at each rank's logits slice: they are gathered on rank 0 after the
-        replay, and rank 0 samples outside the graph (so no tokens are drawn here)."""
-        ids, src, positions, slots = inputs.ids, inputs.src, inputs.positions, inputs.slots
-        seq_lens, tables, shared = inputs.seq_lens, inputs.tables, inputs.shared
-        # This twin's last copy belonged to the step before last, whose tokens were collected.
-        n, bs, width = len(ids), inputs.graph_bs, self.max_blocks_per_seq
-        host_inputs = self.host_inputs[self.flip]
-        host = host_inputs.numpy()
-        host[0] = shared
-        head = host[1 : 1 + _GRAPH_FIELDS * bs].reshape(_GRAPH_FIELDS, bs)
-        head[:5, :n] = (ids, src, positions, slots, seq_lens)
-        if self.tp.size == 1:  # the graph samples
-            head[5, :n] = np.array([p.temperature for p in params], np.float32).view(np.int32)
-            head[6, :n] = [p.top_k for p in params]
-            head[7, :n] = np.array([p.top_p for p in params], np.float32).view(np.int32)
-        # Padding rows: no store, empty context, greedy.
-        head[:, n:] = np.array([0, -1, 0, -1, 0, 0, 0, _ONE_BITS], np.int32)[:, None]
-        tail = host[1 + _GRAPH_FIELDS * bs : 1 + _GRAPH_FIELDS * bs + n * width]
-        tail.reshape(n, width)[:, : tables.shape[1]] = tables
-        used = 1 + bs * _GRAPH_FIELDS + n * width
-        self.graph_inputs[:used].copy_(host_inputs[:used], non_blocking=True)
-        graph, *outputs = self.graphs[bs, bool(shared)]
-        graph.replay()
-        if self.tp.size > 1:
-            return self.model.gather_logits(outputs[0][:n]), None
-        logits, drawn = outputs
-        return logits[:n], drawn[:n]

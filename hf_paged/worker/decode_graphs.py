@@ -1,0 +1,141 @@
+"""CUDA graphs of decode steps: one per batch size of a ladder (1, 2, 4, 8, then every 16 up to
+the largest), captured at start-up over static input buffers. A decode batch replays the
+smallest graph that fits, padded with rows whose slot is -1 (not stored), whose context is
+empty and which are greedy. Sizes from ``cascade_min_seqs`` up have a second graph with
+cascade attention, replayed when the batch's sequences all start with the same cache blocks
+(a prompt shared through the prefix cache).
+
+The inputs of a graph of size ``bs`` are views of one int32 buffer laid out as the shared
+prefix length (one entry), then ids, pending-token rows (``src``), positions, slots, context
+lengths and each row's temperature, top-k and top-p (``bs`` each; floats as their bit
+patterns), then the block tables (``bs`` full-width rows), so a replay fills a pinned host
+buffer and sends it in a single copy. The layouts of different sizes overlap. A graph also
+draws the next tokens (greedy rows keep the argmax), so sampling costs no launches outside it;
+under tensor parallelism it stops at the rank's logits slice instead, gathered on rank 0 after
+the replay, and rank 0 samples outside the graph.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from hf_paged import kernels
+from hf_paged.modeling.attention import AttentionMetadata
+from hf_paged.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from hf_paged.engine.scheduler import ScheduledBatch
+    from hf_paged.worker.model_runner import ModelRunner, StepInputs
+
+_FIELDS = 8  # per row: ids, src, positions, slots, context lengths, temperature, top-k, top-p
+_ONE_BITS = int(np.array(1.0, np.float32).view(np.int32))  # top_p = 1.0 as int32 bits
+# Padding rows: no pending token, no store, empty context, greedy.
+_PADDING = np.array([0, -1, 0, -1, 0, 0, 0, _ONE_BITS], np.int32)[:, None]
+
+
+class DecodeGraphs:
+    """The decode graphs of one runner: ``batch_size`` picks a batch's graph (0: none fits),
+    ``run`` replays it."""
+
+    def __init__(self, runner: ModelRunner, max_bs: int, cascade_min_seqs: int):
+        self.runner = runner
+        self.sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 16))
+        self.sizes.append(max_bs)
+        self.cascade_min_seqs = cascade_min_seqs
+        self.width = runner.max_blocks_per_seq
+        size = 1 + max_bs * (_FIELDS + self.width)
+        device = runner.device
+        self.inputs = torch.zeros(size, dtype=torch.int32, device=device)
+        pin = device.type == "cuda"
+        self.host_inputs = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in "ab"]
+        # Every tensor a graph reads must live as long as the graph: kept here.
+        self.cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[tuple[int, bool], tuple] = {}  # -> (graph, *its outputs)
+
+    def batch_size(self, batch: ScheduledBatch) -> int:
+        if not batch.is_decode:
+            return 0
+        i = bisect.bisect_left(self.sizes, len(batch.seqs))
+        return self.sizes[i] if i < len(self.sizes) else 0
+
+    def keys(self) -> list[tuple[int, bool]]:
+        """Every graph, largest first (the smaller ones reuse its memory pool)."""
+        return [(bs, cascade) for bs in reversed(self.sizes)
+                for cascade in ((False, True) if bs >= self.cascade_min_seqs else (False,))]
+
+    def step(self, bs: int, cascade: bool) -> tuple[torch.Tensor, ...]:
+        """The decode step over the buffer laid out for ``bs`` rows: logits and drawn tokens
+        (one rank), or this rank's logits slice. Captured once per key."""
+        ids, src, positions, slots, seq_lens, temperature, top_k, top_p = (
+            self.inputs[1 : 1 + _FIELDS * bs].view(_FIELDS, bs))
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            cu_seqlens_q=self.cu_seqlens[: bs + 1],
+            seq_lens=seq_lens,
+            block_tables=self.inputs[1 + _FIELDS * bs : 1 + bs * (_FIELDS + self.width)].view(
+                bs, self.width),
+            max_query_len=1,
+            shared_prefix=self.inputs[:1] if cascade else None,
+        )
+        runner = self.runner
+        hidden = runner.model.forward(runner._take_pending(ids, src), positions, meta)
+        if runner.tp.size > 1:
+            return (runner.model.lm_head(hidden),)
+        logits = runner.model.compute_logits(hidden)
+        drawn = kernels.sample(logits, temperature.view(torch.float32), top_k,
+                               top_p.view(torch.float32))  # greedy rows: the argmax
+        return logits, drawn
+
+    def clear(self, bs: int) -> None:
+        """Lay out a batch of padding rows only for ``bs``: what a capture runs on."""
+        self.inputs.zero_()  # the larger graphs' layouts overlap this one's rows
+        fields = self.inputs[1 : 1 + _FIELDS * bs].view(_FIELDS, bs)
+        fields[1].fill_(-1)
+        fields[3].fill_(-1)  # nothing stored while capturing
+
+    def capture(self) -> None:
+        pool = None
+        for key in self.keys():
+            self.clear(key[0])
+            with torch.inference_mode():
+                self.step(*key)  # warm-up outside capture: lazy allocations
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    outputs = self.step(*key)
+            pool = graph.pool()
+            self.graphs[key] = (graph, *outputs)
+        torch.cuda.synchronize()
+
+    def run(self, inputs: StepInputs, params: list[SamplingParams] | None, flip: int):
+        """Logits and tokens drawn with ``params`` for the batch's rows of graph
+        ``inputs.graph_bs`` (the cascade one when ``inputs.shared`` is set); under tensor
+        parallelism the gathered logits (rank 0; None elsewhere) and no tokens."""
+        n, bs, width = len(inputs.ids), inputs.graph_bs, self.width
+        # This twin's last copy belonged to the step before last, whose tokens were collected.
+        host_inputs = self.host_inputs[flip]
+        host = host_inputs.numpy()
+        host[0] = inputs.shared
+        head = host[1 : 1 + _FIELDS * bs].reshape(_FIELDS, bs)
+        head[:5, :n] = (inputs.ids, inputs.src, inputs.positions, inputs.slots, inputs.seq_lens)
+        tp = self.runner.tp.size
+        if tp == 1:  # the graph samples
+            head[5, :n] = np.array([p.temperature for p in params], np.float32).view(np.int32)
+            head[6, :n] = [p.top_k for p in params]
+            head[7, :n] = np.array([p.top_p for p in params], np.float32).view(np.int32)
+        head[:, n:] = _PADDING
+        tables = inputs.tables
+        tail = host[1 + _FIELDS * bs : 1 + _FIELDS * bs + n * width]
+        tail.reshape(n, width)[:, : tables.shape[1]] = tables
+        used = 1 + bs * _FIELDS + n * width
+        self.inputs[:used].copy_(host_inputs[:used], non_blocking=True)
+        graph, *outputs = self.graphs[bs, bool(inputs.shared)]
+        graph.replay()
+        if tp > 1:
+            return self.runner.model.gather_logits(outputs[0][:n]), None
+        logits, drawn = outputs
+        return logits[:n], drawn[:n]

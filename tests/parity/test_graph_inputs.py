@@ -1,0 +1,117 @@
+"""The CUDA graphs' padded inputs, on CPU: every step that fits a graph runs its ``step`` over
+the padded buffer, recomputed eagerly where a GPU replays the captured graph, and the tokens
+equal stock transformers' (float32). Prefill graphs: through chunked prefill, the prefix cache,
+decode rows beside prefill chunks, and batches too large for a graph. Decode graphs: padded
+rows, pending tokens, and each row's sampling settings as bit patterns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_paged
+from hf_paged.worker.decode_graphs import DecodeGraphs
+from hf_paged.worker.prefill_graphs import PrefillGraphs, token_buckets
+from tests.conftest import TINY_CONFIGS, left_padded
+
+
+class EagerReplay:
+    """A captured graph's stand-in: a replay recomputes the step into the captured outputs."""
+
+    def __init__(self, graphs, key: tuple):
+        self.graphs, self.key, self.replays = graphs, key, 0
+        graphs.clear(key[0])
+        self.outputs = self.step()
+
+    def step(self) -> tuple:
+        out = self.graphs.step(*self.key)
+        return out if isinstance(out, tuple) else (out,)
+
+    def replay(self) -> None:
+        for captured, new in zip(self.outputs, self.step()):
+            captured.copy_(new)
+        self.replays += 1
+
+
+def stand_ins(graphs, keys: list[tuple]) -> dict:
+    with torch.inference_mode():
+        return {key: EagerReplay(graphs, key) for key in keys}
+
+
+def with_eager_prefill_graphs(engine, max_tokens: int, max_seqs: int) -> list[EagerReplay]:
+    graphs = PrefillGraphs(engine.runner, max_tokens, max_seqs)
+    replays = stand_ins(graphs, [(b,) for b in graphs.buckets])
+    graphs.graphs = {key[0]: (r, *r.outputs) for key, r in replays.items()}
+    engine.runner.prefill_graphs = graphs
+    return list(replays.values())
+
+
+def with_eager_decode_graphs(engine, max_bs: int) -> list[EagerReplay]:
+    graphs = DecodeGraphs(engine.runner, max_bs, cascade_min_seqs=16)
+    replays = stand_ins(graphs, graphs.keys())
+    graphs.graphs = {key: (r, *r.outputs) for key, r in replays.items()}
+    runner = engine.runner
+    runner.decode_graphs = graphs
+    run = runner.run
+
+    def run_and_copy(batch, inputs):
+        """The drawn tokens are a view of the graph's outputs: a GPU copies them to the host
+        before the next replay (same stream); on CPU the next replay would come first."""
+        step = run(batch, inputs)
+        if step.tokens is not None:
+            step.tokens = step.tokens.clone()
+        return step
+
+    runner.run = run_and_copy
+    return list(replays.values())
+
+
+def test_buckets_double_up_to_the_token_budget():
+    assert token_buckets(2048) == [32, 64, 128, 256, 512, 1024, 2048]
+    assert token_buckets(100) == [32, 64, 100]
+    assert token_buckets(16) == [16]
+
+
+@pytest.mark.parametrize(("name", "lengths", "options", "max_tokens", "max_seqs"), [
+    # Mixed lengths around the blocks' edges, the whole batch in one graph, then decode
+    # batches in graphs too (the general attention kernel serves one-token rows).
+    ("gqa_tied", [1, 7, 8, 9, 17, 40], {}, 128, 8),
+    # A 40-token budget: steps of two sequences replay, those of more run eagerly.
+    ("mha_untied", [20, 25, 30, 35, 3], dict(max_num_batched_tokens=40), 64, 2),
+    # A 16-token budget: a 70-token prompt in chunks beside decode rows, twice (the second
+    # time from the prefix cache), in the one 16-token bucket.
+    ("gqa4_untied", [70, 64, 9], dict(max_num_batched_tokens=16), 16, 8),
+])
+def test_padded_graph_inputs_give_transformers_tokens(checkpoints, hf_models, name, lengths,
+                                                      options, max_tokens, max_seqs):
+    ids, mask = left_padded(lengths, TINY_CONFIGS[name]["vocab_size"], seed=4)
+    ref = hf_models[name].generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    engine = hf_paged.from_pretrained(checkpoints[name], block_size=8, **options)
+    replays = with_eager_prefill_graphs(engine, max_tokens, max_seqs)
+    for _ in range(2):
+        assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=10), ref)
+    assert sum(r.replays for r in replays) > 0
+
+
+@pytest.mark.parametrize("sampling", [
+    {},
+    # Sampled rows draw inside the graph: top-k 1 leaves the argmax whatever the draw, so the
+    # temperature, top-k and top-p fields must reach the sampling kernel intact.
+    dict(do_sample=True, temperature=0.7, top_k=1, top_p=0.9),
+])
+def test_decode_graph_inputs_give_transformers_tokens(checkpoints, hf_models, sampling):
+    name = "gqa_tied"
+    ids, mask = left_padded([3, 9, 17, 25, 5, 40], TINY_CONFIGS[name]["vocab_size"], seed=6)
+    ref = hf_models[name].generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    # Up to 4 rows: the six-row batch decodes eagerly until rows finish at staggered lengths.
+    engine = hf_paged.from_pretrained(checkpoints[name], block_size=8)
+    replays = with_eager_decode_graphs(engine, max_bs=4)
+    max_new = [12, 4, 8, 2, 12, 6]
+    outputs = engine.generate_tokens(
+        [row[m.bool()].tolist() for row, m in zip(ids, mask)],
+        [hf_paged.SamplingParams(max_new_tokens=n, **{k: v for k, v in sampling.items()
+                                                       if k != "do_sample"})
+         for n in max_new])
+    for out, n, row in zip(outputs, max_new, ref):
+        assert out == row[ids.shape[1] : ids.shape[1] + n].tolist()
+    assert sum(r.replays for r in replays) > 0
