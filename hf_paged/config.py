@@ -22,7 +22,7 @@ class EngineConfig:
             (weights, activations and KV cache); the KV cache takes what is left.
         num_kv_blocks: an explicit number of KV-cache blocks, overriding the sizing from memory.
         cpu_kv_cache_gib: size of the KV cache on CPU, in GiB (CPU memory is not probed).
-        enforce_eager: never capture CUDA graphs (decode runs eagerly).
+        enforce_eager: never capture CUDA graphs (decode and small prefills run eagerly).
         max_graph_batch_size: largest decode batch captured as a CUDA graph; larger decode
             batches run eagerly. Defaults to ``min(max_num_seqs, 512)``.
         attention_backend: ``"triton"`` (CUDA default), ``"sdpa"`` (torch only; CPU default)
