@@ -63,14 +63,15 @@ def profile_case(engine, make_prompts, new_tokens: int, measure_steps) -> dict:
     for owner, name in PHASES:
         obj = attribute(engine, owner)
         fn = getattr(obj, name)
+        label = f"{owner.split('.')[-1]}.{name}" if "." in owner else name  # decode_graphs.run
 
-        def wrapper(*args, fn=fn, name=name, **kwargs):
+        def wrapper(*args, fn=fn, label=label, **kwargs):
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 if on[0]:
-                    totals[name] += time.perf_counter() - start
+                    totals[label] += time.perf_counter() - start
 
         setattr(obj, name, wrapper)
     steps = [0]

@@ -110,7 +110,7 @@ class Scheduler:
                 preempted = True
                 # A member waiting for its group's choice gives way first: it may be waiting
                 # for this very sequence, whose preemption would then repeat forever.
-                j = self._idle_member_index(besides=[seq, *batch.seqs])
+                j = self._idle_member_index(besides={seq.seq_id, *(s.seq_id for s in batch.seqs)})
                 if j is not None:
                     self._preempt(self.running.pop(j), park=True)
                     i -= j < i
@@ -320,13 +320,14 @@ class Scheduler:
             self._preempt(self.running.pop(i), park=True)
         return i is not None
 
-    def _idle_member_index(self, besides: list[Sequence] = ()) -> int | None:
+    def _idle_member_index(self, besides: set[int] = frozenset()) -> int | None:
         """Where the latest running group member waiting for its group's choice is, other than
-        ``besides`` (those of the batch being built look idle: their chunk counts as done)."""
+        the sequence ids ``besides`` (those of the batch being built look idle: their chunk
+        counts as done)."""
         for i in range(len(self.running) - 1, -1, -1):
             seq = self.running[i]
             if (seq.group is not None and seq.num_computed_tokens == seq.num_tokens
-                    and all(seq is not other for other in besides)):
+                    and seq.seq_id not in besides):
                 return i
         return None
 

@@ -18,7 +18,9 @@ the replay, and rank 0 samples outside the graph.
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -37,6 +39,26 @@ _ONE_BITS = int(np.array(1.0, np.float32).view(np.int32))  # top_p = 1.0 as int3
 _PADDING = np.array([0, -1, 0, -1, 0, 0, 0, _ONE_BITS], np.int32)[:, None]
 
 
+def graph_buffers(size: int, device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A graph's int32 input buffer on ``device`` and the two host twins that fill it (pinned
+    on CUDA: a step writes one while the previous step's copy may still read the other)."""
+    pin = device.type == "cuda"
+    twins = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in "ab"]
+    return torch.zeros(size, dtype=torch.int32, device=device), twins
+
+
+def capture_graph(step: Callable[[], Any], pool) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``step`` captured in memory pool ``pool`` (None: a new one), after one run outside the
+    capture for its lazy allocations; the graph and its outputs."""
+    with torch.inference_mode():
+        step()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = step()
+    return graph, outputs
+
+
 class DecodeGraphs:
     """The decode graphs of one runner: ``batch_size`` picks a batch's graph (0: none fits),
     ``run`` replays it."""
@@ -47,11 +69,8 @@ class DecodeGraphs:
         self.sizes.append(max_bs)
         self.cascade_min_seqs = cascade_min_seqs
         self.width = runner.max_blocks_per_seq
-        size = 1 + max_bs * (_FIELDS + self.width)
         device = runner.device
-        self.inputs = torch.zeros(size, dtype=torch.int32, device=device)
-        pin = device.type == "cuda"
-        self.host_inputs = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in "ab"]
+        self.inputs, self.host_inputs = graph_buffers(1 + max_bs * (_FIELDS + self.width), device)
         # Every tensor a graph reads must live as long as the graph: kept here.
         self.cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self.graphs: dict[tuple[int, bool], tuple] = {}  # -> (graph, *its outputs)
@@ -101,12 +120,7 @@ class DecodeGraphs:
         pool = None
         for key in self.keys():
             self.clear(key[0])
-            with torch.inference_mode():
-                self.step(*key)  # warm-up outside capture: lazy allocations
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    outputs = self.step(*key)
+            graph, outputs = capture_graph(partial(self.step, *key), pool)
             pool = graph.pool()
             self.graphs[key] = (graph, *outputs)
         torch.cuda.synchronize()

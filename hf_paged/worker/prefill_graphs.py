@@ -17,12 +17,14 @@ prefill chunks and one-token rows. A graph ends at the rank's slice of the logit
 from __future__ import annotations
 
 import bisect
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from hf_paged.modeling.attention import AttentionMetadata
+from hf_paged.worker.decode_graphs import capture_graph, graph_buffers
 
 if TYPE_CHECKING:
     from hf_paged.worker.model_runner import ModelRunner, StepInputs
@@ -51,11 +53,8 @@ class PrefillGraphs:
         self.max_seqs = max_seqs
         self.width = runner.max_blocks_per_seq
         self.buckets = token_buckets(max_tokens)
-        size = self._layout(self.buckets[-1])[-1]
-        device = runner.device
-        self.inputs = torch.zeros(size, dtype=torch.int32, device=device)
-        pin = device.type == "cuda"
-        self.host_inputs = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in "ab"]
+        self.inputs, self.host_inputs = graph_buffers(self._layout(self.buckets[-1])[-1],
+                                                      runner.device)
         self.graphs: dict[int, tuple] = {}  # bucket -> (graph, its logits slice)
 
     def _layout(self, bucket: int) -> tuple[int, int, int]:
@@ -93,12 +92,7 @@ class PrefillGraphs:
         pool = None
         for bucket in reversed(self.buckets):  # largest first: the others reuse its pool
             self.clear(bucket)
-            with torch.inference_mode():
-                self.step(bucket)  # warm-up outside capture
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = self.step(bucket)
+            graph, logits = capture_graph(partial(self.step, bucket), pool)
             pool = graph.pool()
             self.graphs[bucket] = (graph, logits)
         torch.cuda.synchronize()
