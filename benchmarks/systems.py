@@ -83,8 +83,11 @@ class PagedSystem:
         return check_lengths([len(o) for o in outputs], workload)
 
     def first_streamed_token_s(self, prompt: list[int]) -> float:
+        hits = self.engine.stats()["prefix_cache_hits"]
         timer = FirstTokenTimer()
         self.engine.generate(torch.tensor([prompt]), max_new_tokens=2, streamer=timer)
+        if self.engine.stats()["prefix_cache_hits"] != hits:
+            raise RuntimeError("the prefix cache served a first-token prompt: not a prefill time")
         return timer.seconds
 
     def describe(self) -> dict[str, Any]:

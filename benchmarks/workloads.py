@@ -115,7 +115,7 @@ def warmup_requests(like: Workload, new_tokens: int = 16, seed: int = 1) -> Work
     fresh prefix as long as the one ``like``'s prompts share: they warm up a system
     (compilation, CUDA graphs of the same batch size, shared-prefix code paths) without
     seeding any prefix cache with the measured prompts (another ``seed``, other prompts)."""
-    rng = random.Random(seed)
+    rng = random.Random(f"warm-up {seed}")  # never a workload's own stream (those seed ints)
     top = max(max(p) for p in like.prompts)
     shared = like.common_prefix_len() if len(like.prompts) > 1 else 0
     prefix = [rng.randint(0, top) for _ in range(shared)]

@@ -29,7 +29,8 @@
 #   W4: the 8B shape (CKPT8B=/tmp/ckpt/8b, built once, drawn on the GPU) with
 #       tensor_parallel_size 1, 2 and 4 (TP_SIZES="1 2 4"; sizes above the GPU count are
 #       skipped): W1 without baselines (T_W4=900), batch-1 decode and TTFT (T_W4B=300), and a
-#       step profile per size with its NCCL time (T_W4P=150 each). On several GPUs:
+#       step profile per size with its NCCL time (T_W4P=150 each; W4_PROFILE_SIZES, default
+#       TP_SIZES). On several GPUs:
 #       scripts/gpu_run.sh tp-tests w4
 #   tp-tests: the tensor-parallel GPU tests and the CPU (gloo) ones; T_TP=400
 set -euo pipefail
@@ -111,6 +112,7 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
             --workload w4 --baselines --tensor-parallel-size "${sizes[@]}"
           CKPT=$ckpt8b bench w4-batch1 "${T_W4B:-300}" bench_latency "" --baselines \
             --workload w4 --tensor-parallel-size "${sizes[@]}"
+          read -r -a sizes <<< "${W4_PROFILE_SIZES:-${sizes[*]}}"
           for n in "${sizes[@]}"; do
             [[ $n -le $(nvidia-smi -L | wc -l) ]] || continue
             step "w4-prof$n" "${T_W4P:-150}" python -m benchmarks.profile_steps --model "$ckpt8b" \

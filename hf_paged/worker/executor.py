@@ -68,7 +68,7 @@ class ParallelExecutor(Executor):
         self.is_leader = ranks.tp.rank == 0
         self.broken: str | None = None  # why the group can no longer run steps
         # Workers stop when the engine is closed, collected, or the interpreter exits.
-        self._finalizer = weakref.finalize(self, ranks.close)
+        self._finalizer = weakref.finalize(self, _teardown, runner, ranks)
 
     def launch(self, batch: ScheduledBatch) -> LaunchedStep:
         self._check()
@@ -138,6 +138,13 @@ class ParallelExecutor(Executor):
     def _break(self, reason: str) -> None:
         self.broken = reason
         self.ranks.broken = True
+
+
+def _teardown(runner: ModelRunner, ranks: Ranks) -> None:
+    """Free the group, after the CUDA graphs: NCCL frees (or aborts) a communicator only once
+    no graph holds collectives of it."""
+    runner.drop_graphs()
+    ranks.close()
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:

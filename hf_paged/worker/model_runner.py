@@ -292,12 +292,21 @@ class ModelRunner:
             if self.config.attention_backend == "triton":
                 self._warmup(_CASCADE_MIN_SEQS, 1, context, shared=True)
 
+    def drop_graphs(self) -> None:
+        """Destroy the CUDA graphs (and free their memory pool and input buffers) now: NCCL
+        frees or aborts a communicator only once no graph holds collectives of it. No device
+        synchronisation: a replay still running (on a broken group, waiting for a dead rank)
+        is freed when it ends."""
+        for graphs in (self.decode_graphs, self.prefill_graphs):
+            for graph, *_ in graphs.graphs.values() if graphs else ():
+                graph.reset()
+        self.decode_graphs = self.prefill_graphs = None
+
     def close(self) -> None:
-        """Drop the decode graphs (their memory pool and input buffers), the KV cache and the
-        other device buffers."""
+        """Drop the graphs, the KV cache and the other device buffers."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.decode_graphs = self.prefill_graphs = None
+        self.drop_graphs()
         self.last_tokens = self.seen = None
         for layer in self.model.attention_layers:
             layer.k_cache = layer.v_cache = torch.empty(0)

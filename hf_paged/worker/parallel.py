@@ -327,6 +327,7 @@ def worker() -> None:
         store.set(f"worker{rank}/loaded", "")
         runner = ModelRunner(model, spec.config, spec.max_model_len, tp)
         serve(runner, StepChannel(cpu_group))
+        runner.drop_graphs()
         logger.info("rank %d of %d: freeing the process groups", rank, size)
         dist.destroy_process_group()  # with rank 0, which destroys its groups meanwhile
     except BaseException:

@@ -4,7 +4,7 @@ memory floor counts what must be read."""
 from __future__ import annotations
 
 from benchmarks.common import MemoryCost
-from benchmarks.workloads import Workload, w1, w3, warmup_requests
+from benchmarks.workloads import Workload, w1, w2_decode, w2_ttft, w3, warmup_requests
 
 
 def test_warmup_shares_a_fresh_prefix_as_long_as_the_workload():
@@ -17,6 +17,16 @@ def test_warmup_shares_a_fresh_prefix_as_long_as_the_workload():
 
 def test_warmup_of_unrelated_prompts_shares_nothing():
     assert warmup_requests(w1().head(16)).common_prefix_len() == 0
+
+
+def test_warmup_prompts_are_never_the_measured_ones():
+    """Whatever its seed: a warm-up that drew a workload's own prompts would seed the prefix
+    cache with them (W2's streamed first token once measured a cached prompt so)."""
+    for work in (w2_ttft(3), w2_decode(3), w1().head(8)):
+        measured = {tuple(p[:64]) for p in work.prompts}
+        for seed in range(1, 6):
+            warm = warmup_requests(work, seed=seed)
+            assert not measured & {tuple(p[:64]) for p in warm.prompts}, seed
 
 
 def test_floor_reads_a_cached_common_prefix_once_a_step():
