@@ -1,6 +1,7 @@
 """On a CUDA GPU, bf16, Qwen3-0.6B shape: tokens equal to stock transformers until the first
 near-tie, and every token a greedy choice under transformers' own logits; CUDA graphs equal to
-eager; every attention backend and scheduling mode held to the same check."""
+eager; every attention backend and scheduling mode, and two-GPU tensor parallelism, held to the
+same check."""
 
 from __future__ import annotations
 
@@ -117,6 +118,7 @@ def run(checkpoint, batch, **options):
                                       gpu_memory_utilization=0.5, **options)
     out = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=None)
     stats = engine.stats()
+    engine.close()
     del engine
     gc.collect()
     torch.cuda.empty_cache()
@@ -156,6 +158,16 @@ def test_backends_and_scheduling_modes(checkpoint, batch, reference, hf_model, o
     check_parity(tokens, reference, hf_model, batch)
     if "num_kv_blocks" in options:
         assert stats["num_preemptions"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("options", [{}, dict(num_kv_blocks=64)], ids=["graphs", "preempting"])
+def test_tp2_bf16_parity(checkpoint, batch, reference, hf_model, options):
+    """Two ranks over NCCL (the all-reduces sum in another order than one GPU's GEMMs): the
+    same check against transformers on one GPU."""
+    tokens, stats = run(checkpoint, batch, tensor_parallel_size=2, **options)
+    check_parity(tokens, reference, hf_model, batch)
+    assert stats["num_preemptions"] > 0 or not options
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True])
