@@ -11,7 +11,8 @@ are not synchronised, so in steady state this is the step period), of each host 
 kernel time (a second run, synchronised, under the profiler), and the ten costliest kernels.
 ``collect`` is time the host spends waiting for the device: the slack left after host work.
 With tensor parallelism the kernels are rank 0's, and ``collective_ms_per_step`` is the time of
-its NCCL kernels: the all-reduces (waiting for the slowest rank included) and the logits gather.
+its collective kernels (NCCL's and the symmetric-memory all-reduce's): the all-reduces (waiting
+for the slowest rank included) and the logits gather.
 """
 
 from __future__ import annotations
@@ -103,12 +104,18 @@ def profile_case(engine, make_prompts, new_tokens: int, measure_steps) -> dict:
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:10]
     return {
         "measured_steps": steps[0],
-        "collective_ms_per_step": sum(v for k, v in kernels.items() if "nccl" in k.lower()) / n,
+        "collective_ms_per_step": sum(v for k, v in kernels.items() if _collective(k)) / n,
         "wall_ms_per_step": 1e3 * totals.pop("step") / n,
         "host_ms_per_step": {k: 1e3 * v / n for k, v in totals.items()},
         "device_kernel_ms_per_step": sum(kernels.values()) / n,
         "top_kernels_ms_per_step": {k: v / n for k, v in top},
     }
+
+
+def _collective(kernel: str) -> bool:
+    """NCCL's kernels, and the symmetric-memory all-reduce's."""
+    name = kernel.lower()
+    return "nccl" in name or "all_reduce" in name
 
 
 def main() -> None:

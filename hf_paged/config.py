@@ -34,6 +34,9 @@ class EngineConfig:
         tensor_parallel_size: ranks the model is split across (one GPU each on CUDA). From an
             ordinary process the caller is rank 0 and the other ranks are spawned; under
             torchrun the launched processes are the ranks, in groups of this size.
+        disable_custom_all_reduce: on CUDA, reduce across ranks with NCCL alone instead of
+            through symmetric memory (which serves tensors of up to 2,048 tokens' hidden
+            states, with NCCL for larger ones).
     """
 
     max_num_seqs: int = 256
@@ -49,6 +52,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     progress_bar: bool | None = None
     tensor_parallel_size: int = 1
+    disable_custom_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
@@ -63,6 +67,9 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
+        if not isinstance(self.disable_custom_all_reduce, bool):
+            raise ValueError("disable_custom_all_reduce must be True or False, got "
+                             f"{self.disable_custom_all_reduce!r}")
         if not self.cpu_kv_cache_gib > 0:
             raise ValueError(f"cpu_kv_cache_gib must be positive, got {self.cpu_kv_cache_gib!r}")
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):

@@ -6,7 +6,8 @@ process group that the user or accelerate started for data parallelism shards no
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -15,14 +16,16 @@ import torch.distributed as dist
 @dataclass(frozen=True)
 class TensorParallel:
     """``rank`` of ``size`` ranks; ``group`` carries the device collectives (NCCL on CUDA,
-    gloo on CPU) and is None when there is one rank."""
+    gloo on CPU) and is None when there is one rank. ``fast_all_reduce``, when set, reduces
+    a tensor in place and returns True, or returns False to leave it to the group."""
 
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
+    fast_all_reduce: Callable[[torch.Tensor], bool] | None = field(default=None, compare=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
+        if self.size > 1 and not (self.fast_all_reduce and self.fast_all_reduce(x)):
             dist.all_reduce(x, group=self.group)
         return x
 

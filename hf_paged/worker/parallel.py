@@ -13,6 +13,7 @@ messages travel over a separate gloo group, in host memory, so they cross machin
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from transformers import PretrainedConfig
 
 from hf_paged.config import EngineConfig
+from hf_paged.modeling.all_reduce import SymmetricAllReduce
 from hf_paged.modeling.swap import build_model
 from hf_paged.modeling.tp import TensorParallel
 from hf_paged.worker.model_runner import ModelRunner, StepInputs
@@ -41,6 +43,9 @@ logger = logging.getLogger(__name__)
 STEP, RESULTS, STOP = 1, 2, 3  # message kinds
 # A worker that has not reached the rendezvous by then has failed to start.
 _START_TIMEOUT_S = 600
+# The symmetric all-reduce buffer holds this many tokens' hidden states, as many as the
+# largest prefill graph computes; longer steps move enough bytes for NCCL's bandwidth.
+_SYMMETRIC_ALL_REDUCE_TOKENS = 2048
 
 
 _spawned_groups_open = 0  # engines of this process whose spawned ranks hold the default group
@@ -80,10 +85,25 @@ class RunnerSpec:
         return torch.device("cuda", (self.device.index + rank) % torch.cuda.device_count())
 
     def build(self, tp: TensorParallel, device: torch.device):
-        """This rank's model shard; the runner comes after every rank has loaded."""
+        """This rank's model shard; the runner comes after every rank has loaded. Every rank
+        calls it at the same point: on CUDA it first maps the ranks' all-reduce buffers."""
+        if device.type == "cuda" and tp.size > 1 and not self.config.disable_custom_all_reduce:
+            tp = self._with_symmetric_all_reduce(tp, device)
         logger.info("rank %d of %d: loading the weights on %s", tp.rank, tp.size, device)
         return build_model(self.hf_config, self.checkpoint, self.dtype, device,
                            self.config.attention_backend, self.max_model_len, tp)
+
+
+    def _with_symmetric_all_reduce(self, tp: TensorParallel, device: torch.device):
+        tokens = min(self.config.max_num_batched_tokens, _SYMMETRIC_ALL_REDUCE_TOKENS)
+        try:
+            fast = SymmetricAllReduce(tp.group, device, self.dtype,
+                                      tokens * self.hf_config.hidden_size)
+        except Exception as e:  # e.g. a torch without symmetric memory: NCCL alone
+            logger.warning("rank %d of %d: all-reduce through NCCL alone (symmetric memory "
+                           "failed: %s)", tp.rank, tp.size, e)
+            return tp
+        return dataclasses.replace(tp, fast_all_reduce=fast)
 
 
 class StepChannel:

@@ -41,11 +41,14 @@ def test_more_ranks_than_gpus_is_refused_before_any_process_starts(tiny):
 
 
 @two_gpus
-@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
-def test_tp2_on_two_gpus_matches_transformers(tiny, tmp_path, eager):
+@pytest.mark.parametrize("options", [{}, dict(enforce_eager=True),
+                                     dict(disable_custom_all_reduce=True)],
+                         ids=["graphs", "eager", "nccl-only"])
+def test_tp2_on_two_gpus_matches_transformers(tiny, tmp_path, options):
+    """Graphs and eager steps, the all-reduce through symmetric memory or NCCL alone."""
     paths, models = tiny
     jobs = [dict(checkpoint=paths[n], calls=[CALL], engine=dict(
-        TIGHT, tensor_parallel_size=2, device="cuda", enforce_eager=eager)) for n in NAMES]
+        TIGHT, tensor_parallel_size=2, device="cuda", **options)) for n in NAMES]
     out = tmp_path / "results.json"
     run_jobs(jobs, out)
     for name, result in zip(NAMES, json.loads(out.read_text())):

@@ -88,6 +88,7 @@ def test_request_larger_than_the_whole_cache_is_refused(checkpoints):
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(attention_backend="magic"), "attention_backend"),
     (dict(max_model_len=10**7), "max_model_len"),
+    (dict(disable_custom_all_reduce="yes"), "disable_custom_all_reduce"),
 ])
 def test_bad_engine_options_name_the_option(checkpoints, options, name):
     with pytest.raises(ValueError, match=name):

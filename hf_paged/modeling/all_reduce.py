@@ -1,0 +1,48 @@
+"""The tensor-parallel all-reduce of CUDA ranks through PyTorch's symmetric memory.
+
+On two H200s NCCL's all-reduce of a decode step's activations (2 MiB at batch 256 of an 8B
+model, twice a layer) took about 31 us, 28% of the step: NCCL picks its low-latency ring
+protocol there, which moves flags with the data. Here every rank's staging buffer is mapped
+into the others' address space once, at start-up; a reduction copies its tensor into the
+buffer and one kernel sums the ranks' copies straight out of their memory (one-shot: every rank
+reads everything; two-shot: each rank sums a slice, then gathers the others' sums, fewer bytes
+per rank beyond two ranks). Every rank sums in rank order, so all ranks get the same result,
+as NCCL's does. The kernels are captured in the CUDA graphs like NCCL's.
+
+Tensors that do not fit the buffer (long prefill steps) take NCCL.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_ONE_SHOT_MAX_BYTES = 256 * 1024  # beyond two ranks, larger messages go two-shot
+
+
+class SymmetricAllReduce:
+    """Sum-all-reduce of tensors of up to ``numel`` elements of ``dtype`` over ``group``;
+    constructing it is collective (every rank of the group maps the others' buffers)."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
+                 numel: int):
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self.buffer = symm_mem.empty(numel, dtype=dtype, device=device)
+        symm_mem.rendezvous(self.buffer, group.group_name)
+        self.group_name = group.group_name
+        self.always_one_shot = group.size() == 2
+
+    def __call__(self, x: torch.Tensor) -> bool:
+        """Reduce ``x`` in place and return True, or return False if it does not fit."""
+        n, nbytes = x.numel(), x.numel() * x.element_size()
+        if x.dtype != self.buffer.dtype or n > self.buffer.numel() or nbytes % 16 \
+                or not x.is_contiguous():
+            return False
+        staged = self.buffer[:n]
+        staged.copy_(x.view(-1))
+        if self.always_one_shot or nbytes <= _ONE_SHOT_MAX_BYTES:
+            torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, x.view(-1))
+        else:
+            torch.ops.symm_mem.two_shot_all_reduce_out(staged, "sum", self.group_name, x.view(-1))
+        return True
