@@ -95,15 +95,22 @@ class RunnerSpec:
 
 
     def _with_symmetric_all_reduce(self, tp: TensorParallel, device: torch.device):
+        """``tp`` with the symmetric-memory all-reduce, once every rank has set it up and
+        summed a test tensor right; else ``tp`` (NCCL alone), on every rank alike."""
         tokens = min(self.config.max_num_batched_tokens, _SYMMETRIC_ALL_REDUCE_TOKENS)
+        fast, error = None, None
         try:
             fast = SymmetricAllReduce(tp.group, device, self.dtype,
                                       tokens * self.hf_config.hidden_size)
-        except Exception as e:  # e.g. a torch without symmetric memory: NCCL alone
-            logger.warning("rank %d of %d: all-reduce through NCCL alone (symmetric memory "
-                           "failed: %s)", tp.rank, tp.size, e)
-            return tp
-        return dataclasses.replace(tp, fast_all_reduce=fast)
+            x = torch.full((16,), tp.rank + 1, dtype=self.dtype, device=device)
+            ok = fast(x) and bool((x == tp.size * (tp.size + 1) // 2).all())
+        except Exception as e:  # e.g. a torch without symmetric memory
+            ok, error = False, e
+        if tp.min_over_ranks(int(ok), device):
+            return dataclasses.replace(tp, fast_all_reduce=fast)
+        logger.warning("rank %d of %d: all-reduce through NCCL alone (symmetric memory %s)",
+                       tp.rank, tp.size, f"failed: {error}" if error else "failed on a rank")
+        return tp
 
 
 class StepChannel:
