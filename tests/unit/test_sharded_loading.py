@@ -119,21 +119,3 @@ def test_each_rank_loads_its_slices_of_a_checkpoint(checkpoints, hf_models, name
                        hf[layer + "input_layernorm.weight"])
     assert TINY_CONFIGS[name]["vocab_size"] == embed.shape[0]
 
-
-def test_all_reduce_takes_the_fast_path_unless_it_declines(monkeypatch):
-    """A tensor the symmetric-memory path does not hold (too big, another dtype) goes to the
-    process group instead; one rank never reduces."""
-    import torch.distributed as dist
-
-    to_group = []
-    monkeypatch.setattr(dist, "all_reduce", lambda x, group: to_group.append(x))
-    def fits(x):
-        return x.numel() <= 4
-
-    tp = TensorParallel(0, 2, None, fast_all_reduce=fits)
-    small, big = torch.ones(4), torch.ones(5)
-    tp.all_reduce(small)
-    tp.all_reduce(big)
-    assert to_group == [big]
-    TensorParallel(fast_all_reduce=fits).all_reduce(big)
-    assert to_group == [big]

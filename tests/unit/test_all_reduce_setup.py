@@ -1,0 +1,71 @@
+"""The tensor-parallel all-reduce's two paths: a tensor the symmetric-memory path declines goes
+to the process group, and that path is taken only once a test sum came out right (its CUDA
+kernels run in the GPU tests; here stand-ins play them)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import Qwen3Config
+
+from hf_paged.config import EngineConfig
+from hf_paged.modeling.tp import TensorParallel
+from hf_paged.worker import parallel
+from tests.conftest import TINY_CONFIGS
+
+
+def test_all_reduce_takes_the_fast_path_unless_it_declines(monkeypatch):
+    to_group = []
+    monkeypatch.setattr(dist, "all_reduce", lambda x, group: to_group.append(x))
+
+    def fits(x):
+        return x.numel() <= 4
+
+    tp = TensorParallel(0, 2, None, fast_all_reduce=fits)
+    small, big = torch.ones(4), torch.ones(5)
+    tp.all_reduce(small)
+    tp.all_reduce(big)
+    assert to_group == [big]
+    TensorParallel(fast_all_reduce=fits).all_reduce(big)  # one rank: nothing to reduce
+    assert to_group == [big]
+
+
+class _Summing:
+    """Stands in for SymmetricAllReduce on one rank: the sum of one rank is itself."""
+
+    def __init__(self, group, device, dtype, numel):
+        self.numel = numel
+
+    def __call__(self, x):
+        return True
+
+
+class _Wrong(_Summing):
+    def __call__(self, x):
+        x.add_(1)
+        return True
+
+
+class _Failing(_Summing):
+    def __init__(self, *args):
+        raise RuntimeError("no symmetric memory here")
+
+
+@pytest.mark.parametrize("stand_in,taken", [(_Summing, True), (_Wrong, False),
+                                            (_Failing, False)])
+def test_symmetric_all_reduce_is_used_only_once_it_sums_right(monkeypatch, caplog, stand_in,
+                                                              taken):
+    monkeypatch.setattr(parallel, "SymmetricAllReduce", stand_in)
+    spec = parallel.RunnerSpec(Qwen3Config(**TINY_CONFIGS["gqa_tied"]), "", torch.float32,
+                               torch.device("cpu"), EngineConfig(max_num_batched_tokens=64), 64)
+    tp = TensorParallel(0, 1)
+    with caplog.at_level(logging.WARNING, logger="hf_paged"):
+        out = spec._with_symmetric_all_reduce(tp, torch.device("cpu"))
+    assert (out.fast_all_reduce is not None) == taken
+    if taken:
+        assert out.fast_all_reduce.numel == 64 * spec.hf_config.hidden_size
+    else:
+        assert out is tp and "NCCL alone" in caplog.text
