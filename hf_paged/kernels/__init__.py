@@ -42,16 +42,17 @@ def _dispatch(module: str, name: str):
     return run
 
 
-def _few_rows(x: torch.Tensor) -> bool:
+def _few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Decode at small batches in 16-bit: the small-M projection kernels' case."""
     return (_use_triton(x) and x.dim() == 2 and x.shape[0] <= _SMALL_M_ROWS
-            and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1)
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
+            and x.stride(1) == weight.stride(1) == 1)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """``x @ weight.T (+ bias)``: the small-M Triton kernel for a few 16-bit rows, else
     ``F.linear`` (cuBLAS)."""
-    if bias is None and _few_rows(x):
+    if bias is None and _few_rows(x, weight):
         return _triton_kernel("small_m", "linear")(x, weight)
     return reference.linear(x, weight, bias)
 
@@ -59,7 +60,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """SwiGLU through a merged gate/up weight: one fused small-M kernel for a few 16-bit rows,
     else the projection then ``silu_and_mul``."""
-    if _few_rows(x):
+    if _few_rows(x, weight):
         return _triton_kernel("small_m", "gated_linear")(x, weight)
     return silu_and_mul(reference.linear(x, weight))
 

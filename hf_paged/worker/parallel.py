@@ -96,14 +96,27 @@ class RunnerSpec:
 
     def _with_symmetric_all_reduce(self, tp: TensorParallel, device: torch.device):
         """``tp`` with the symmetric-memory all-reduce, once every rank has set it up and
-        summed a test tensor right; else ``tp`` (NCCL alone), on every rank alike."""
+        summed a test tensor right, eagerly and replayed from a CUDA graph; else ``tp`` (NCCL
+        alone), on every rank alike."""
         tokens = min(self.config.max_num_batched_tokens, _SYMMETRIC_ALL_REDUCE_TOKENS)
         fast, error = None, None
         try:
             fast = SymmetricAllReduce(tp.group, device, self.dtype,
                                       tokens * self.hf_config.hidden_size)
-            x = torch.full((16,), tp.rank + 1, dtype=self.dtype, device=device)
-            ok = fast(x) and bool((x == tp.size * (tp.size + 1) // 2).all())
+            x = torch.empty(16, dtype=self.dtype, device=device)
+            expected = tp.size * (tp.size + 1) // 2
+
+            def sums_right(run) -> bool:
+                x.fill_(tp.rank + 1)
+                return run() is not False and bool((x == expected).all())
+
+            ok = sums_right(lambda: fast(x))
+            if ok and device.type == "cuda":
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    fast(x)
+                ok = sums_right(graph.replay)
+                del graph
         except Exception as e:  # e.g. a torch without symmetric memory
             ok, error = False, e
         if tp.min_over_ranks(int(ok), device):
