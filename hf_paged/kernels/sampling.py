@@ -98,19 +98,39 @@ def _sample_kernel(
         floor = _threshold(row_ptr, vocab, floor - 1, tl.full([], 2**31 - 1, tl.int64), floor,
                            row_max, log2e_over_t, bound, True, BLOCK_V, PROBES)
 
+    # The race, a tile at a time in four quarters: one Philox call gives the four quarters'
+    # uniforms (a call per token made the race compute-bound, not read-bound).
     seed = tl.load(seed_ptr)
-    best = tl.full([BLOCK_V], float("-inf"), tl.float32)
-    best_idx = tl.zeros([BLOCK_V], tl.int32)
+    QUARTER: tl.constexpr = BLOCK_V // 4
+    lanes = tl.arange(0, QUARTER)
+    counters = row * tl.cdiv(vocab, 4) + lanes
+    best = tl.full([QUARTER], float("-inf"), tl.float32)
+    best_idx = tl.zeros([QUARTER], tl.int32)
+    inv_t = 1.0 / temperature
+    kept_from = floor.to(tl.int32)
     for start in range(0, vocab, BLOCK_V):
-        idx, ok, x, key = _tile(row_ptr, start, vocab, BLOCK_V)
-        exp1 = -tl.log(tl.rand(seed, row * vocab + idx))  # Exp(1); u = 0 gives inf: never wins
-        kept = ok & (key >= floor.to(tl.int32))
-        score = tl.where(kept, x / temperature - tl.log(exp1), float("-inf"))
-        wins = score > best
-        best = tl.where(wins, score, best)
-        best_idx = tl.where(wins, idx, best_idx)
+        u0, u1, u2, u3 = tl.rand4x(seed, counters + start // 4)
+        best, best_idx = _race(row_ptr, start, vocab, u0, kept_from, inv_t, best, best_idx,
+                               QUARTER)
+        best, best_idx = _race(row_ptr, start + QUARTER, vocab, u1, kept_from, inv_t, best,
+                               best_idx, QUARTER)
+        best, best_idx = _race(row_ptr, start + 2 * QUARTER, vocab, u2, kept_from, inv_t,
+                               best, best_idx, QUARTER)
+        best, best_idx = _race(row_ptr, start + 3 * QUARTER, vocab, u3, kept_from, inv_t,
+                               best, best_idx, QUARTER)
     winner = tl.argmax(best, axis=0)
-    tl.store(out_ptr + row, tl.sum(tl.where(tl.arange(0, BLOCK_V) == winner, best_idx, 0), 0))
+    tl.store(out_ptr + row, tl.sum(tl.where(lanes == winner, best_idx, 0), 0))
+
+
+@triton.jit
+def _race(row_ptr, start, vocab, u, kept_from, inv_t, best, best_idx, BLOCK: tl.constexpr):
+    """One block of the exponential race: each kept token scores ``x / T - log E`` with
+    ``E = -log u ~ Exp(1)`` (``u = 0`` gives an infinite E: it never wins); lanes keep their
+    best score and its token."""
+    idx, ok, x, key = _tile(row_ptr, start, vocab, BLOCK)
+    score = tl.where(ok & (key >= kept_from), x * inv_t - tl.log(-tl.log(u)), float("-inf"))
+    wins = score > best
+    return tl.where(wins, score, best), tl.where(wins, idx, best_idx)
 
 
 def sample(
