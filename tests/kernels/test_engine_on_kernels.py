@@ -1,0 +1,26 @@
+"""The engine with every op it can send to Triton sent there (the interpreter, on CPU): the
+kernels as the model wires them (the small-M projections of decode rows, the fused norms and
+activation) give the tokens of the plain-torch path, in float16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_paged
+from hf_paged import kernels
+from tests.conftest import TINY_CONFIGS, left_padded
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the kernels always run")
+def test_decode_through_the_kernels_gives_the_reference_tokens(checkpoints, monkeypatch):
+    name = "gqa4_untied"
+    ids, mask = left_padded([5, 9, 3], TINY_CONFIGS[name]["vocab_size"], seed=4)
+
+    def tokens(through_triton: bool) -> torch.Tensor:
+        monkeypatch.setattr(kernels, "_TRITON_ON_CPU", through_triton)
+        with hf_paged.from_pretrained(checkpoints[name], device="cpu",
+                                      dtype=torch.float16) as engine:
+            return engine.generate(ids, attention_mask=mask, max_new_tokens=6)
+
+    assert torch.equal(tokens(True), tokens(False))
