@@ -392,9 +392,13 @@ class PagedEngine:
         self.closed = True
         self.in_flight = self._last_batch = None
         self.executor.close()
-        self.runner.close()
+        # After a rank's death a kernel may wait on it forever (the symmetric-memory
+        # all-reduce cannot be aborted): then nothing waits for the device, and the memory
+        # stays in torch's cache for this process.
+        wait = not self.executor.broken
+        self.runner.close(synchronize=wait)
         self.model.hf_model.to_empty(device="meta")  # frees the weights whoever holds them
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and wait:
             torch.cuda.empty_cache()
 
     def __enter__(self) -> PagedEngine:

@@ -37,6 +37,7 @@ class Executor:
     """One process: the engine's steps go straight to its model runner."""
 
     is_leader = True  # schedules, samples and returns results
+    broken = False  # a rank died or a step was cut short: the device may never finish its work
 
     def __init__(self, runner: ModelRunner, load_seconds: float):
         self.runner = runner
@@ -109,6 +110,8 @@ class ParallelExecutor(Executor):
 
     def close(self) -> None:
         self._finalizer()
+        if self.ranks.broken and not self.broken:  # found only by the teardown
+            self.broken = "a rank failed before the engine was closed"
 
     def _check(self) -> None:
         if not self._finalizer.alive:

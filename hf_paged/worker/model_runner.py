@@ -305,9 +305,10 @@ class ModelRunner:
                 graph.reset()
         self.decode_graphs = self.prefill_graphs = None
 
-    def close(self) -> None:
-        """Drop the graphs, the KV cache and the other device buffers."""
-        if self.device.type == "cuda":
+    def close(self, synchronize: bool = True) -> None:
+        """Drop the graphs, the KV cache and the other device buffers (after the device's
+        work, when ``synchronize``)."""
+        if self.device.type == "cuda" and synchronize:
             torch.cuda.synchronize(self.device)
         self.drop_graphs()
         self.last_tokens = self.seen = None
