@@ -113,7 +113,10 @@ def test_threshold_covers_transformers_own_attention_variants(checkpoint, batch,
 
 
 def run(checkpoint, batch, **options):
+    """The engine's tokens for ``batch``; at most 16 sequences, so that start-up captures a
+    few decode graphs (1 to 16 rows), not the default ladder up to 256."""
     ids, mask = batch
+    options = dict(dict(max_num_seqs=16), **options)
     engine = hf_paged.from_pretrained(checkpoint, dtype=torch.bfloat16, max_model_len=4096,
                                       gpu_memory_utilization=0.5, **options)
     out = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=None)
@@ -208,7 +211,7 @@ def test_processors_bf16_parity(checkpoint, batch, hf_model, processors):
     ref_tokens = ref.sequences[:, ids.shape[1] :].cpu()
     ref_scores = torch.stack(ref.scores, 1).float().cpu()
     engine = hf_paged.from_pretrained(checkpoint, dtype=torch.bfloat16, max_model_len=4096,
-                                      gpu_memory_utilization=0.5)
+                                      gpu_memory_utilization=0.5, max_num_seqs=16)
     tokens = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=None,
                              **processors)[:, ids.shape[1] :].cpu()
     del engine
