@@ -152,7 +152,7 @@ def sample(
     if rows:
         _sample_kernel[(rows,)](
             logits, temperature, top_k, top_p, seed, out, vocab, logits.stride(0),
-            BLOCK_V=min(block_v, triton.next_power_of_2(vocab)), PROBES=probes,
+            BLOCK_V=min(block_v, max(16, triton.next_power_of_2(vocab))), PROBES=probes,
             num_warps=num_warps,
         )
     return out
