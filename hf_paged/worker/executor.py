@@ -37,7 +37,7 @@ class Executor:
     """One process: the engine's steps go straight to its model runner."""
 
     is_leader = True  # schedules, samples and returns results
-    broken = False  # a rank died or a step was cut short: the device may never finish its work
+    broken: str | None = None  # why a rank can no longer run steps (the device may hang)
 
     def __init__(self, runner: ModelRunner, load_seconds: float):
         self.runner = runner
