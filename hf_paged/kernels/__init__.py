@@ -44,9 +44,9 @@ def _dispatch(module: str, name: str):
 
 def _few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Decode at small batches in 16-bit: the small-M projection kernels' case."""
-    return (_use_triton(x) and x.dim() == 2 and x.shape[0] <= _SMALL_M_ROWS
-            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and x.stride(1) == weight.stride(1) == 1)
+    return (x.dim() == 2 and x.shape[0] <= _SMALL_M_ROWS  # cheapest first: every projection
+            and x.dtype in (torch.bfloat16, torch.float16) and _use_triton(x)
+            and weight.dtype == x.dtype and x.stride(1) == weight.stride(1) == 1)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):

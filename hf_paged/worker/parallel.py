@@ -93,7 +93,6 @@ class RunnerSpec:
         return build_model(self.hf_config, self.checkpoint, self.dtype, device,
                            self.config.attention_backend, self.max_model_len, tp)
 
-
     def _with_symmetric_all_reduce(self, tp: TensorParallel, device: torch.device):
         """``tp`` with the symmetric-memory all-reduce, once every rank has set it up and
         summed a test tensor right, eagerly and replayed from a CUDA graph; else ``tp`` (NCCL
@@ -111,7 +110,7 @@ class RunnerSpec:
                 return run() is not False and bool((x == expected).all())
 
             ok = sums_right(lambda: fast(x))
-            if ok and device.type == "cuda":
+            if ok and device.type == "cuda":  # always, but for the unit tests' CPU stand-ins
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
                     fast(x)
