@@ -2,7 +2,7 @@
 # The GPU tests and the benchmarks on a CUDA machine, in one call from the repository root:
 #
 #   scripts/gpu_run.sh [STEP...]      STEP: tests w1 w2 w3 preempt profile dropin w4 beam
-#                                     tp-tests small-m
+#                                     tp-tests
 #                                     (default: the first four)
 #
 # Everything printed also goes to $OUT/run.log, and the result JSONs, README-table.md and
@@ -33,8 +33,6 @@
 #       TP_SIZES). On several GPUs:
 #       scripts/gpu_run.sh tp-tests w4
 #   tp-tests: the tensor-parallel GPU tests and the CPU (gloo) ones; T_TP=400
-#   small-m: cuBLAS against the small-M projection kernels on the 0.6B and 8B matrices
-#            (T_SMALL_M=120)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
@@ -121,10 +119,7 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
             step "w4-prof$n" "${T_W4P:-150}" python -m benchmarks.profile_steps --model "$ckpt8b" \
               --results-dir "$RESULTS" --tensor-parallel-size "$n" --name "w4-profile-tp$n"
           done ;;
-      small-m) step small-m "${T_SMALL_M:-120}" bash -c "python -m benchmarks.bench_small_m \
-            --shape 0.6b --results-dir $RESULTS && python -m benchmarks.bench_small_m --shape 8b \
-            --results-dir $RESULTS" ;;
-      *) echo "unknown step $s (steps: tests w1 w2 w3 preempt profile dropin w4 beam tp-tests small-m)"
+      *) echo "unknown step $s (steps: tests w1 w2 w3 preempt profile dropin w4 beam tp-tests)"
          STATUS+=("$s unknown") ;;
     esac
   done

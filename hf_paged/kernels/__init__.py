@@ -19,7 +19,6 @@ from hf_paged.kernels import reference
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 _TRITON_ON_CPU = os.environ.get("HF_PAGED_TRITON_ON_CPU") == "1"
-_SMALL_M_ROWS = 8  # small_m.MAX_ROWS, without importing Triton to read it
 
 
 def _use_triton(tensor: torch.Tensor) -> bool:
@@ -42,29 +41,6 @@ def _dispatch(module: str, name: str):
     return run
 
 
-def _few_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Decode at small batches in 16-bit: the small-M projection kernels' case."""
-    return (x.dim() == 2 and x.shape[0] <= _SMALL_M_ROWS  # cheapest first: every projection
-            and x.dtype in (torch.bfloat16, torch.float16) and _use_triton(x)
-            and weight.dtype == x.dtype and x.stride(1) == weight.stride(1) == 1)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """``x @ weight.T (+ bias)``: the small-M Triton kernel for a few 16-bit rows, else
-    ``F.linear`` (cuBLAS)."""
-    if bias is None and _few_rows(x, weight):
-        return _triton_kernel("small_m", "linear")(x, weight)
-    return reference.linear(x, weight, bias)
-
-
-def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """SwiGLU through a merged gate/up weight: one fused small-M kernel for a few 16-bit rows,
-    else the projection then ``silu_and_mul``."""
-    if _few_rows(x, weight):
-        return _triton_kernel("small_m", "gated_linear")(x, weight)
-    return silu_and_mul(reference.linear(x, weight))
-
-
 copy_blocks = _dispatch("block_copy", "copy_blocks")
 norm_rope_store = _dispatch("attention_inputs", "norm_rope_store")
 rms_norm = _dispatch("rmsnorm", "rms_norm")
@@ -73,6 +49,5 @@ silu_and_mul = _dispatch("activation", "silu_and_mul")
 sample = _dispatch("sampling", "sample")
 
 __all__ = [
-    "add_rms_norm", "copy_blocks", "gated_linear", "linear", "norm_rope_store", "rms_norm",
-    "sample", "silu_and_mul",
+    "add_rms_norm", "copy_blocks", "norm_rope_store", "rms_norm", "sample", "silu_and_mul",
 ]

@@ -186,14 +186,3 @@ def sample(
     out = greedy.clone()
     out[sampled] = order.gather(-1, choice).squeeze(-1)
     return out
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """``x @ weight.T (+ bias)``."""
-    return F.linear(x, weight, bias)
-
-
-def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of ``x`` through a merged gate/up weight ``[2I, K]`` (gate rows first): the
-    projection rounded to the input dtype, then ``silu_and_mul``."""
-    return silu_and_mul(F.linear(x, weight))

@@ -18,6 +18,11 @@ import torch
 import torch.distributed as dist
 
 _ONE_SHOT_MAX_BYTES = 256 * 1024  # beyond two ranks, larger messages go two-shot
+# torch keeps a process's symmetric-memory set-up of a group (its store) by the group's name
+# for the life of the process, and a later group can take a freed group's name ("0" again
+# once the default group is destroyed): a second engine in this process would rendezvous
+# through the first one's store and wait forever for peers that are not there.
+_GROUP_NAMES_SET_UP: set[str] = set()
 
 
 class SymmetricAllReduce:
@@ -28,10 +33,16 @@ class SymmetricAllReduce:
                  numel: int):
         from torch.distributed import _symmetric_memory as symm_mem
 
+        _GROUP_NAMES_SET_UP.add(group.group_name)
         self.buffer = symm_mem.empty(numel, dtype=dtype, device=device)
         symm_mem.rendezvous(self.buffer, group.group_name)
         self.group_name = group.group_name
         self.always_one_shot = group.size() == 2
+
+    @staticmethod
+    def set_up_before(group: dist.ProcessGroup) -> bool:
+        """Whether this process has set up symmetric memory for a group of this name."""
+        return group.group_name in _GROUP_NAMES_SET_UP
 
     def __call__(self, x: torch.Tensor) -> bool:
         """Reduce ``x`` in place and return True, or return False if it does not fit."""

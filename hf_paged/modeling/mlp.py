@@ -20,4 +20,4 @@ class Qwen3PagedMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, config.hidden_size, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.gated_linear(x, self.gate_up_proj.weight))
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))

@@ -287,10 +287,7 @@ class ModelRunner:
         self._warmup(2, 3)
         if decode:
             context = self.block_size * min(4, self.max_blocks_per_seq - 1)
-            # One row and a few rows: the small-M projections' two variants (Triton treats
-            # an integer argument of 1 apart); then the largest batch.
-            for num_seqs in sorted({1, min(2, self.config.max_num_seqs),
-                                    self.config.max_num_seqs}):
+            for num_seqs in (1, self.config.max_num_seqs):
                 self._warmup(num_seqs, 1, context)
             if self.config.attention_backend == "triton":
                 self._warmup(_CASCADE_MIN_SEQS, 1, context, shared=True)

@@ -97,6 +97,11 @@ class RunnerSpec:
         """``tp`` with the symmetric-memory all-reduce, once every rank has set it up and
         summed a test tensor right, eagerly and replayed from a CUDA graph; else ``tp`` (NCCL
         alone), on every rank alike."""
+        if not tp.min_over_ranks(int(not SymmetricAllReduce.set_up_before(tp.group)), device):
+            logger.info("rank %d of %d: all-reduce through NCCL alone (symmetric memory was set "
+                        "up in this process for an earlier group of the same name)",
+                        tp.rank, tp.size)
+            return tp
         tokens = min(self.config.max_num_batched_tokens, _SYMMETRIC_ALL_REDUCE_TOKENS)
         fast, error = None, None
         try:

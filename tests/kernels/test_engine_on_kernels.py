@@ -1,6 +1,6 @@
 """The engine with every op it can send to Triton sent there (the interpreter, on CPU): the
-kernels as the model wires them (the small-M projections of decode rows, the fused norms and
-activation) give the tokens of the plain-torch path, in float16."""
+kernels as the model wires them (the fused norms and activation) give the tokens of the
+plain-torch path, in float16."""
 
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ kernels run in the GPU tests; here stand-ins play them)."""
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from transformers import Qwen3Config
 
 from hf_paged.config import EngineConfig
+from hf_paged.modeling import all_reduce
 from hf_paged.modeling.tp import TensorParallel
 from hf_paged.worker import parallel
 from tests.conftest import TINY_CONFIGS
@@ -42,6 +44,10 @@ class _Summing:
     def __call__(self, x):
         return True
 
+    @staticmethod
+    def set_up_before(group):
+        return False
+
 
 class _Wrong(_Summing):
     def __call__(self, x):
@@ -54,13 +60,17 @@ class _Failing(_Summing):
         raise RuntimeError("no symmetric memory here")
 
 
+def _spec() -> parallel.RunnerSpec:
+    return parallel.RunnerSpec(Qwen3Config(**TINY_CONFIGS["gqa_tied"]), "", torch.float32,
+                               torch.device("cpu"), EngineConfig(max_num_batched_tokens=64), 64)
+
+
 @pytest.mark.parametrize("stand_in,taken", [(_Summing, True), (_Wrong, False),
                                             (_Failing, False)])
 def test_symmetric_all_reduce_is_used_only_once_it_sums_right(monkeypatch, caplog, stand_in,
                                                               taken):
     monkeypatch.setattr(parallel, "SymmetricAllReduce", stand_in)
-    spec = parallel.RunnerSpec(Qwen3Config(**TINY_CONFIGS["gqa_tied"]), "", torch.float32,
-                               torch.device("cpu"), EngineConfig(max_num_batched_tokens=64), 64)
+    spec = _spec()
     tp = TensorParallel(0, 1)
     with caplog.at_level(logging.WARNING, logger="hf_paged"):
         out = spec._with_symmetric_all_reduce(tp, torch.device("cpu"))
@@ -69,3 +79,19 @@ def test_symmetric_all_reduce_is_used_only_once_it_sums_right(monkeypatch, caplo
         assert out.fast_all_reduce.numel == 64 * spec.hf_config.hidden_size
     else:
         assert out is tp and "NCCL alone" in caplog.text
+
+
+def test_a_group_name_set_up_before_in_this_process_keeps_nccl(monkeypatch, caplog):
+    """torch keeps a group name's symmetric-memory store for the life of the process, so a
+    later group of the same name (a second engine) must not rendezvous again."""
+    monkeypatch.setattr(all_reduce, "_GROUP_NAMES_SET_UP", set())
+    spec, cpu = _spec(), torch.device("cpu")
+    tp = TensorParallel(0, 1, SimpleNamespace(group_name="0"))
+    with caplog.at_level(logging.INFO, logger="hf_paged"):
+        assert spec._with_symmetric_all_reduce(tp, cpu) is tp  # no symmetric memory on CPU
+        assert "does not support device type cpu" in caplog.text
+        caplog.clear()
+        assert spec._with_symmetric_all_reduce(tp, cpu) is tp
+    assert "earlier group of the same name" in caplog.text
+    other = TensorParallel(0, 1, SimpleNamespace(group_name="1"))
+    assert not all_reduce.SymmetricAllReduce.set_up_before(other.group)
