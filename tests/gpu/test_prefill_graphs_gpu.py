@@ -18,8 +18,13 @@ NAME = "gqa4_untied"
 
 
 class CountedGraph:
+    """A CUDA graph that counts its replays (and passes the rest, e.g. ``reset``, through)."""
+
     def __init__(self, graph):
         self.graph, self.replays = graph, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.graph, name)
 
     def replay(self) -> None:
         self.graph.replay()
