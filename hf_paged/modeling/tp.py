@@ -16,18 +16,24 @@ import torch.distributed as dist
 @dataclass(frozen=True)
 class TensorParallel:
     """``rank`` of ``size`` ranks; ``group`` carries the device collectives (NCCL on CUDA,
-    gloo on CPU) and is None when there is one rank. ``fast_all_reduce``, when set, reduces
-    a tensor in place and returns True, or returns False to leave it to the group."""
+    gloo on CPU) and is None when there is one rank. ``fast_all_reduce``, when set, returns
+    the sum of a tensor over the ranks, or None to leave it to the group."""
 
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
-    fast_all_reduce: Callable[[torch.Tensor], bool] | None = field(default=None, compare=False)
+    fast_all_reduce: Callable[[torch.Tensor], torch.Tensor | None] | None = field(
+        default=None, compare=False)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1 and not (self.fast_all_reduce and self.fast_all_reduce(x)):
+        """The sum of every rank's ``x`` (``x`` itself may be overwritten)."""
+        if self.size == 1:
+            return x
+        reduced = self.fast_all_reduce(x) if self.fast_all_reduce else None
+        if reduced is None:
             dist.all_reduce(x, group=self.group)
-        return x
+            return x
+        return reduced
 
     def broadcast_from_first(self, x: torch.Tensor) -> None:
         """Rank 0's ``x`` into every rank's ``x``."""

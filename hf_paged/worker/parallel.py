@@ -112,14 +112,20 @@ class RunnerSpec:
 
             def sums_right(run) -> bool:
                 x.fill_(tp.rank + 1)
-                return run() is not False and bool((x == expected).all())
+                out = run()
+                return out is not None and bool((out == expected).all())
 
             ok = sums_right(lambda: fast(x))
             if ok and device.type == "cuda":  # always, but for the unit tests' CPU stand-ins
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
-                    fast(x)
-                ok = sums_right(graph.replay)
+                    captured = fast(x)
+
+                def replayed():
+                    graph.replay()
+                    return captured
+
+                ok = sums_right(replayed)
                 del graph
         except Exception as e:  # e.g. a torch without symmetric memory
             ok, error = False, e

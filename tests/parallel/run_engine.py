@@ -73,6 +73,9 @@ def interrupt(engine, call: dict) -> dict:
     its worker and before it runs it (the worst moment): whether the call was interrupted,
     and close()'s cleanup."""
     workers, run, calls = engine.executor.ranks.workers, engine.runner.run, []
+    # Ctrl-C raises KeyboardInterrupt even where this process was started with SIGINT ignored
+    # (a background job of a non-interactive shell).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def run_then_interrupt(batch, inputs):
         calls.append(1)
