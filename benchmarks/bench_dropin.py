@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import device_info, git_commit
+from benchmarks.common import device_info, git_commit, write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "benchmarks" / "dropin_script.py")
@@ -57,9 +57,8 @@ def main(argv: list[str] | None = None) -> None:
         "checkpoint": args.model, "runs": runs,
         "speedup": round(paged["output_tokens_per_s"] / stock["output_tokens_per_s"], 2),
     }
-    args.results_dir.mkdir(parents=True, exist_ok=True)
     path = args.results_dir / f"dropin-{info['slug']}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(path, result)
     print(f"speedup of the patched script: x{result['speedup']}; wrote {path}")
 
 

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import time
 from pathlib import Path
 
@@ -98,10 +96,7 @@ def main() -> None:
         "differing_requests": diffs,
     }
     out = args.results_dir / f"w1-preemption-{result['device']['slug']}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    if os.environ.get("OUT"):
-        shutil.copy(out, Path(os.environ["OUT"]) / out.name)
+    common.write_result(out, result)
     keys = ("dtype", "identical_requests", "num_requests", "every_divergence_is_a_near_tie")
     print(json.dumps({k: result[k] for k in keys}),
           "preemptions:", small_stats["num_preemptions"],

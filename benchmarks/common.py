@@ -148,7 +148,10 @@ def _version(module: str) -> str | None:
 
 
 def git_commit() -> str | None:
-    """HEAD, with "+modified" when tracked files differ from it (a run over unlanded work)."""
+    """HEAD, with "+modified" when tracked files differ from it (a run over unlanded work);
+    ``$BENCH_GIT_COMMIT`` instead when set (a copy of the tree whose history lags it)."""
+    if os.environ.get("BENCH_GIT_COMMIT"):
+        return os.environ["BENCH_GIT_COMMIT"]
 
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
@@ -268,6 +271,15 @@ def floor_settings(device: torch.device, given: float | None, cost: MemoryCost) 
 # ---- results --------------------------------------------------------------------------------
 
 
+def write_result(path: Path, data: dict) -> None:
+    """``data`` as JSON at ``path``, and a copy in ``$OUT`` when it is set (and elsewhere)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    copy = Path(os.environ["OUT"]) / path.name if os.environ.get("OUT") else None
+    if copy is not None and copy.resolve() != path.resolve():
+        shutil.copy(path, copy)
+
+
 class ResultFile:
     """``<results_dir>/<workload>-<device slug>.json``, copied to ``$OUT`` when it is set.
     Every save refreshes ``summary`` (the table lines) with ``summarize(data)`` once hf_paged
@@ -307,10 +319,7 @@ class ResultFile:
     def save(self) -> None:
         if self.data["hf_paged"]:
             self.data["summary"] = self.summarize(self.data)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(self.data, indent=2) + "\n")
-        if os.environ.get("OUT"):
-            shutil.copy(self.path, Path(os.environ["OUT"]) / self.path.name)
+        write_result(self.path, self.data)
 
 
 def reuse_baselines(result: ResultFile, args: argparse.Namespace) -> None:

@@ -143,8 +143,7 @@ def main() -> None:
               "checkpoint": args.model, "tensor_parallel_size": args.tensor_parallel_size,
               "cases": cases}
     out = args.results_dir / f"{args.name}-{result['device']['slug']}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    common.write_result(out, result)
     print(json.dumps(cases, indent=1))
 
 

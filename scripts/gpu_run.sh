@@ -16,6 +16,8 @@
 #                        figures of the result JSON already in $RESULTS for this workload and device
 #   SHAPE=0.6b CKPT=/tmp/ckpt/0.6b   the random bf16 checkpoint, built once
 #   RESULTS=benchmarks/results       where the benchmarks write their JSON
+#   BENCH_GIT_COMMIT=<hash>   the commit the result JSONs name (default: git's HEAD, with
+#                        +modified for a tree that differs from it)
 #   T_EACH=150           the limit of one test (with pytest-timeout installed)
 #   T_TESTS=420 T_W1=270 T_W2=150 T_W3=60 T_PRE=240 T_PROF=120 T_BEAM=240   time limits of the
 #                        steps (s)

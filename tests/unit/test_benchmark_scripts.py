@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks import bench_latency, bench_throughput
+from benchmarks import bench_latency, bench_throughput, common
 from hf_paged.random_checkpoint import make_checkpoint
 
 
@@ -46,3 +46,16 @@ def test_throughput_with_a_baseline(tiny, tmp_path):
     data = json.loads((tmp_path / "w1-cpu.json").read_text())
     assert data["complete"] and data["baselines"]["transformers_generate"]["output_tokens_per_s"]
     assert metrics(tmp_path / "w1-cpu.json")[:2] == ["output tok/s", "output tok/s, greedy"]
+
+
+def test_results_are_copied_to_out_and_name_the_given_commit(tmp_path, monkeypatch):
+    """A run on a copied tree can name its commit; $OUT may be the results directory itself."""
+    monkeypatch.setenv("BENCH_GIT_COMMIT", "abc123")
+    assert common.git_commit() == "abc123"
+    out = tmp_path / "out"
+    out.mkdir()
+    monkeypatch.setenv("OUT", str(out))
+    common.write_result(tmp_path / "results" / "w1-cpu.json", {"figure": 1})
+    assert json.loads((out / "w1-cpu.json").read_text()) == {"figure": 1}
+    common.write_result(out / "w2-cpu.json", {"figure": 2})  # no copy onto itself
+    assert json.loads((out / "w2-cpu.json").read_text()) == {"figure": 2}
