@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_paged.kernels.launch import launch
+
 _BLOCK = 1024
 
 
@@ -29,5 +31,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x2.shape[0], inter), dtype=x.dtype, device=x.device)
     if out.numel():
         grid = (x2.shape[0], triton.cdiv(inter, _BLOCK))
-        _silu_and_mul_kernel[grid](x2, out, x2.stride(0), out.stride(0), inter, BLOCK=_BLOCK)
+        launch(_silu_and_mul_kernel, grid, x2, out, x2.stride(0), out.stride(0), inter,
+               BLOCK=_BLOCK)
     return out.view(*x.shape[:-1], inter)

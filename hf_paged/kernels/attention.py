@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_paged.kernels.launch import launch
+
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 32
 # (query rows, keys per iteration, warps, pipeline stages); a decode program holds one token's
@@ -312,7 +314,8 @@ def paged_attention(
     block_d = triton.next_power_of_2(head_dim)
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     if cascade:
-        _shared_prefix_kernel[(shared_tiles, num_kv_heads, shared_splits)](
+        launch(
+            _shared_prefix_kernel, (shared_tiles, num_kv_heads, shared_splits),
             query, k_cache, v_cache, part_out, part_lse, block_tables, shared_prefix,
             scale * _LOG2E, num_tokens, num_heads, num_parts,
             query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1),
@@ -321,7 +324,8 @@ def paged_attention(
             BLOCK_D=block_d, HEAD_DIM=head_dim, PAGE=page, PRECISION=precision,
             num_warps=shared_warps, num_stages=shared_stages,
         )
-    _attention_kernel[(programs, num_kv_heads, num_splits)](
+    launch(
+        _attention_kernel, (programs, num_kv_heads, num_splits),
         query, k_cache, v_cache, out, part_out, part_lse, cu_seqlens_q, seq_lens, block_tables,
         shared_prefix if cascade else seq_lens,
         scale * _LOG2E, num_seqs, num_heads, num_splits, num_parts,
@@ -333,7 +337,8 @@ def paged_attention(
         PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
     )
     if split:
-        _combine_splits_kernel[(num_tokens * num_heads,)](
+        launch(
+            _combine_splits_kernel, (num_tokens * num_heads,),
             part_out, part_lse, out, num_heads, num_parts, out.stride(0), out.stride(1),
             BLOCK_S=2 * _MAX_SPLITS, BLOCK_D=block_d, HEAD_DIM=head_dim,  # one variant
             num_warps=4,

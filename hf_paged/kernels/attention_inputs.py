@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_paged.kernels.launch import launch
+
 
 @triton.jit
 def _mul(a, b, dtype: tl.constexpr):
@@ -96,7 +98,8 @@ def norm_rope_store(
     if num_tokens:
         half = head_dim // 2
         block_h = triton.next_power_of_2(num_heads)
-        _norm_rope_store_kernel[(num_tokens,)](
+        launch(
+            _norm_rope_store_kernel, (num_tokens,),
             query, key, value, q_weight, k_weight, positions, cos_sin_cache,
             k_cache, v_cache, slot_mapping,
             query.stride(0), query.stride(1), key.stride(0), key.stride(1),

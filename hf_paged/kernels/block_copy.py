@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_paged.kernels.launch import launch
+
 _BLOCK = 1024
 
 
@@ -29,4 +31,4 @@ def copy_blocks(
     block_numel = k_cache[0].numel()
     if src.numel():
         grid = (src.numel(), triton.cdiv(block_numel, _BLOCK))
-        _copy_blocks_kernel[grid](k_cache, v_cache, src, dst, block_numel, BLOCK=_BLOCK)
+        launch(_copy_blocks_kernel, grid, k_cache, v_cache, src, dst, block_numel, BLOCK=_BLOCK)

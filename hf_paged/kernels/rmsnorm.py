@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_paged.kernels.launch import launch
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -50,7 +52,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     if rows * heads == 0:
         return
     block_d = triton.next_power_of_2(dim)
-    _rms_norm_kernel[(rows * heads,)](
+    launch(
+        _rms_norm_kernel, (rows * heads,),
         x3, r3, weight, o3,
         heads, x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         o3.stride(0), o3.stride(1), dim, eps,

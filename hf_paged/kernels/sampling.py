@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_paged.kernels.launch import launch
+
 # (vocabulary tile, probes per pass, warps)
 _TILE = (4096, 8, 16)
 
@@ -150,7 +152,8 @@ def sample(
     rows, vocab = logits.shape
     block_v, probes, num_warps = _TILE
     if rows:
-        _sample_kernel[(rows,)](
+        launch(
+            _sample_kernel, (rows,),
             logits, temperature, top_k, top_p, seed, out, vocab, logits.stride(0),
             BLOCK_V=min(block_v, max(16, triton.next_power_of_2(vocab))), PROBES=probes,
             num_warps=num_warps,

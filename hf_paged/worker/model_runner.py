@@ -33,6 +33,7 @@ from hf_paged import kernels
 from hf_paged.config import EngineConfig
 from hf_paged.engine.scheduler import ScheduledBatch
 from hf_paged.engine.sequence import Sequence
+from hf_paged.kernels.launch import compiling_only
 from hf_paged.modeling.attention import AttentionMetadata
 from hf_paged.modeling.swap import PagedQwen3
 from hf_paged.modeling.tp import SINGLE, TensorParallel
@@ -174,23 +175,25 @@ class ModelRunner:
             ]
         self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
-        graphs_possible = self.device.type == "cuda" and config.attention_backend == "triton"
-        if self.device.type == "cuda":
-            start = time.perf_counter()
-            self._log("compiling kernels")
-            self._compile_kernels(decode=not graphs_possible or config.enforce_eager)
-            self.startup_seconds["kernels"] = time.perf_counter() - start
-        if graphs_possible and not config.enforce_eager:
-            start = time.perf_counter()
-            self._log("capturing the decode graphs")
+        graphs = (self.device.type == "cuda" and config.attention_backend == "triton"
+                  and not config.enforce_eager)
+        if graphs:
             self.decode_graphs = DecodeGraphs(
                 self, config.max_graph_batch_size or min(config.max_num_seqs, 512),
                 _CASCADE_MIN_SEQS)
-            self.decode_graphs.capture()
-            self._log("capturing the prefill graphs")
             self.prefill_graphs = PrefillGraphs(
                 self, min(_PREFILL_GRAPH_TOKENS, config.max_num_batched_tokens),
                 min(_PREFILL_GRAPH_SEQS, config.max_num_seqs))
+        if self.device.type == "cuda":
+            start = time.perf_counter()
+            self._log("compiling kernels")
+            self._compile_kernels(decode=not graphs)
+            self.startup_seconds["kernels"] = time.perf_counter() - start
+        if graphs:
+            start = time.perf_counter()
+            self._log("capturing the decode graphs")
+            self.decode_graphs.capture()
+            self._log("capturing the prefill graphs")
             self.prefill_graphs.capture()
             self.startup_seconds["graphs"] = time.perf_counter() - start
         self._log(f"ready; start-up seconds {self.startup_seconds}")
@@ -281,9 +284,30 @@ class ModelRunner:
         torch.cuda.synchronize()
 
     def _compile_kernels(self, decode: bool) -> None:
-        """Run every kernel variant a request can need now, so none compiles inside one:
-        prefill and sampling, and (``decode``: when no graph captures it) eager decode with
-        and without split-K and cascade."""
+        """Compile every kernel variant a request can need now, so none compiles inside one:
+        first all at once (``compiling_only``) through the warm-up steps and every graph's
+        step, then the warm-up steps run for real."""
+        try:
+            with torch.inference_mode(), compiling_only():
+                self._warm_steps(decode)
+                self._graph_steps()
+        except Exception as e:  # e.g. a Triton without asynchronous compilation
+            logger.warning("rank %d of %d: kernels compile one at a time (%s)", self.tp.rank,
+                           self.tp.size, e)
+        self._warm_steps(decode)
+
+    def _graph_steps(self) -> None:
+        """Every graph's step once, eagerly, over the layout its capture runs on."""
+        for key in self.decode_graphs.keys() if self.decode_graphs else ():
+            self.decode_graphs.clear(key[0])
+            self.decode_graphs.step(*key)
+        for bucket in self.prefill_graphs.buckets if self.prefill_graphs else ():
+            self.prefill_graphs.clear(bucket)
+            self.prefill_graphs.step(bucket)
+
+    def _warm_steps(self, decode: bool) -> None:
+        """The steps that run every kernel variant of prefill and sampling, and (``decode``:
+        when no graph captures it) of eager decode with and without split-K and cascade."""
         self._warmup(2, 3)
         if decode:
             context = self.block_size * min(4, self.max_blocks_per_seq - 1)
