@@ -281,7 +281,8 @@ class ModelRunner:
         if logits is not None:  # rank 0 samples
             sampled = SamplingParams(temperature=1.0, top_k=2, top_p=0.5)
             self._sample(logits, [Sequence([0], sampled)] * num_seqs)
-        torch.cuda.synchronize()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
 
     def _compile_kernels(self, decode: bool) -> None:
         """Compile every kernel variant a request can need now, so none compiles inside one:
