@@ -36,7 +36,7 @@ class EngineConfig:
             torchrun the launched processes are the ranks, in groups of this size.
         disable_custom_all_reduce: on CUDA, reduce across ranks with NCCL alone instead of
             through symmetric memory (which serves tensors of up to 2,048 tokens' hidden
-            states, with NCCL for larger ones).
+            states, at the sizes where start-up measured it faster than NCCL).
     """
 
     max_num_seqs: int = 256

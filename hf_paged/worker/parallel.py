@@ -130,6 +130,8 @@ class RunnerSpec:
         except Exception as e:  # e.g. a torch without symmetric memory
             ok, error = False, e
         if tp.min_over_ranks(int(ok), device):
+            if device.type == "cuda":  # always, but for the unit tests' CPU stand-ins
+                fast.tune(self.hf_config.hidden_size)
             return dataclasses.replace(tp, fast_all_reduce=fast)
         logger.warning("rank %d of %d: all-reduce through NCCL alone (symmetric memory %s)",
                        tp.rank, tp.size, f"failed: {error}" if error else "failed on a rank")

@@ -94,3 +94,22 @@ def test_a_group_name_set_up_before_in_this_process_keeps_nccl(monkeypatch, capl
     assert "earlier group of the same name" in caplog.text
     other = TensorParallel(0, 1, SimpleNamespace(group_name="1"))
     assert not all_reduce.SymmetricAllReduce.set_up_before(other.group)
+
+
+def test_the_fastest_algorithm_that_summed_right_serves_each_message_size():
+    micros = {2048: {"one_shot": 6.0, "two_shot": 9.0, "nccl": 7.0},
+              262144: {"one_shot": 12.0, "nccl": 11.0},  # two-shot summed wrong
+              4 << 20: {"one_shot": 50.0, "two_shot": 30.0, "nccl": 28.0}}
+    choices = all_reduce.fastest(micros)
+    assert choices == [(2048, "one_shot"), (262144, "nccl"), (4 << 20, "nccl")]
+    fast = all_reduce.SymmetricAllReduce.__new__(all_reduce.SymmetricAllReduce)
+    fast.group, fast.choices = SimpleNamespace(size=lambda: 4), []
+    # Untuned: one-shot for small messages, two-shot beyond 256 KiB (on more than two ranks).
+    assert [fast.algorithm(n) for n in (16, 262144, 262160)] == ["one_shot", "one_shot",
+                                                                 "two_shot"]
+    fast.choices = choices
+    assert [fast.algorithm(n) for n in (16, 2048, 2064, 4 << 20, 8 << 20)] == [
+        "one_shot", "one_shot", "nccl", "nccl", "nccl"]
+    fast.buffer = torch.empty(1 << 20, dtype=torch.float32)
+    x = torch.ones(1024)  # 4 KiB: NCCL's size, so left to the process group untouched
+    assert fast(x) is None and torch.equal(x, torch.ones(1024))
