@@ -39,8 +39,10 @@ _GROUP_NAMES_SET_UP: set[str] = set()
 
 def fastest(micros: dict[int, dict[str, float]]) -> list[tuple[int, str]]:
     """``(up to this many bytes, algorithm)``, ascending, from the microseconds each algorithm
-    took per message size in bytes (an algorithm that summed wrong is missing)."""
-    return [(size, min(times, key=times.get)) for size, times in sorted(micros.items())]
+    took per message size in bytes (an algorithm that summed wrong is missing; NCCL where
+    none is left)."""
+    return [(size, min(times, key=times.get) if times else "nccl")
+            for size, times in sorted(micros.items())]
 
 
 class SymmetricAllReduce:
@@ -106,16 +108,14 @@ class SymmetricAllReduce:
         micros = {}
         for numel in sizes:
             x = torch.empty(numel, dtype=self.buffer.dtype, device=device)
-            times, right = [], []
+            measured = []
             for name in ALGORITHMS:
                 try:  # fails alike on every rank, if at all: the same call on the same size
-                    right.append(self._sums_right(x, name, rank))
-                    times.append(self._time(x, name, reps))
+                    measured.append((self._sums_right(x, name, rank), self._time(x, name, reps)))
                 except RuntimeError:
-                    right.append(False)
-                    times.append(math.inf)
-            times = torch.tensor(times, device=device)
-            right = torch.tensor(right, device=device)
+                    measured.append((False, math.inf))
+            right = torch.tensor([int(ok) for ok, _ in measured], device=device)
+            times = torch.tensor([t for _, t in measured], device=device)
             dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.group)
             dist.all_reduce(right, op=dist.ReduceOp.MIN, group=self.group)
             micros[numel * x.element_size()] = {

@@ -102,6 +102,7 @@ def test_the_fastest_algorithm_that_summed_right_serves_each_message_size():
               4 << 20: {"one_shot": 50.0, "two_shot": 30.0, "nccl": 28.0}}
     choices = all_reduce.fastest(micros)
     assert choices == [(2048, "one_shot"), (262144, "nccl"), (4 << 20, "nccl")]
+    assert all_reduce.fastest({64: {}}) == [(64, "nccl")]
     fast = all_reduce.SymmetricAllReduce.__new__(all_reduce.SymmetricAllReduce)
     fast.group, fast.choices = SimpleNamespace(size=lambda: 4), []
     # Untuned: one-shot for small messages, two-shot beyond 256 KiB (on more than two ranks).
