@@ -39,6 +39,10 @@ _MAX_SPLITS = 32
 _DECODE_TILE = (16, 64, 4, 2)
 _PREFILL_TILE = (64, 64, 4, 3)
 _SHARED_TILE = (64, 64, 4, 3)  # cascade decode's shared prefix: BLOCK_M // GROUP tokens a tile
+# Per-sequence index arguments, read a few int32 at a time: their alignment is left out of the
+# compiled variant, so views into a graph's packed input buffer (at any offset) share the
+# variants of separately allocated tensors instead of compiling their own.
+_INDEX_ARGS = ["cu_q_ptr", "seq_lens_ptr", "block_tables_ptr", "shared_ptr"]
 
 
 @triton.jit
@@ -94,7 +98,8 @@ def _attend_tiles(
 # Arguments that vary with the batch (its size, its block-table width, the split count) are
 # not specialised on (Triton would compile a variant for 1, for multiples of 16 and for the
 # rest): a prompt of a length not seen before then needs no compilation.
-@triton.jit(do_not_specialize=["num_seqs", "num_splits", "num_parts", "bt_s0"])
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "num_parts", "bt_s0"],
+            do_not_specialize_on_alignment=_INDEX_ARGS)
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     cu_q_ptr, seq_lens_ptr, block_tables_ptr, shared_ptr,
@@ -170,7 +175,8 @@ def _attention_kernel(
                  mask=mask)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_parts"])
+@triton.jit(do_not_specialize=["num_tokens", "num_parts"],
+            do_not_specialize_on_alignment=["table_ptr", "shared_ptr"])
 def _shared_prefix_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, table_ptr, shared_ptr,
     scale_log2, num_tokens, num_heads, num_parts,

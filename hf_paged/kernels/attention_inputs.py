@@ -42,7 +42,9 @@ def _norm_rope(ptr, token, s0, s1, num_heads, weight_ptr, cos, sin, eps,
     return out1, out2, mask
 
 
-@triton.jit
+# The per-token indices may be views into a graph's packed inputs at any offset: their
+# alignment is left out of the compiled variant (one variant for graphs and eager steps).
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr", "slot_ptr"])
 def _norm_rope_store_kernel(
     q_ptr, k_ptr, v_ptr, q_weight_ptr, k_weight_ptr, positions_ptr, cos_sin_ptr,
     k_cache_ptr, v_cache_ptr, slot_ptr,

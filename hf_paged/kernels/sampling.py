@@ -63,7 +63,10 @@ def _threshold(row_ptr, vocab, lo, hi, floor, row_max, log2e_over_t, bound,
     return hi
 
 
-@triton.jit
+# Per-row settings may be views into a graph's packed inputs at any offset: their alignment
+# is left out of the compiled variant (one variant for graphs and eager steps).
+@triton.jit(do_not_specialize_on_alignment=["temperature_ptr", "top_k_ptr", "top_p_ptr",
+                                            "seed_ptr"])
 def _sample_kernel(
     logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, out_ptr, vocab, stride,
     BLOCK_V: tl.constexpr, PROBES: tl.constexpr,
