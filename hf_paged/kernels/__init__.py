@@ -14,6 +14,7 @@ import importlib.util
 import os
 
 import torch
+import torch.nn.functional as F
 
 from hf_paged.kernels import reference
 
@@ -41,6 +42,17 @@ def _dispatch(module: str, name: str):
     return run
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           small_m_rows: int = 0) -> torch.Tensor:
+    """``F.linear``; for at most ``small_m_rows`` rows (which start-up sets per projection
+    where it measured the kernel faster) the small-M Triton kernel."""
+    if (small_m_rows and x.dim() == 2 and x.shape[0] <= small_m_rows and bias is None
+            and _use_triton(x) and x.dtype == weight.dtype
+            and x.stride(1) == weight.stride(1) == 1):
+        return _triton_kernel("small_m", "linear")(x, weight)
+    return F.linear(x, weight, bias)
+
+
 copy_blocks = _dispatch("block_copy", "copy_blocks")
 norm_rope_store = _dispatch("attention_inputs", "norm_rope_store")
 rms_norm = _dispatch("rmsnorm", "rms_norm")
@@ -49,5 +61,6 @@ silu_and_mul = _dispatch("activation", "silu_and_mul")
 sample = _dispatch("sampling", "sample")
 
 __all__ = [
-    "add_rms_norm", "copy_blocks", "norm_rope_store", "rms_norm", "sample", "silu_and_mul",
+    "add_rms_norm", "copy_blocks", "linear", "norm_rope_store", "rms_norm", "sample",
+    "silu_and_mul",
 ]

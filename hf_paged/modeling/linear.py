@@ -9,9 +9,9 @@ A loader receives a torch tensor or a safetensors slice and reads only its rank'
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from hf_paged import kernels
 from hf_paged.modeling.tp import SINGLE, TensorParallel, kv_head_layout
 
 
@@ -35,9 +35,10 @@ class _ParallelLinear(nn.Module):
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+        self.small_m_rows = 0  # up to how many rows the small-M kernel serves (start-up's choice)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return kernels.linear(x, self.weight, self.bias, self.small_m_rows)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -105,4 +106,4 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp.rank == 0 else None
-        return self.tp.all_reduce(F.linear(x, self.weight, bias))
+        return self.tp.all_reduce(kernels.linear(x, self.weight, bias, self.small_m_rows))

@@ -40,6 +40,7 @@ from hf_paged.modeling.tp import SINGLE, TensorParallel
 from hf_paged.sampling_params import SamplingParams
 from hf_paged.worker.decode_graphs import DecodeGraphs
 from hf_paged.worker.prefill_graphs import PrefillGraphs
+from hf_paged.worker.projection_tuning import tune_projections
 
 logger = logging.getLogger(__name__)
 # Cascade attention (kernels.attention) pays two more kernels a layer to read a shared prefix
@@ -185,6 +186,12 @@ class ModelRunner:
                 self, min(_PREFILL_GRAPH_TOKENS, config.max_num_batched_tokens),
                 min(_PREFILL_GRAPH_SEQS, config.max_num_seqs))
         if self.device.type == "cuda":
+            start = time.perf_counter()
+            self._log("timing the projections")
+            tuned = tune_projections(self.model.layers)
+            chosen = {shape: r["small_m_rows"] for shape, r in tuned.items()}
+            self._log(f"small-M kernel up to these rows, by projection shape: {chosen}")
+            self.startup_seconds["projections"] = time.perf_counter() - start
             start = time.perf_counter()
             self._log("compiling kernels")
             self._compile_kernels(decode=not graphs)

@@ -1,6 +1,6 @@
 """The engine with every op it can send to Triton sent there (the interpreter, on CPU): the
-kernels as the model wires them (the fused norms and activation) give the tokens of the
-plain-torch path, in float16."""
+kernels as the model wires them (the fused norms and activation, and the small-M projections
+of decode rows) give the tokens of the plain-torch path, in float16."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import torch
 
 import hf_paged
 from hf_paged import kernels
+from hf_paged.kernels.small_m import MAX_ROWS
+from hf_paged.modeling.linear import _ParallelLinear
 from tests.conftest import TINY_CONFIGS, left_padded
 
 
@@ -21,6 +23,9 @@ def test_decode_through_the_kernels_gives_the_reference_tokens(checkpoints, monk
         monkeypatch.setattr(kernels, "_TRITON_ON_CPU", through_triton)
         with hf_paged.from_pretrained(checkpoints[name], device="cpu",
                                       dtype=torch.float16) as engine:
+            for module in engine.runner.model.layers.modules():  # as start-up may choose on a GPU
+                if isinstance(module, _ParallelLinear):
+                    module.small_m_rows = MAX_ROWS
             return engine.generate(ids, attention_mask=mask, max_new_tokens=6)
 
     assert torch.equal(tokens(True), tokens(False))

@@ -1,0 +1,42 @@
+"""The small-M projection kernel (decode at small batches) against ``F.linear``: every row
+count up to the limit, sizes that fill no block evenly, rows of a strided batch, and the
+dispatch that sends a projection to it only up to its chosen row count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_paged import kernels
+from hf_paged.kernels.small_m import MAX_ROWS, linear
+from tests.kernels.conftest import DEVICE, HALF, assert_close
+
+
+def rand(*shape, dtype):
+    return (torch.randn(*shape, device=DEVICE) / shape[-1] ** 0.5).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
+@pytest.mark.parametrize("n,k", [(48, 64), (100, 300)])
+def test_linear(dtype, rows, n, k):
+    x, weight = rand(rows, k, dtype=dtype), rand(n, k, dtype=dtype)
+    assert_close(linear(x, weight), F.linear(x, weight))
+
+
+def test_rows_of_a_strided_batch():
+    x = rand(4, 2 * 64, dtype=HALF)[:, :64]  # row stride 128
+    weight = rand(32, 64, dtype=HALF)
+    assert_close(linear(x, weight), F.linear(x, weight))
+
+
+def test_dispatch_takes_the_kernel_only_up_to_the_chosen_rows(monkeypatch):
+    monkeypatch.setattr(kernels, "_TRITON_ON_CPU", True)
+    monkeypatch.setattr(kernels, "_triton_kernel", lambda module, name: lambda *a: name)
+    weight = rand(32, 64, dtype=HALF)
+    assert kernels.linear(rand(4, 64, dtype=HALF), weight, small_m_rows=4) == "linear"
+    for x, rows, bias in [(rand(5, 64, dtype=HALF), 4, None),  # more rows than chosen
+                          (rand(1, 64, dtype=HALF), 0, None),  # not chosen at all
+                          (rand(1, 64, dtype=HALF), 4, rand(32, dtype=HALF))]:  # a bias
+        assert isinstance(kernels.linear(x, weight, bias, small_m_rows=rows), torch.Tensor)

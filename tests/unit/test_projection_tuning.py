@@ -1,0 +1,25 @@
+"""Start-up's choice of the small-M kernel for a projection, from the times it measured (the
+timing itself runs on CUDA only: the GPU tests' start-ups)."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_paged.worker.projection_tuning import small_m_rows, tune_projections
+
+
+def test_the_kernel_serves_up_to_the_rows_where_it_won_clearly_at_every_count():
+    cublas = {1: 12.6, 2: 8.1, 4: 12.7, 8: 5.9}
+    assert small_m_rows(cublas, {1: 5.9, 2: 5.6, 4: 5.6, 8: 5.6}) == 4  # 5.6 > 0.9 * 5.9
+    assert small_m_rows(cublas, {1: 5.9, 2: 7.5, 4: 5.6, 8: 5.0}) == 1  # lost at 2 rows
+    assert small_m_rows(cublas, {1: 12.0, 2: 5.0, 4: 5.0, 8: 5.0}) == 0  # no clear win at 1
+    assert small_m_rows(cublas, {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}) == 8
+
+
+def test_projections_off_cuda_keep_cublas(checkpoints):
+    import hf_paged
+
+    with hf_paged.from_pretrained(checkpoints["gqa_tied"], device="cpu",
+                                  dtype=torch.bfloat16) as engine:
+        assert tune_projections(engine.runner.model.layers) == {}
+        assert engine.startup_seconds.get("projections") is None
