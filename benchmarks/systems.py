@@ -95,6 +95,8 @@ class PagedSystem:
             "engine_config": dataclasses.asdict(self.engine.config),
             "sampling": self.sampling,
             "startup_seconds": self.engine.startup_seconds,
+            "projection_timings": self.engine.runner.projection_timings,
+            "all_reduce_choices": getattr(self.engine.runner.tp.fast_all_reduce, "choices", None),
             "last_run_counters": self.last_run,
             "stats": self.engine.stats(),
         }

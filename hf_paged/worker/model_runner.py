@@ -174,6 +174,8 @@ class ModelRunner:
             self.host_tokens = [
                 torch.zeros(config.max_num_seqs, dtype=torch.long).pin_memory() for _ in "ab"
             ]
+        # Start-up's measurements behind its choice of kernel for each projection shape.
+        self.projection_timings: dict[str, dict] = {}
         self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         graphs = (self.device.type == "cuda" and config.attention_backend == "triton"
@@ -188,8 +190,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             start = time.perf_counter()
             self._log("timing the projections")
-            tuned = tune_projections(self.model.layers)
-            chosen = {shape: r["small_m_rows"] for shape, r in tuned.items()}
+            self.projection_timings = tune_projections(self.model.layers)
+            chosen = {shape: r["small_m_rows"] for shape, r in self.projection_timings.items()}
             self._log(f"small-M kernel up to these rows, by projection shape: {chosen}")
             self.startup_seconds["projections"] = time.perf_counter() - start
             start = time.perf_counter()
