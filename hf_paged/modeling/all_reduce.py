@@ -26,6 +26,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from hf_paged.graph_timing import graph_micros
+
 logger = logging.getLogger(__name__)
 ALGORITHMS = ("one_shot", "two_shot", "nccl")
 _ONE_SHOT_MAX_BYTES = 256 * 1024  # untuned, beyond two ranks larger messages go two-shot
@@ -140,15 +142,9 @@ class SymmetricAllReduce:
     def _time(self, x: torch.Tensor, algorithm: str, reps: int) -> float:
         """Microseconds per reduction, ``reps`` of them replayed from one CUDA graph."""
         x.zero_()
-        self._run(x, algorithm)  # lazy set-up, outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+
+        def step():
             for _ in range(reps):
                 self._run(x, algorithm)
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1e3 / reps
+
+        return graph_micros(step, replays=1) / reps

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_paged.graph_timing import graph_micros
 from hf_paged.kernels.launch import compiling_only
 from hf_paged.modeling.linear import _ParallelLinear
 
@@ -76,15 +77,4 @@ def _micros(projection: Callable, x: torch.Tensor, weights: list[torch.Tensor]) 
         for w in weights:
             projection(x, w)
 
-    step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (3 * len(weights))
+    return graph_micros(step) / len(weights)
