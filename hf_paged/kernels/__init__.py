@@ -22,6 +22,10 @@ _HAS_TRITON = importlib.util.find_spec("triton") is not None
 _TRITON_ON_CPU = os.environ.get("HF_PAGED_TRITON_ON_CPU") == "1"
 
 
+def triton_available() -> bool:
+    return _HAS_TRITON
+
+
 def _use_triton(tensor: torch.Tensor) -> bool:
     return _HAS_TRITON and (tensor.is_cuda or _TRITON_ON_CPU)
 

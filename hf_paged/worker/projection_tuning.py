@@ -12,6 +12,7 @@ the margin keeps the choice stable between runs.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -19,10 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_paged import kernels
 from hf_paged.graph_timing import graph_micros
 from hf_paged.kernels.launch import compiling_only
 from hf_paged.modeling.linear import _ParallelLinear
 
+logger = logging.getLogger(__name__)
 _ROWS = (1, 2, 4, 8)
 _MARGIN = 0.9
 
@@ -45,9 +48,20 @@ def tune_projections(layers: nn.Module) -> dict[str, dict]:
         w = module.weight if isinstance(module, _ParallelLinear) else None
         if w is not None and module.bias is None and w.is_cuda and w.element_size() == 2:
             groups[tuple(w.shape)].append(module)
-    if not groups:
+    if not groups or not kernels.triton_available():
         return {}
-    from hf_paged.kernels import small_m  # Triton, on CUDA machines only
+    try:
+        return _tune(groups)
+    except Exception as e:  # e.g. a GPU this Triton cannot compile for: cuBLAS throughout
+        logger.warning("projections stay on cuBLAS: timing the small-M kernel failed (%s)", e)
+        for modules in groups.values():
+            for m in modules:
+                m.small_m_rows = 0
+        return {}
+
+
+def _tune(groups: dict[tuple[int, int], list[_ParallelLinear]]) -> dict[str, dict]:
+    from hf_paged.kernels import small_m  # Triton, imported only where it runs
 
     some = next(iter(groups.values()))[0].weight
     with torch.inference_mode():
