@@ -233,9 +233,9 @@ def test_processors_bf16_parity(checkpoint, batch, hf_model, processors):
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_no_compilation_after_startup(checkpoint, enforce_eager, caplog):
     """Every Triton kernel variant a request can need compiles inside from_pretrained (in
-    parallel: no warning that they compiled one at a time): serving prompts of many new
-    lengths, alone and in batches, greedy and sampled, compiles nothing (counted by Triton's
-    hook for kernels missing from its in-memory cache)."""
+    parallel, and with the projections' kernels timed, without a warning): serving prompts
+    of many new lengths, alone and in batches, greedy and sampled, compiles nothing (counted
+    by Triton's hook for kernels missing from its in-memory cache)."""
     import triton
 
     knobs = getattr(triton, "knobs", None)
@@ -245,7 +245,9 @@ def test_no_compilation_after_startup(checkpoint, enforce_eager, caplog):
         engine = hf_paged.from_pretrained(checkpoint, dtype=torch.bfloat16, max_model_len=4096,
                                           gpu_memory_utilization=0.5,
                                           enforce_eager=enforce_eager)
-    assert "one at a time" not in caplog.text
+    assert "one at a time" not in caplog.text  # the parallel compile pass worked
+    assert "stay on cuBLAS" not in caplog.text  # and so did timing the projections
+    assert engine.runner.projection_timings  # every projection shape measured
     compiled = []
 
     def hook(*args, **kwargs):
