@@ -26,11 +26,10 @@ import math
 import torch
 import torch.distributed as dist
 
-from hf_paged.graph_timing import graph_micros
+from hf_paged.cuda_graphs import graph_micros
 
 logger = logging.getLogger(__name__)
 ALGORITHMS = ("one_shot", "two_shot", "nccl")
-_ONE_SHOT_MAX_BYTES = 256 * 1024  # untuned, beyond two ranks larger messages go two-shot
 _TUNE_TOKENS = (1, 16, 128, 512, 2048)  # message sizes timed, in tokens' hidden states
 # torch keeps a process's symmetric-memory set-up of a group (its store) by the group's name
 # for the life of the process, and a later group can take a freed group's name ("0" again
@@ -68,14 +67,11 @@ class SymmetricAllReduce:
 
     def algorithm(self, nbytes: int) -> str:
         """The algorithm for a message of ``nbytes``: that of the smallest size timed that
-        holds it."""
+        holds it (one-shot before ``tune``, which only the set-up's test sum meets)."""
         for limit, name in self.choices:
             if nbytes <= limit:
                 return name
-        if self.choices:
-            return self.choices[-1][1]
-        two_ranks = self.group.size() == 2
-        return "one_shot" if two_ranks or nbytes <= _ONE_SHOT_MAX_BYTES else "two_shot"
+        return self.choices[-1][1] if self.choices else "one_shot"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         """The sum of every rank's ``x``, or None to leave ``x`` to NCCL (it does not fit, or

@@ -18,14 +18,15 @@ the replay, and rank 0 samples outside the graph.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from hf_paged import kernels
+from hf_paged.cuda_graphs import capture_graphs, graph_buffers
 from hf_paged.modeling.attention import AttentionMetadata
 from hf_paged.sampling_params import SamplingParams
 
@@ -37,26 +38,6 @@ _FIELDS = 8  # per row: ids, src, positions, slots, context lengths, temperature
 _ONE_BITS = int(np.array(1.0, np.float32).view(np.int32))  # top_p = 1.0 as int32 bits
 # Padding rows: no pending token, no store, empty context, greedy.
 _PADDING = np.array([0, -1, 0, -1, 0, 0, 0, _ONE_BITS], np.int32)[:, None]
-
-
-def graph_buffers(size: int, device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """A graph's int32 input buffer on ``device`` and the two host twins that fill it (pinned
-    on CUDA: a step writes one while the previous step's copy may still read the other)."""
-    pin = device.type == "cuda"
-    twins = [torch.zeros(size, dtype=torch.int32, pin_memory=pin) for _ in "ab"]
-    return torch.zeros(size, dtype=torch.int32, device=device), twins
-
-
-def capture_graph(step: Callable[[], Any], pool) -> tuple[torch.cuda.CUDAGraph, Any]:
-    """``step`` captured in memory pool ``pool`` (None: a new one), after one run outside the
-    capture for its lazy allocations; the graph and its outputs."""
-    with torch.inference_mode():
-        step()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            outputs = step()
-    return graph, outputs
 
 
 class DecodeGraphs:
@@ -116,14 +97,15 @@ class DecodeGraphs:
         fields[1].fill_(-1)
         fields[3].fill_(-1)  # nothing stored while capturing
 
-    def capture(self) -> None:
-        pool = None
+    def steps(self) -> Iterator[tuple[tuple[int, bool], Callable[[], tuple]]]:
+        """Each graph's key and step, largest first, its inputs laid out for the capture as
+        each is yielded."""
         for key in self.keys():
             self.clear(key[0])
-            graph, outputs = capture_graph(partial(self.step, *key), pool)
-            pool = graph.pool()
-            self.graphs[key] = (graph, *outputs)
-        torch.cuda.synchronize()
+            yield key, partial(self.step, *key)
+
+    def capture(self) -> None:
+        self.graphs = capture_graphs(self.steps())
 
     def run(self, inputs: StepInputs, params: list[SamplingParams] | None, flip: int):
         """Logits and tokens drawn with ``params`` for the batch's rows of graph

@@ -308,12 +308,9 @@ class ModelRunner:
 
     def _graph_steps(self) -> None:
         """Every graph's step once, eagerly, over the layout its capture runs on."""
-        for key in self.decode_graphs.keys() if self.decode_graphs else ():
-            self.decode_graphs.clear(key[0])
-            self.decode_graphs.step(*key)
-        for bucket in self.prefill_graphs.buckets if self.prefill_graphs else ():
-            self.prefill_graphs.clear(bucket)
-            self.prefill_graphs.step(bucket)
+        for graphs in (self.decode_graphs, self.prefill_graphs):
+            for _, step in graphs.steps() if graphs else ():
+                step()
 
     def _warm_steps(self, decode: bool) -> None:
         """The steps that run every kernel variant of prefill and sampling, and (``decode``:

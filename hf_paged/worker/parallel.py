@@ -34,6 +34,7 @@ import torch.distributed as dist
 from transformers import PretrainedConfig
 
 from hf_paged.config import EngineConfig
+from hf_paged.cuda_graphs import capture_graph
 from hf_paged.modeling.all_reduce import SymmetricAllReduce
 from hf_paged.modeling.swap import build_model
 from hf_paged.modeling.tp import TensorParallel
@@ -117,9 +118,7 @@ class RunnerSpec:
 
             ok = sums_right(lambda: fast(x))
             if ok and device.type == "cuda":  # always, but for the unit tests' CPU stand-ins
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    captured = fast(x)
+                graph, captured = capture_graph(lambda: fast(x))
 
                 def replayed():
                     graph.replay()

@@ -17,14 +17,15 @@ prefill chunks and one-token rows. A graph ends at the rank's slice of the logit
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from hf_paged.cuda_graphs import capture_graphs, graph_buffers
 from hf_paged.modeling.attention import AttentionMetadata
-from hf_paged.worker.decode_graphs import capture_graph, graph_buffers
 
 if TYPE_CHECKING:
     from hf_paged.worker.model_runner import ModelRunner, StepInputs
@@ -69,7 +70,7 @@ class PrefillGraphs:
         i = bisect.bisect_left(self.buckets, len(inputs.ids))
         return self.buckets[i] if i < len(self.buckets) else 0
 
-    def step(self, bucket: int) -> torch.Tensor:
+    def step(self, bucket: int) -> tuple[torch.Tensor]:
         """The forward over the buffer laid out for ``bucket``: this rank's logits slice of
         every logits row. Captured once per bucket."""
         s = self.max_seqs
@@ -86,16 +87,17 @@ class PrefillGraphs:
         )
         model = self.runner.model
         hidden = model.forward(self.runner._take_pending(ids, src), positions, meta)
-        return model.lm_head(hidden.index_select(0, fields[2 * s + 1 :]))
+        return (model.lm_head(hidden.index_select(0, fields[2 * s + 1 :])),)
+
+    def steps(self) -> Iterator[tuple[int, Callable[[], tuple]]]:
+        """Each bucket and its step, largest first, its inputs laid out for the capture as
+        each is yielded."""
+        for bucket in reversed(self.buckets):
+            self.clear(bucket)
+            yield bucket, partial(self.step, bucket)
 
     def capture(self) -> None:
-        pool = None
-        for bucket in reversed(self.buckets):  # largest first: the others reuse its pool
-            self.clear(bucket)
-            graph, logits = capture_graph(partial(self.step, bucket), pool)
-            pool = graph.pool()
-            self.graphs[bucket] = (graph, logits)
-        torch.cuda.synchronize()
+        self.graphs = capture_graphs(self.steps())
 
     def clear(self, bucket: int) -> None:
         """Lay out a step of no tokens for ``bucket``: what a capture runs on."""

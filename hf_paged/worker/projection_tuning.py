@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hf_paged import kernels
-from hf_paged.graph_timing import graph_micros
+from hf_paged.cuda_graphs import graph_micros
 from hf_paged.kernels.launch import compiling_only
 from hf_paged.modeling.linear import _ParallelLinear
 

@@ -24,8 +24,7 @@ class EagerReplay:
         self.outputs = self.step()
 
     def step(self) -> tuple:
-        out = self.graphs.step(*self.key)
-        return out if isinstance(out, tuple) else (out,)
+        return self.graphs.step(*self.key)
 
     def replay(self) -> None:
         for captured, new in zip(self.outputs, self.step()):

@@ -105,9 +105,8 @@ def test_the_fastest_algorithm_that_summed_right_serves_each_message_size():
     assert all_reduce.fastest({64: {}}) == [(64, "nccl")]
     fast = all_reduce.SymmetricAllReduce.__new__(all_reduce.SymmetricAllReduce)
     fast.group, fast.choices = SimpleNamespace(size=lambda: 4), []
-    # Untuned: one-shot for small messages, two-shot beyond 256 KiB (on more than two ranks).
-    assert [fast.algorithm(n) for n in (16, 262144, 262160)] == ["one_shot", "one_shot",
-                                                                 "two_shot"]
+    # Untuned (the set-up's test sum): one-shot.
+    assert [fast.algorithm(n) for n in (16, 262144, 262160)] == ["one_shot"] * 3
     fast.choices = choices
     assert [fast.algorithm(n) for n in (16, 2048, 2064, 4 << 20, 8 << 20)] == [
         "one_shot", "one_shot", "nccl", "nccl", "nccl"]
