@@ -29,10 +29,6 @@ from triton.runtime import driver  # noqa: E402
 
 import hf_paged  # noqa: E402
 from hf_paged.engine import engine as engine_module  # noqa: E402
-from hf_paged.kernels import launch  # noqa: E402
-from hf_paged.worker.decode_graphs import DecodeGraphs  # noqa: E402
-from hf_paged.worker.model_runner import _CASCADE_MIN_SEQS  # noqa: E402
-from hf_paged.worker.prefill_graphs import PrefillGraphs  # noqa: E402
 
 
 class AbsentGPU(CudaDriver):
@@ -85,13 +81,10 @@ def main(argv: list[str] | None = None) -> None:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=2048)
     runner = engine.runner
-    runner.decode_graphs = DecodeGraphs(runner, args.max_num_seqs, _CASCADE_MIN_SEQS)
-    runner.prefill_graphs = PrefillGraphs(runner, args.max_num_batched_tokens, 8)
+    runner.decode_graphs, runner.prefill_graphs = runner._new_graphs()  # as on a GPU
     driver.set_active(AbsentGPU())
     start = time.perf_counter()
-    with torch.inference_mode(), launch.compiling_only(args.workers):
-        runner._warm_steps(decode=False)
-        runner._graph_steps()
+    runner._compile_ahead(decode=False, workers=args.workers)
     seconds = time.perf_counter() - start
     engine.close()
     found = variants()

@@ -181,12 +181,7 @@ class ModelRunner:
         graphs = (self.device.type == "cuda" and config.attention_backend == "triton"
                   and not config.enforce_eager)
         if graphs:
-            self.decode_graphs = DecodeGraphs(
-                self, config.max_graph_batch_size or min(config.max_num_seqs, 512),
-                _CASCADE_MIN_SEQS)
-            self.prefill_graphs = PrefillGraphs(
-                self, min(_PREFILL_GRAPH_TOKENS, config.max_num_batched_tokens),
-                min(_PREFILL_GRAPH_SEQS, config.max_num_seqs))
+            self.decode_graphs, self.prefill_graphs = self._new_graphs()
         if self.device.type == "cuda":
             start = time.perf_counter()
             self._log("timing the projections")
@@ -293,18 +288,30 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
+    def _new_graphs(self) -> tuple[DecodeGraphs, PrefillGraphs]:
+        """The decode and prefill graphs this configuration captures (not captured yet)."""
+        config = self.config
+        return (DecodeGraphs(self, config.max_graph_batch_size or min(config.max_num_seqs, 512),
+                             _CASCADE_MIN_SEQS),
+                PrefillGraphs(self, min(_PREFILL_GRAPH_TOKENS, config.max_num_batched_tokens),
+                              min(_PREFILL_GRAPH_SEQS, config.max_num_seqs)))
+
     def _compile_kernels(self, decode: bool) -> None:
         """Compile every kernel variant a request can need now, so none compiles inside one:
-        first all at once (``compiling_only``) through the warm-up steps and every graph's
-        step, then the warm-up steps run for real."""
+        first all at once (``_compile_ahead``), then the warm-up steps run for real."""
         try:
-            with torch.inference_mode(), compiling_only():
-                self._warm_steps(decode)
-                self._graph_steps()
+            self._compile_ahead(decode)
         except Exception as e:  # e.g. a Triton without asynchronous compilation
             logger.warning("rank %d of %d: kernels compile one at a time (%s)", self.tp.rank,
                            self.tp.size, e)
         self._warm_steps(decode)
+
+    def _compile_ahead(self, decode: bool, workers: int | None = None) -> None:
+        """The warm-up steps and every graph's step with each launch only compiling its
+        kernel variant, on ``workers`` threads (``compiling_only``)."""
+        with torch.inference_mode(), compiling_only(workers):
+            self._warm_steps(decode)
+            self._graph_steps()
 
     def _graph_steps(self) -> None:
         """Every graph's step once, eagerly, over the layout its capture runs on."""
