@@ -32,10 +32,13 @@ def capture_graph(step: Callable[[], Any], pool=None) -> tuple[torch.cuda.CUDAGr
 
 def capture_graphs(steps: Iterable[tuple[Hashable, Callable[[], tuple]]]) -> dict:
     """``key -> (graph, *outputs)`` for each ``(key, step)``, all in the first one's memory
-    pool (so the first should be the largest)."""
+    pool (so the first should be the largest). Each graph is replayed once as captured, over
+    the inputs its step ran on: a graph's first replay also uploads it to the device (about
+    2 ms for a prefill graph), which would otherwise land on the first request it serves."""
     graphs, pool = {}, None
     for key, step in steps:
         graph, outputs = capture_graph(step, pool)
+        graph.replay()
         pool = graph.pool()
         graphs[key] = (graph, *outputs)
     torch.cuda.synchronize()

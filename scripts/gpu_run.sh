@@ -2,7 +2,7 @@
 # The GPU tests and the benchmarks on a CUDA machine, in one call from the repository root:
 #
 #   scripts/gpu_run.sh [STEP...]      STEP: tests w1 w2 w3 preempt profile dropin w4 beam
-#                                     tp-tests
+#                                     tp-tests startup
 #                                     (default: the first four)
 #
 # Everything printed also goes to $OUT/run.log, and the result JSONs, README-table.md and
@@ -35,6 +35,7 @@
 #       TP_SIZES). On several GPUs:
 #       scripts/gpu_run.sh tp-tests w4
 #   tp-tests: the tensor-parallel GPU tests and the CPU (gloo) ones; T_TP=400
+#   startup: from_pretrained on an empty Triton cache, then warm (bench_startup); T_START=240
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
@@ -98,6 +99,7 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
       preempt) step preempt "${T_PRE:-240}" python -m benchmarks.check_preemption \
             --model "$CKPT" --results-dir "$RESULTS" ${PRE_ARGS:---num-requests 64 --num-kv-blocks 1000} ;;
       beam) bench beam "${T_BEAM:-240}" bench_beam_search "${BEAM_ARGS:-}" "${BASELINE_ARGS[@]}" ;;
+      startup) bench startup "${T_START:-240}" bench_startup "" ;;
       profile) step profile "${T_PROF:-120}" python -m benchmarks.profile_steps \
             --model "$CKPT" --results-dir "$RESULTS" ;;
       dropin)
@@ -121,7 +123,7 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
             step "w4-prof$n" "${T_W4P:-150}" python -m benchmarks.profile_steps --model "$ckpt8b" \
               --results-dir "$RESULTS" --tensor-parallel-size "$n" --name "w4-profile-tp$n"
           done ;;
-      *) echo "unknown step $s (steps: tests w1 w2 w3 preempt profile dropin w4 beam tp-tests)"
+      *) echo "unknown step $s (steps: tests w1 w2 w3 preempt profile dropin w4 beam tp-tests startup)"
          STATUS+=("$s unknown") ;;
     esac
   done

@@ -46,15 +46,28 @@ def _dispatch(module: str, name: str):
     return run
 
 
+def _small_m(x: torch.Tensor, weight: torch.Tensor, bias, small_m_rows: int) -> bool:
+    """Whether the small-M kernel serves this projection: at most ``small_m_rows`` rows (which
+    start-up sets per projection where it measured the kernel faster), no bias, one dtype."""
+    return bool(small_m_rows and x.dim() == 2 and x.shape[0] <= small_m_rows and bias is None
+                and _use_triton(x) and x.dtype == weight.dtype
+                and x.stride(1) == weight.stride(1) == 1)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            small_m_rows: int = 0) -> torch.Tensor:
-    """``F.linear``; for at most ``small_m_rows`` rows (which start-up sets per projection
-    where it measured the kernel faster) the small-M Triton kernel."""
-    if (small_m_rows and x.dim() == 2 and x.shape[0] <= small_m_rows and bias is None
-            and _use_triton(x) and x.dtype == weight.dtype
-            and x.stride(1) == weight.stride(1) == 1):
+    """``F.linear``, or the small-M Triton kernel where ``_small_m`` says."""
+    if _small_m(x, weight, bias, small_m_rows):
         return _triton_kernel("small_m", "linear")(x, weight)
     return F.linear(x, weight, bias)
+
+
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, small_m_rows: int = 0) -> torch.Tensor:
+    """``silu_and_mul(F.linear(x, weight))`` for a merged gate/up ``weight``; where
+    ``_small_m`` says, one small-M kernel computes both."""
+    if _small_m(x, weight, None, small_m_rows):
+        return _triton_kernel("small_m", "gated_linear")(x, weight)
+    return silu_and_mul(F.linear(x, weight))
 
 
 copy_blocks = _dispatch("block_copy", "copy_blocks")
@@ -65,6 +78,6 @@ silu_and_mul = _dispatch("activation", "silu_and_mul")
 sample = _dispatch("sampling", "sample")
 
 __all__ = [
-    "add_rms_norm", "copy_blocks", "linear", "norm_rope_store", "rms_norm", "sample",
-    "silu_and_mul",
+    "add_rms_norm", "copy_blocks", "gated_linear", "linear", "norm_rope_store", "rms_norm",
+    "sample", "silu_and_mul",
 ]

@@ -18,28 +18,30 @@ def _mul(a, b, dtype: tl.constexpr):
 
 
 @triton.jit
-def _norm_rope(ptr, token, s0, s1, num_heads, weight_ptr, cos, sin, eps,
-               HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Normalise and rotate the heads of one token in place; returns the rotated halves and
-    their mask. Every rounding point follows ``reference.rms_norm`` then ``reference.rope``."""
+def _load_heads(ptr, token, s0, s1, num_heads,
+                HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """One token's heads as their two halves: (address of the first, mask, first, second)."""
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (heads < num_heads) & (dims < HALF)
     first = ptr + token * s0 + heads * s1 + dims
-    dtype = ptr.dtype.element_ty
-    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    return (first, mask, tl.load(first, mask=mask, other=0.0),
+            tl.load(first + HALF, mask=mask, other=0.0))
+
+
+@triton.jit
+def _norm_rope(x1, x2, w1, w2, cos, sin, eps, HALF: tl.constexpr):
+    """Normalise and rotate loaded heads; every rounding point follows ``reference.rms_norm``
+    then ``reference.rope``."""
+    dtype = x1.dtype
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
     inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
-    w1 = tl.load(weight_ptr + dims, mask=dims < HALF, other=0.0)
-    w2 = tl.load(weight_ptr + HALF + dims, mask=dims < HALF, other=0.0)
     # Normalised in float32, cast back, then scaled: transformers' Qwen3RMSNorm.
     n1 = _mul((x1 * inv_rms[:, None]).to(dtype), w1, dtype)
     n2 = _mul((x2 * inv_rms[:, None]).to(dtype), w2, dtype)
     out1 = (_mul(n1, cos, dtype).to(tl.float32) - _mul(n2, sin, dtype).to(tl.float32)).to(dtype)
     out2 = (_mul(n2, cos, dtype).to(tl.float32) + _mul(n1, sin, dtype).to(tl.float32)).to(dtype)
-    tl.store(first, out1, mask=mask)
-    tl.store(first + HALF, out2, mask=mask)
-    return out1, out2, mask
+    return out1, out2
 
 
 # The per-token indices may be views into a graph's packed inputs at any offset: their
@@ -53,26 +55,40 @@ def _norm_rope_store_kernel(
     HALF: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
+    # Every load is issued first: at small batches each dependent round trip to memory, not
+    # the bytes, is what a step waits for.
     token = tl.program_id(0).to(tl.int64)
-    position = tl.load(positions_ptr + token).to(tl.int64)
+    q_first, q_mask, q1, q2 = _load_heads(q_ptr, token, q_s0, q_s1, num_heads,
+                                          HALF, BLOCK_H, BLOCK_HALF)
+    k_first, kv_mask, k1, k2 = _load_heads(k_ptr, token, k_s0, k_s1, num_kv_heads,
+                                           HALF, BLOCK_HKV, BLOCK_HALF)
+    _, _, v1, v2 = _load_heads(v_ptr, token, v_s0, v_s1, num_kv_heads,
+                               HALF, BLOCK_HKV, BLOCK_HALF)
     dims = tl.arange(0, BLOCK_HALF)[None, :]
+    half_ok = dims < HALF
+    qw1 = tl.load(q_weight_ptr + dims, mask=half_ok, other=0.0)
+    qw2 = tl.load(q_weight_ptr + HALF + dims, mask=half_ok, other=0.0)
+    kw1 = tl.load(k_weight_ptr + dims, mask=half_ok, other=0.0)
+    kw2 = tl.load(k_weight_ptr + HALF + dims, mask=half_ok, other=0.0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    position = tl.load(positions_ptr + token).to(tl.int64)
     row = cos_sin_ptr + position * cos_sin_s0 + dims
     # The table is float32; the reference casts cos/sin to the input dtype first.
-    cos = tl.load(row, mask=dims < HALF).to(q_ptr.dtype.element_ty)
-    sin = tl.load(row + HALF, mask=dims < HALF).to(q_ptr.dtype.element_ty)
-    _norm_rope(q_ptr, token, q_s0, q_s1, num_heads, q_weight_ptr, cos, sin, eps,
-               HALF, BLOCK_H, BLOCK_HALF)
-    k1, k2, mask = _norm_rope(k_ptr, token, k_s0, k_s1, num_kv_heads, k_weight_ptr, cos, sin,
-                              eps, HALF, BLOCK_HKV, BLOCK_HALF)
-    slot = tl.load(slot_ptr + token).to(tl.int64)
+    cos = tl.load(row, mask=half_ok).to(q_ptr.dtype.element_ty)
+    sin = tl.load(row + HALF, mask=half_ok).to(q_ptr.dtype.element_ty)
+    q1, q2 = _norm_rope(q1, q2, qw1, qw2, cos, sin, eps, HALF)
+    tl.store(q_first, q1, mask=q_mask)
+    tl.store(q_first + HALF, q2, mask=q_mask)
+    k1, k2 = _norm_rope(k1, k2, kw1, kw2, cos, sin, eps, HALF)
+    tl.store(k_first, k1, mask=kv_mask)
+    tl.store(k_first + HALF, k2, mask=kv_mask)
     if slot >= 0:  # a negative slot: padding row of a graph batch, not stored
         heads = tl.arange(0, BLOCK_HKV)[:, None]
         cache = (slot // PAGE) * cache_s0 + (slot % PAGE) * cache_s1 + heads * cache_s2 + dims
-        tl.store(k_cache_ptr + cache, k1, mask=mask)
-        tl.store(k_cache_ptr + cache + HALF, k2, mask=mask)
-        value = v_ptr + token * v_s0 + heads * v_s1 + dims
-        tl.store(v_cache_ptr + cache, tl.load(value, mask=mask), mask=mask)
-        tl.store(v_cache_ptr + cache + HALF, tl.load(value + HALF, mask=mask), mask=mask)
+        tl.store(k_cache_ptr + cache, k1, mask=kv_mask)
+        tl.store(k_cache_ptr + cache + HALF, k2, mask=kv_mask)
+        tl.store(v_cache_ptr + cache, v1, mask=kv_mask)
+        tl.store(v_cache_ptr + cache + HALF, v2, mask=kv_mask)
 
 
 def norm_rope_store(

@@ -22,6 +22,8 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK_D)
     mask = cols < dim
     x = tl.load(x_ptr + i * x_s0 + j * x_s1 + cols, mask=mask, other=0.0)
+    # Loaded before the reduction, not after: its latency overlaps instead of adding up.
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         residual_ptrs = residual_ptr + i * r_s0 + j * r_s1 + cols
         residual = tl.load(residual_ptrs, mask=mask, other=0.0)
@@ -32,7 +34,6 @@ def _rms_norm_kernel(
     inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / dim + eps)
     # Cast back before scaling, as transformers does: the product is rounded once more.
     normed = (xf * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + i * o_s0 + j * o_s1 + cols, normed * weight, mask=mask)
 
 

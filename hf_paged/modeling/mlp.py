@@ -20,4 +20,5 @@ class Qwen3PagedMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, config.hidden_size, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj  # its small_m_rows were measured for the gated kernel
+        return self.down_proj(kernels.gated_linear(x, gate_up.weight, gate_up.small_m_rows))

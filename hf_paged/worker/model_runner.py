@@ -22,8 +22,10 @@ keeps them).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -152,12 +154,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
-        start = time.perf_counter()
-        self._log("sizing and allocating the KV cache")
-        self.num_blocks = self._allocate_kv_cache()
-        self.startup_seconds = {"kv_cache": time.perf_counter() - start, "graphs": 0.0}
-        self._log(f"KV cache of {self.num_blocks} blocks "
-                  f"({self.num_blocks * self._block_bytes() / 2**30:.2f} GiB)")
+        self.startup_seconds: dict[str, float] = {}
         self.block_tables = BlockTableMirror(self.max_blocks_per_seq)
         # The last step's sampled tokens, on the device, and the row of each sequence in them.
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.long, device=self.device)
@@ -182,25 +179,35 @@ class ModelRunner:
                   and not config.enforce_eager)
         if graphs:
             self.decode_graphs, self.prefill_graphs = self._new_graphs()
+        # On CUDA every kernel variant compiles first, all at once, so that sizing the KV cache,
+        # the warm-up steps and the captures run compiled kernels only.
         if self.device.type == "cuda":
-            start = time.perf_counter()
-            self._log("timing the projections")
-            self.projection_timings = tune_projections(self.model.layers)
+            with self._stage("projections", "timing the projections"):
+                self.projection_timings = tune_projections(self.model.layers)
             chosen = {shape: r["small_m_rows"] for shape, r in self.projection_timings.items()}
             self._log(f"small-M kernel up to these rows, by projection shape: {chosen}")
-            self.startup_seconds["projections"] = time.perf_counter() - start
-            start = time.perf_counter()
-            self._log("compiling kernels")
-            self._compile_kernels(decode=not graphs)
-            self.startup_seconds["kernels"] = time.perf_counter() - start
+            with self._stage("kernels", "compiling kernels"):
+                self._compile_ahead(decode=not graphs)
+        with self._stage("kv_cache", "sizing and allocating the KV cache"):
+            self.num_blocks = self._allocate_kv_cache()
+        self._log(f"KV cache of {self.num_blocks} blocks "
+                  f"({self.num_blocks * self._block_bytes() / 2**30:.2f} GiB)")
+        if self.device.type == "cuda":
+            with self._stage("warm_up", "warm-up steps"):
+                self._warm_steps(decode=not graphs)
         if graphs:
-            start = time.perf_counter()
-            self._log("capturing the decode graphs")
-            self.decode_graphs.capture()
-            self._log("capturing the prefill graphs")
-            self.prefill_graphs.capture()
-            self.startup_seconds["graphs"] = time.perf_counter() - start
+            with self._stage("graphs", "capturing the decode and prefill graphs"):
+                self.decode_graphs.capture()
+                self.prefill_graphs.capture()
         self._log(f"ready; start-up seconds {self.startup_seconds}")
+
+    @contextlib.contextmanager
+    def _stage(self, name: str, message: str) -> Iterator[None]:
+        """A start-up stage: logged as it begins, its seconds kept in ``startup_seconds``."""
+        self._log(message)
+        start = time.perf_counter()
+        yield
+        self.startup_seconds[name] = time.perf_counter() - start
 
     def _log(self, message: str) -> None:
         """Start-up stages, for ``logging`` at INFO (where a slow or stuck start is)."""
@@ -231,34 +238,39 @@ class ModelRunner:
             raise ValueError(
                 f"no memory is left for the KV cache: raise {memory} or set num_kv_blocks"
             )
+        self._set_kv_cache(num_blocks, separate=True)
+        return num_blocks
+
+    def _set_kv_cache(self, num_blocks: int, separate: bool = False) -> None:
+        """Give every layer a zeroed cache of ``num_blocks`` blocks: separate K and V tensors
+        (the real cache), or one tensor serving as both (a throwaway for start-up's steps,
+        which store nothing)."""
         attn = self.model.attention_layers[0]
         shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
         for layer in self.model.attention_layers:
             layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        return num_blocks
+            layer.v_cache = (torch.zeros(shape, dtype=self.dtype, device=self.device)
+                             if separate else layer.k_cache)
+
+    def _sizing_step(self) -> tuple[int, int]:
+        """The largest step the scheduler can make: (sequences, tokens each)."""
+        cfg = self.config
+        num_seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        return num_seqs, min(cfg.max_num_batched_tokens // num_seqs, self.max_model_len)
 
     def _blocks_that_fit_on_gpu(self) -> int:
         """Run the largest step once on a throwaway cache to learn peak activation memory."""
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        cfg = self.config
-        num_seqs = min(cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        per_seq = min(cfg.max_num_batched_tokens // num_seqs, self.max_model_len)
-        blocks = num_seqs * -(-per_seq // self.block_size)
-        attn = self.model.attention_layers[0]
-        shape = (blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
-        for layer in self.model.attention_layers:
-            layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.v_cache = layer.k_cache
+        num_seqs, per_seq = self._sizing_step()
+        self._set_kv_cache(num_seqs * -(-per_seq // self.block_size))
         self._warmup(num_seqs, per_seq)
-        for layer in self.model.attention_layers:
-            layer.k_cache = layer.v_cache = torch.empty(0)
+        self._set_kv_cache(0)
         free, total = torch.cuda.mem_get_info()
         used_now = total - free
         peak_extra = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
-        budget = total * cfg.gpu_memory_utilization - used_now - peak_extra
+        budget = total * self.config.gpu_memory_utilization - used_now - peak_extra
         return int(budget) // self._block_bytes()
 
     @torch.inference_mode()
@@ -296,22 +308,28 @@ class ModelRunner:
                 PrefillGraphs(self, min(_PREFILL_GRAPH_TOKENS, config.max_num_batched_tokens),
                               min(_PREFILL_GRAPH_SEQS, config.max_num_seqs)))
 
-    def _compile_kernels(self, decode: bool) -> None:
-        """Compile every kernel variant a request can need now, so none compiles inside one:
-        first all at once (``_compile_ahead``), then the warm-up steps run for real."""
+    def _compile_ahead(self, decode: bool, workers: int | None = None) -> None:
+        """Compile every kernel variant a request can need, on ``workers`` threads, so none
+        compiles inside one: the KV-cache sizing step, the warm-up steps and every graph's
+        step run with each launch only compiling its kernel (``compiling_only``), over the
+        first two layers (the first norms without a residual, the others with one; every
+        other layer launches the same variants as the second) and a two-block cache. If this
+        fails, kernels compile one at a time as the steps first run them, with a warning."""
+        layers = self.model.layers
+        self.model.layers = layers[:2]
+        self._set_kv_cache(2)
         try:
-            self._compile_ahead(decode)
+            with torch.inference_mode(), compiling_only(workers):
+                if self.device.type == "cuda" and self.config.num_kv_blocks is None:
+                    self._warmup(*self._sizing_step())
+                self._warm_steps(decode)
+                self._graph_steps()
         except Exception as e:  # e.g. a Triton without asynchronous compilation
             logger.warning("rank %d of %d: kernels compile one at a time (%s)", self.tp.rank,
                            self.tp.size, e)
-        self._warm_steps(decode)
-
-    def _compile_ahead(self, decode: bool, workers: int | None = None) -> None:
-        """The warm-up steps and every graph's step with each launch only compiling its
-        kernel variant, on ``workers`` threads (``compiling_only``)."""
-        with torch.inference_mode(), compiling_only(workers):
-            self._warm_steps(decode)
-            self._graph_steps()
+        finally:
+            self.model.layers = layers
+            self._set_kv_cache(0)
 
     def _graph_steps(self) -> None:
         """Every graph's step once, eagerly, over the layout its capture runs on."""

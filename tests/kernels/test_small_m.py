@@ -1,6 +1,7 @@
-"""The small-M projection kernel (decode at small batches) against ``F.linear``: every row
-count up to the limit, sizes that fill no block evenly, rows of a strided batch, and the
-dispatch that sends a projection to it only up to its chosen row count."""
+"""The small-M projection kernel (decode at small batches) against ``F.linear``: every row count up
+to the limit, sizes that fill no block evenly, wide and long weights, rows of a strided batch,
+the gated (SwiGLU) variant, and the dispatch that sends a projection to it only up to its chosen
+row count."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from hf_paged import kernels
-from hf_paged.kernels.small_m import MAX_ROWS, linear
+from hf_paged.kernels import reference
+from hf_paged.kernels.small_m import MAX_ROWS, gated_linear, linear
 from tests.kernels.conftest import DEVICE, HALF, assert_close
 
 
@@ -25,6 +27,20 @@ def test_linear(dtype, rows, n, k):
     assert_close(linear(x, weight), F.linear(x, weight))
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("inter,k", [(48, 64), (50, 300)])
+def test_gated_linear(rows, inter, k):
+    """The merged gate/up projection's SwiGLU product, rounded as the unfused ops round."""
+    x, weight = rand(rows, k, dtype=HALF), rand(2 * inter, k, dtype=HALF)
+    assert_close(gated_linear(x, weight), reference.silu_and_mul(F.linear(x, weight)))
+
+
+def test_wide_and_long_weights():
+    """Four-row strips (4,096 outputs and more) and several 1,024-column steps along K."""
+    x, weight = rand(2, 1100, dtype=HALF), rand(4100, 1100, dtype=HALF)
+    assert_close(linear(x, weight), F.linear(x, weight))
+
+
 def test_rows_of_a_strided_batch():
     x = rand(4, 2 * 64, dtype=HALF)[:, :64]  # row stride 128
     weight = rand(32, 64, dtype=HALF)
@@ -36,6 +52,9 @@ def test_dispatch_takes_the_kernel_only_up_to_the_chosen_rows(monkeypatch):
     monkeypatch.setattr(kernels, "_triton_kernel", lambda module, name: lambda *a: name)
     weight = rand(32, 64, dtype=HALF)
     assert kernels.linear(rand(4, 64, dtype=HALF), weight, small_m_rows=4) == "linear"
+    assert kernels.gated_linear(rand(4, 64, dtype=HALF), weight, small_m_rows=4) == "gated_linear"
+    # more rows than chosen: the projection, then silu_and_mul
+    assert kernels.gated_linear(rand(5, 64, dtype=HALF), weight, small_m_rows=4) == "silu_and_mul"
     for x, rows, bias in [(rand(5, 64, dtype=HALF), 4, None),  # more rows than chosen
                           (rand(1, 64, dtype=HALF), 0, None),  # not chosen at all
                           (rand(1, 64, dtype=HALF), 4, rand(32, dtype=HALF))]:  # a bias

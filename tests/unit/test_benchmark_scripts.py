@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from benchmarks import bench_latency, bench_throughput, common
+from benchmarks import bench_latency, bench_startup, bench_throughput, common
 from hf_paged.random_checkpoint import make_checkpoint
 
 
@@ -46,6 +46,12 @@ def test_throughput_with_a_baseline(tiny, tmp_path):
     data = json.loads((tmp_path / "w1-cpu.json").read_text())
     assert data["complete"] and data["baselines"]["transformers_generate"]["output_tokens_per_s"]
     assert metrics(tmp_path / "w1-cpu.json")[:2] == ["output tok/s", "output tok/s, greedy"]
+
+
+def test_startup_fresh_and_warm(tiny, tmp_path):
+    bench_startup.main([*tiny, "--warm-starts", "1", "--results-dir", str(tmp_path)])
+    assert metrics(tmp_path / "startup-cpu.json") == [
+        "start-up s, fresh Triton cache", "start-up s, warm Triton cache"]
 
 
 def test_results_are_copied_to_out_and_name_the_given_commit(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ def test_the_kernel_serves_up_to_the_rows_where_it_won_clearly_at_every_count():
     assert small_m_rows(cublas, {1: 5.9, 2: 7.5, 4: 5.6, 8: 5.0}) == 1  # lost at 2 rows
     assert small_m_rows(cublas, {1: 12.0, 2: 5.0, 4: 5.0, 8: 5.0}) == 0  # no clear win at 1
     assert small_m_rows(cublas, {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0}) == 8
+    assert small_m_rows(cublas, {1: 1.0, 2: 9.0}) == 1  # not measured past its first loss
 
 
 def test_projections_off_cuda_keep_cublas(checkpoints):
