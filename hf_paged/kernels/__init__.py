@@ -70,6 +70,27 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor, small_m_rows: int = 0) -
     return silu_and_mul(F.linear(x, weight))
 
 
+def normed_linear(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, bias: torch.Tensor | None = None, small_m_rows: int = 0,
+    gated: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The projection (``gated``: ``gated_linear``) of ``rms_norm(x + residual)``, and
+    ``x + residual`` (``x`` when ``residual`` is None), as ``add_rms_norm`` then the
+    projection compute them; where ``_small_m`` says, one small-M kernel does it all."""
+    if (_small_m(x, weight, bias, small_m_rows) and norm_weight.dtype == x.dtype
+            and (residual is None or residual.stride(1) == 1)):
+        return _triton_kernel("small_m", "normed_linear")(x, residual, norm_weight, eps, weight,
+                                                          gated)
+    if residual is None:
+        x, residual = rms_norm(x, norm_weight, eps), x
+    else:
+        x, residual = add_rms_norm(x, residual, norm_weight, eps)
+    if gated:
+        return gated_linear(x, weight, small_m_rows), residual
+    return linear(x, weight, bias, small_m_rows), residual
+
+
 copy_blocks = _dispatch("block_copy", "copy_blocks")
 norm_rope_store = _dispatch("attention_inputs", "norm_rope_store")
 rms_norm = _dispatch("rmsnorm", "rms_norm")
@@ -78,6 +99,6 @@ silu_and_mul = _dispatch("activation", "silu_and_mul")
 sample = _dispatch("sampling", "sample")
 
 __all__ = [
-    "add_rms_norm", "copy_blocks", "gated_linear", "linear", "norm_rope_store", "rms_norm",
-    "sample", "silu_and_mul",
+    "add_rms_norm", "copy_blocks", "gated_linear", "linear", "norm_rope_store", "normed_linear",
+    "rms_norm", "sample", "silu_and_mul",
 ]

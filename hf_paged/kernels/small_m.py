@@ -11,7 +11,8 @@ strip of ``BLOCK_N`` weight rows (2 or 4) across up to 1,024 columns at a time, 
 small programs keep the whole weight in flight at once. Row ``m`` of ``x`` is
 ``program_id(1)``: a second row's programs read the strip from L2, not from memory. The
 merged gate/up projection can produce its SwiGLU product in the same pass (``gated_linear``),
-which saves the activation's launch. Start-up
+which saves the activation's launch, and can RMS-normalise its input first, after the residual
+add (``normed_linear``), which saves the norm's launch. Start-up
 still measures both kernels per projection shape (``worker/projection_tuning.py``) and uses
 this one only where it wins.
 """
@@ -31,34 +32,46 @@ _MAX_BLOCK_K = 1024
 @triton.jit
 def _small_m_kernel(
     x_ptr, w_ptr, out_ptr, N, K, x_s0, w_s0, out_s0,
+    res_ptr, res_out_ptr, norm_ptr, eps, res_s0, res_out_s0,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
+    NORM: tl.constexpr, RESIDUAL: tl.constexpr,
 ):
     # GATED: the weight is [gate; up] (2N rows) and the output silu(x @ gate.T) * (x @ up.T),
     # each product rounded to the output dtype first, as silu_and_mul(F.linear(x, w)).
+    # NORM: x is first RMS-normalised with weight ``norm_ptr``, after adding the residual
+    # (RESIDUAL), rounded at every point where the norm kernels round; program 0 of each row
+    # writes x + residual to ``res_out_ptr`` (a new tensor: the others still read the old).
     row = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     col_ok = cols[:, None] < N
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * w_s0 + ks[None, :]
     x_ptrs = x_ptr + row * x_s0 + ks
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    up = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        if EVEN:  # no masks: the loads stay 16 bytes wide
-            x = tl.load(x_ptrs + k).to(tl.float32)
-            w = tl.load(w_ptrs + k).to(tl.float32)
-            if GATED:
-                u = tl.load(w_ptrs + N * w_s0 + k).to(tl.float32)
-        else:
-            k_ok = ks < K - k
-            x = tl.load(x_ptrs + k, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs + k, mask=col_ok & k_ok[None, :], other=0.0).to(tl.float32)
-            if GATED:
-                u = tl.load(w_ptrs + N * w_s0 + k, mask=col_ok & k_ok[None, :],
-                            other=0.0).to(tl.float32)
-        acc += tl.sum(w * x[None, :], axis=1)
-        if GATED:
-            up += tl.sum(u * x[None, :], axis=1)
+    res_ptrs = res_ptr + row * res_s0 + ks
+    # The first chunk of the weight is loaded before anything else, so that its latency
+    # overlaps the norm's pass over the row; the loop over K starts at the second chunk.
+    w = _load(w_ptrs, col_ok & (ks < K)[None, :], EVEN)
+    u = _load(w_ptrs + N * w_s0, col_ok & (ks < K)[None, :], EVEN) if GATED else w
+    inv_rms = 1.0
+    if NORM:  # a first pass over the row (from L2: every program reads it) for its RMS
+        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k in range(0, K, BLOCK_K):
+            x = _input(x_ptrs + k, res_ptrs + k, ks < K - k, RESIDUAL, False)
+            if RESIDUAL:
+                if tl.program_id(0) == 0:
+                    tl.store(res_out_ptr + row * res_out_s0 + ks + k, x, mask=ks < K - k)
+            squares += x.to(tl.float32) * x.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
+    acc, up = _chunk(w, u, x_ptrs, res_ptrs, norm_ptr + ks, ks < K, inv_rms,
+                     GATED, NORM, RESIDUAL, EVEN)
+    for k in range(BLOCK_K, K, BLOCK_K):
+        k_ok = ks < K - k  # unused where EVEN: no masks, so the loads stay 16 bytes wide
+        w = _load(w_ptrs + k, col_ok & k_ok[None, :], EVEN)
+        u = _load(w_ptrs + N * w_s0 + k, col_ok & k_ok[None, :], EVEN) if GATED else w
+        a, b = _chunk(w, u, x_ptrs + k, res_ptrs + k, norm_ptr + ks + k, k_ok, inv_rms,
+                      GATED, NORM, RESIDUAL, EVEN)
+        acc += a
+        up += b
     dtype = out_ptr.dtype.element_ty
     if GATED:
         gate = acc.to(dtype).to(tl.float32)
@@ -67,19 +80,59 @@ def _small_m_kernel(
     tl.store(out_ptr + row * out_s0 + cols, acc.to(dtype), mask=cols < N)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> torch.Tensor:
+@triton.jit
+def _load(ptrs, mask, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _chunk(w, u, x_ptrs, res_ptrs, norm_ptrs, k_ok, inv_rms, GATED: tl.constexpr,
+           NORM: tl.constexpr, RESIDUAL: tl.constexpr, EVEN: tl.constexpr):
+    """One chunk along K: the products of weight rows ``w`` (and, GATED, ``u``) with the
+    input's chunk, normed first under NORM."""
+    x = _input(x_ptrs, res_ptrs, k_ok, RESIDUAL and NORM, EVEN)
+    if NORM:
+        normed = (x.to(tl.float32) * inv_rms).to(x.dtype).to(tl.float32)
+        x = (normed * _load(norm_ptrs, k_ok, EVEN).to(tl.float32)).to(x.dtype)
+    x = x.to(tl.float32)[None, :]
+    gate = tl.sum(w.to(tl.float32) * x, axis=1)
+    if GATED:
+        return gate, tl.sum(u.to(tl.float32) * x, axis=1)
+    return gate, tl.zeros_like(gate)
+
+
+@triton.jit
+def _input(x_ptrs, res_ptrs, mask, RESIDUAL: tl.constexpr, EVEN: tl.constexpr):
+    """A chunk of a row of x, plus the residual's (the sum rounded as ``x + residual``)."""
+    x = _load(x_ptrs, mask, EVEN)
+    if RESIDUAL:
+        res = _load(res_ptrs, mask, EVEN)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
+    return x
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, gated: bool, norm=None) -> torch.Tensor:
+    """``norm``: (residual or None, residual_out, norm weight, eps)."""
     assert x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.stride(1) == weight.stride(1) == 1
     n, k = weight.shape
     n //= 1 + gated
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    residual, residual_out, norm_weight, eps = norm or (None, None, None, 0.0)
+    res = x if residual is None else residual
+    res_out = x if residual_out is None else residual_out
     if x.shape[0]:
         block_n = 4 if n >= 4096 else 2  # narrow outputs: more, smaller programs
         block_k = min(_MAX_BLOCK_K, triton.next_power_of_2(k))
         launch(
             _small_m_kernel, (triton.cdiv(n, block_n), x.shape[0]),
             x, weight, out, n, k, x.stride(0), weight.stride(0), out.stride(0),
+            res, res_out, x if norm_weight is None else norm_weight, eps, res.stride(0),
+            res_out.stride(0),
             BLOCK_N=block_n, BLOCK_K=block_k, EVEN=n % block_n == 0 and k % block_k == 0,
-            GATED=gated, num_warps=4, num_stages=1,
+            GATED=gated, NORM=norm is not None, RESIDUAL=residual is not None,
+            num_warps=4, num_stages=1,
         )
     return out
 
@@ -93,3 +146,15 @@ def gated_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Triton twin of ``silu_and_mul(F.linear(x, weight))`` for a merged gate/up ``weight``
     and ``x [M <= MAX_ROWS, K]``."""
     return _launch(x, weight, gated=True)
+
+
+def normed_linear(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+    weight: torch.Tensor, gated: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of ``kernels.normed_linear`` (no bias) for ``x [M <= MAX_ROWS, K]``: the
+    projection (``gated``: its SwiGLU product) of the RMS-normed ``x + residual``, and
+    ``x + residual`` as a new tensor (``x`` itself without a residual)."""
+    residual_out = None if residual is None else torch.empty_like(x)
+    out = _launch(x, weight, gated, (residual, residual_out, norm_weight, eps))
+    return out, x if residual is None else residual_out

@@ -80,10 +80,11 @@ class Qwen3PagedAttention(nn.Module):
         self.k_cache = self.v_cache = torch.empty(0)
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata,
-        rotary: RotaryEmbedding,
-    ) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+        norm: nn.Module, meta: AttentionMetadata, rotary: RotaryEmbedding,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's output for ``norm(hidden, residual)``, and the new residual stream."""
+        qkv, residual = self.qkv_proj.normed(hidden, residual, norm)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q, _ = kernels.norm_rope_store(
@@ -97,4 +98,4 @@ class Qwen3PagedAttention(nn.Module):
             q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
             self.scale, max_query_len=meta.max_query_len, shared_prefix=meta.shared_prefix,
         )
-        return self.o_proj(out.reshape(-1, q_size))
+        return self.o_proj(out.reshape(-1, q_size)), residual

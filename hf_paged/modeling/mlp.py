@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hf_paged import kernels
 from hf_paged.modeling.linear import MergedColumnParallelLinear, RowParallelLinear
 from hf_paged.modeling.tp import SINGLE, TensorParallel
 
@@ -19,6 +18,9 @@ class Qwen3PagedMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], tp=tp)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, tp=tp)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj  # its small_m_rows were measured for the gated kernel
-        return self.down_proj(kernels.gated_linear(x, gate_up.weight, gate_up.small_m_rows))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's output for ``norm(x, residual)``, and the new residual stream."""
+        # gate_up's small_m_rows were measured for the gated kernel
+        act, residual = self.gate_up_proj.normed(x, residual, norm, gated=True)
+        return self.down_proj(act), residual

@@ -60,14 +60,10 @@ class PagedQwen3:
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            if residual is None:
-                hidden, residual = layer.input_layernorm(hidden), hidden
-            else:
-                hidden, residual = layer.input_layernorm(hidden, residual)
-            hidden = layer.self_attn(positions, hidden, meta, self.rotary)
-            hidden, residual = layer.post_attention_layernorm(hidden, residual)
-            hidden = layer.mlp(hidden)
+        for layer in self.layers:  # each block norms its input (fused into its projection)
+            hidden, residual = layer.self_attn(positions, hidden, residual,
+                                               layer.input_layernorm, meta, self.rotary)
+            hidden, residual = layer.mlp(hidden, residual, layer.post_attention_layernorm)
         return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

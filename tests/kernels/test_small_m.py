@@ -1,7 +1,7 @@
 """The small-M projection kernel (decode at small batches) against ``F.linear``: every row count up
 to the limit, sizes that fill no block evenly, wide and long weights, rows of a strided batch,
 the gated (SwiGLU) variant, and the dispatch that sends a projection to it only up to its chosen
-row count."""
+row count; and RMSNorm fused in front of both."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from hf_paged import kernels
 from hf_paged.kernels import reference
-from hf_paged.kernels.small_m import MAX_ROWS, gated_linear, linear
+from hf_paged.kernels.small_m import MAX_ROWS, gated_linear, linear, normed_linear
 from tests.kernels.conftest import DEVICE, HALF, assert_close
 
 
@@ -33,6 +33,28 @@ def test_gated_linear(rows, inter, k):
     """The merged gate/up projection's SwiGLU product, rounded as the unfused ops round."""
     x, weight = rand(rows, k, dtype=HALF), rand(2 * inter, k, dtype=HALF)
     assert_close(gated_linear(x, weight), reference.silu_and_mul(F.linear(x, weight)))
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("rows,k", [(1, 64), (3, 300), (2, 1100)])
+def test_normed_linear(gated, with_residual, rows, k):
+    """RMSNorm (after the residual add) fused into the projection: the same output and new
+    residual as the norm kernel's twin then the projection, the inputs left as they were."""
+    x, weight = rand(rows, k, dtype=HALF), rand(2 * 24, k, dtype=HALF)
+    residual = rand(rows, k, dtype=HALF) if with_residual else None
+    norm = (1 + torch.randn(k, device=DEVICE) / 4).to(HALF)
+    inputs = [t for t in (x, residual) if t is not None]
+    before = [t.clone() for t in inputs]
+    out, new_residual = normed_linear(x, residual, norm, 1e-6, weight, gated)
+    if with_residual:
+        normed, expected_residual = reference.add_rms_norm(x.clone(), residual.clone(), norm, 1e-6)
+    else:
+        normed, expected_residual = reference.rms_norm(x, norm, 1e-6), x
+    expected = F.linear(normed, weight)
+    assert_close(out, reference.silu_and_mul(expected) if gated else expected)
+    assert torch.equal(new_residual, expected_residual)
+    assert all(torch.equal(a, b) for a, b in zip(before, inputs))
 
 
 def test_wide_and_long_weights():
