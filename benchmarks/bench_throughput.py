@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.repetition_penalty != 1.0:
             penalty = {**sampling, "repetition_penalty": args.repetition_penalty}
             settings["repetition_penalty"] = {"sampling": penalty}
-    if tp_sizes != [1]:  # one run per size, each setting
+    if tp_sizes != [1] or args.workload == "w4":  # one run per size, each setting
         settings = {
             (f"tensor_parallel_size_{n}" if label == "hf_paged" else f"{label}_tp{n}"):
             dict(extra, tensor_parallel_size=n)
