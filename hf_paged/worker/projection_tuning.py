@@ -9,14 +9,20 @@ weight of that shape (so the weights stream from memory as in a real step, not f
 on replay. The merged gate/up projection is timed with its SwiGLU product: the gated small-M
 kernel against cuBLAS then ``silu_and_mul``. The small-M kernel then serves up to the most rows
 at which it took under ``_MARGIN`` of cuBLAS's time at every row count up to there; the margin
-keeps the choice stable between runs.
+keeps the choice stable between runs. The choice is cached on disk (``cached_report``): only the
+first start-up with a given GPU, model shape and software pays for the timings.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import logging
+import os
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -46,26 +52,67 @@ def small_m_rows(cublas_us: dict[int, float], small_m_us: dict[int, float]) -> i
 def tune_projections(layers: nn.Module) -> dict[str, dict]:
     """Set ``small_m_rows`` on every bias-free 16-bit projection in ``layers`` (on CUDA) and
     return, per weight shape (``gated``: a merged gate/up projection, timed with its SwiGLU
-    product), the microseconds measured and the rows chosen."""
-    groups: dict[tuple[int, int, bool], list[_ParallelLinear]] = defaultdict(list)
+    product), the microseconds measured and the rows chosen. A start-up with the same GPU,
+    shapes and software reads the choice back from the cache folder (``cached_report``)."""
+    groups: dict[str, list[_ParallelLinear]] = defaultdict(list)
     for module in layers.modules():
         w = module.weight if isinstance(module, _ParallelLinear) else None
         if w is not None and module.bias is None and w.is_cuda and w.element_size() == 2:
             gated = isinstance(module, MergedColumnParallelLinear)
-            groups[(*w.shape, gated)].append(module)
+            groups["x".join(map(str, w.shape)) + (" gated" if gated else "")].append(module)
     if not groups or not kernels.triton_available():
         return {}
+    weight = next(iter(groups.values()))[0].weight
+    key = {"device": torch.cuda.get_device_name(weight.device), "dtype": str(weight.dtype),
+           "shapes": {name: len(modules) for name, modules in groups.items()},
+           "torch": torch.__version__, "triton": _triton_version(), "kernel": _kernel_source()}
     try:
-        return _tune(groups)
+        report = cached_report("projections", key, lambda: _measure(groups))
     except Exception as e:  # e.g. a GPU this Triton cannot compile for: cuBLAS throughout
         logger.warning("projections stay on cuBLAS: timing the small-M kernel failed (%s)", e)
-        for modules in groups.values():
-            for m in modules:
-                m.small_m_rows = 0
-        return {}
+        report = {}
+    for name, modules in groups.items():
+        for m in modules:
+            m.small_m_rows = report[name]["small_m_rows"] if name in report else 0
+    return report
 
 
-def _tune(groups: dict[tuple[int, int, bool], list[_ParallelLinear]]) -> dict[str, dict]:
+def cached_report(kind: str, key: dict, measure: Callable[[], dict]) -> dict:
+    """``measure()``, kept as JSON in ``$HF_PAGED_CACHE_DIR`` (default ``~/.cache/hf_paged``)
+    under a name made from ``key``, and read back from there when a file of that name is
+    present. A cache that cannot be written is skipped."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    folder = Path(os.environ.get("HF_PAGED_CACHE_DIR") or Path.home() / ".cache" / "hf_paged")
+    path = folder / f"{kind}-{digest}.json"
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads(path.read_text())["report"]
+    report = measure()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")  # ranks may write it at once
+        temporary.write_text(json.dumps({"key": key, "report": report}, indent=1))
+        temporary.replace(path)
+    except OSError as e:
+        logger.info("start-up's measurements are not cached: %s", e)
+    return report
+
+
+def _triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+def _kernel_source() -> str:
+    """A digest of the small-M kernel's source and of this file: a changed kernel or rule
+    invalidates cached choices."""
+    from hf_paged.kernels import small_m
+
+    text = Path(small_m.__file__).read_bytes() + Path(__file__).read_bytes()
+    return hashlib.sha256(text).hexdigest()[:16]
+
+
+def _measure(groups: dict[str, list[_ParallelLinear]]) -> dict[str, dict]:
     from hf_paged.kernels import small_m  # Triton, imported only where it runs
 
     def kernels_for(gated: bool) -> tuple[Callable, Callable]:
@@ -75,25 +122,23 @@ def _tune(groups: dict[tuple[int, int, bool], list[_ParallelLinear]]) -> dict[st
 
     with torch.inference_mode():
         with compiling_only():  # each shape's variant, side by side
-            for (_, _, gated), modules in groups.items():
+            for name, modules in groups.items():
                 w = modules[0].weight
-                kernels_for(gated)[1](w.new_empty(1, w.shape[1]), w)
+                kernels_for(name.endswith("gated"))[1](w.new_empty(1, w.shape[1]), w)
         report = {}
-        for (n, k, gated), modules in groups.items():
+        for name, modules in groups.items():
             weights = [m.weight for m in modules]
-            theirs, ours = kernels_for(gated)
+            theirs, ours = kernels_for(name.endswith("gated"))
             cublas, mine = {}, {}
             for rows in _ROWS:  # up to the small-M kernel's first loss
-                x = torch.randn(rows, k, dtype=weights[0].dtype, device=weights[0].device)
+                x = torch.randn(rows, weights[0].shape[1], dtype=weights[0].dtype,
+                                device=weights[0].device)
                 cublas[rows] = _micros(theirs, x, weights)
                 mine[rows] = _micros(ours, x, weights)
                 if small_m_rows(cublas, mine) < rows:
                     break
-            chosen = small_m_rows(cublas, mine)
-            for m in modules:
-                m.small_m_rows = chosen
-            name = f"{n}x{k}" + (" gated" if gated else "")
-            report[name] = dict(cublas_us=cublas, small_m_us=mine, small_m_rows=chosen)
+            report[name] = dict(cublas_us=cublas, small_m_us=mine,
+                                small_m_rows=small_m_rows(cublas, mine))
     torch.cuda.empty_cache()  # the timing graphs' memory
     return report
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_paged.worker.projection_tuning import small_m_rows, tune_projections
+from hf_paged.worker.projection_tuning import cached_report, small_m_rows, tune_projections
 
 
 def test_the_kernel_serves_up_to_the_rows_where_it_won_clearly_at_every_count():
@@ -24,3 +24,23 @@ def test_projections_off_cuda_keep_cublas(checkpoints):
                                   dtype=torch.bfloat16) as engine:
         assert tune_projections(engine.runner.model.layers) == {}
         assert engine.startup_seconds.get("projections") is None
+
+
+def test_cached_report_measures_once_per_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_PAGED_CACHE_DIR", str(tmp_path / "cache"))
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return {"4096x1024": {"small_m_rows": len(calls)}}
+
+    key = {"device": "GPU", "shapes": {"4096x1024": 28}}
+    assert cached_report("projections", key, measure) == {"4096x1024": {"small_m_rows": 1}}
+    assert cached_report("projections", key, measure) == {"4096x1024": {"small_m_rows": 1}}
+    assert len(calls) == 1  # read back, not measured again
+    assert cached_report("projections", {**key, "device": "other"}, measure) == {
+        "4096x1024": {"small_m_rows": 2}}  # another key measures
+    (tmp_path / "file").write_text("")  # a cache folder that cannot be made: not cached
+    monkeypatch.setenv("HF_PAGED_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    assert cached_report("projections", key, measure) == {"4096x1024": {"small_m_rows": 3}}
+    assert cached_report("projections", key, measure) == {"4096x1024": {"small_m_rows": 4}}
