@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     runner.decode_graphs, runner.prefill_graphs = runner._new_graphs()  # as on a GPU
     driver.set_active(AbsentGPU())
     start = time.perf_counter()
-    runner._compile_ahead(decode=False, workers=args.workers)
+    runner._compile_ahead(workers=args.workers)
     seconds = time.perf_counter() - start
     engine.close()
     found = variants()

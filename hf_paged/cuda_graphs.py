@@ -18,12 +18,15 @@ def graph_buffers(size: int, device: torch.device) -> tuple[torch.Tensor, list[t
     return torch.zeros(size, dtype=torch.int32, device=device), twins
 
 
-def capture_graph(step: Callable[[], Any], pool=None) -> tuple[torch.cuda.CUDAGraph, Any]:
+def capture_graph(step: Callable[[], Any], pool=None,
+                  run_first: bool = True) -> tuple[torch.cuda.CUDAGraph, Any]:
     """``step`` captured in memory pool ``pool`` (None: a new one), after one run outside the
-    capture for its lazy allocations; the graph and its outputs."""
+    capture for its lazy allocations (unless ``run_first`` is False); the graph and its
+    outputs."""
     with torch.inference_mode():
-        step()
-        torch.cuda.synchronize()
+        if run_first:
+            step()
+            torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             outputs = step()
@@ -32,12 +35,15 @@ def capture_graph(step: Callable[[], Any], pool=None) -> tuple[torch.cuda.CUDAGr
 
 def capture_graphs(steps: Iterable[tuple[Hashable, Callable[[], tuple]]]) -> dict:
     """``key -> (graph, *outputs)`` for each ``(key, step)``, all in the first one's memory
-    pool (so the first should be the largest). Each graph is replayed once as captured, over
-    the inputs its step ran on: a graph's first replay also uploads it to the device (about
-    2 ms for a prefill graph), which would otherwise land on the first request it serves."""
+    pool (so the first should be the largest). Only the first step runs once before its
+    capture: the others launch kernels that have run already (start-up's warm-up steps run
+    every variant), and their Python launches are most of a capture's time. Each graph is
+    replayed once as captured, over the inputs its step ran on: a graph's first replay also
+    uploads it to the device (about 2 ms for a prefill graph), which would otherwise land on
+    the first request it serves."""
     graphs, pool = {}, None
     for key, step in steps:
-        graph, outputs = capture_graph(step, pool)
+        graph, outputs = capture_graph(step, pool, run_first=pool is None)
         graph.replay()
         pool = graph.pool()
         graphs[key] = (graph, *outputs)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -41,3 +42,17 @@ def compiling_only(workers: int | None = None) -> Iterator[None]:
             yield
         finally:
             _compile_only = False
+
+
+def hash_triton_in_background() -> None:
+    """Triton hashes its own sources and library (about 0.3 s) the first time a process
+    compiles or loads a kernel. Start that on a thread, where reading and hashing the library
+    release the GIL, so that it overlaps what start-up does first (loading the weights)."""
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # where older Triton versions keep it
+        try:
+            from triton.compiler.compiler import triton_key
+        except ImportError:
+            return
+    threading.Thread(target=triton_key, name="triton-key", daemon=True).start()

@@ -187,14 +187,14 @@ class ModelRunner:
             chosen = {shape: r["small_m_rows"] for shape, r in self.projection_timings.items()}
             self._log(f"small-M kernel up to these rows, by projection shape: {chosen}")
             with self._stage("kernels", "compiling kernels"):
-                self._compile_ahead(decode=not graphs)
+                self._compile_ahead()
         with self._stage("kv_cache", "sizing and allocating the KV cache"):
             self.num_blocks = self._allocate_kv_cache()
         self._log(f"KV cache of {self.num_blocks} blocks "
                   f"({self.num_blocks * self._block_bytes() / 2**30:.2f} GiB)")
         if self.device.type == "cuda":
             with self._stage("warm_up", "warm-up steps"):
-                self._warm_steps(decode=not graphs)
+                self._warm_steps()
         if graphs:
             with self._stage("graphs", "capturing the decode and prefill graphs"):
                 self.decode_graphs.capture()
@@ -308,7 +308,7 @@ class ModelRunner:
                 PrefillGraphs(self, min(_PREFILL_GRAPH_TOKENS, config.max_num_batched_tokens),
                               min(_PREFILL_GRAPH_SEQS, config.max_num_seqs)))
 
-    def _compile_ahead(self, decode: bool, workers: int | None = None) -> None:
+    def _compile_ahead(self, workers: int | None = None) -> None:
         """Compile every kernel variant a request can need, on ``workers`` threads, so none
         compiles inside one: the KV-cache sizing step, the warm-up steps and every graph's
         step run with each launch only compiling its kernel (``compiling_only``), over the
@@ -322,7 +322,7 @@ class ModelRunner:
             with torch.inference_mode(), compiling_only(workers):
                 if self.device.type == "cuda" and self.config.num_kv_blocks is None:
                     self._warmup(*self._sizing_step())
-                self._warm_steps(decode)
+                self._warm_steps()
                 self._graph_steps()
         except Exception as e:  # e.g. a Triton without asynchronous compilation
             logger.warning("rank %d of %d: kernels compile one at a time (%s)", self.tp.rank,
@@ -337,16 +337,17 @@ class ModelRunner:
             for _, step in graphs.steps() if graphs else ():
                 step()
 
-    def _warm_steps(self, decode: bool) -> None:
-        """The steps that run every kernel variant of prefill and sampling, and (``decode``:
-        when no graph captures it) of eager decode with and without split-K and cascade."""
+    def _warm_steps(self) -> None:
+        """The steps that run every kernel variant of prefill, sampling and decode (with and
+        without split-K, the small-M projections and cascade): eagerly, the decode steps
+        when no graph captures them, and before the captures, so that those launch nothing
+        for the first time."""
         self._warmup(2, 3)
-        if decode:
-            context = self.block_size * min(4, self.max_blocks_per_seq - 1)
-            for num_seqs in (1, self.config.max_num_seqs):
-                self._warmup(num_seqs, 1, context)
-            if self.config.attention_backend == "triton":
-                self._warmup(_CASCADE_MIN_SEQS, 1, context, shared=True)
+        context = self.block_size * min(4, self.max_blocks_per_seq - 1)
+        for num_seqs in (1, self.config.max_num_seqs):
+            self._warmup(num_seqs, 1, context)
+        if self.config.attention_backend == "triton":
+            self._warmup(_CASCADE_MIN_SEQS, 1, context, shared=True)
 
     def drop_graphs(self) -> None:
         """Destroy the CUDA graphs (and free their memory pool and input buffers) now: NCCL
