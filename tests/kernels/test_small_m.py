@@ -37,7 +37,7 @@ def test_gated_linear(rows, inter, k):
 
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("rows,k", [(1, 64), (3, 300), (2, 1100)])
+@pytest.mark.parametrize("rows,k", [(1, 64), (3, 300), (2, 1100), (1, 2100)])
 def test_normed_linear(gated, with_residual, rows, k):
     """RMSNorm (after the residual add) fused into the projection: the same output and new
     residual as the norm kernel's twin then the projection, the inputs left as they were."""
