@@ -5,9 +5,8 @@
 Each start runs in a process of its own with ``TRITON_CACHE_DIR`` and ``HF_PAGED_CACHE_DIR``
 pointing at one new folder: the first start finds it empty (a fresh machine: every kernel
 variant compiles, the projections are timed), the later ones find what the first left there
-(a warm machine). Reports the wall time of
-``from_pretrained`` and the engine's ``startup_seconds`` by stage, into
-``startup-<device>.json``.
+(a warm machine). Reports the wall time of ``from_pretrained`` and the engine's
+``startup_seconds`` by stage, into ``startup-<device>.json``.
 """
 
 from __future__ import annotations
@@ -58,7 +57,8 @@ def main(argv: list[str] | None = None) -> None:
     result = common.ResultFile("startup", args, device, summarize)
     result["workload_description"] = {
         "description": "from_pretrained to a ready engine, each start in its own process; "
-                       "fresh: an empty Triton cache, warm: the cache the fresh start filled",
+                       "fresh: empty Triton and hf_paged caches, warm: the caches the fresh "
+                       "start filled",
         "engine_options": common.engine_options(args.engine_option),
     }
     with tempfile.TemporaryDirectory() as cache_dir:
@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def summarize(data: dict) -> list[dict]:
     figures = data["hf_paged"]["hf_paged"]
-    rows = [("start-up s, fresh Triton cache", figures["fresh_s"]),
-            ("start-up s, warm Triton cache", figures["warm_s"])]
+    rows = [("start-up s, fresh caches", figures["fresh_s"]),
+            ("start-up s, warm caches", figures["warm_s"])]
     return [common.summary_row(metric, seconds, {}, "", None, higher_is_better=False)
             for metric, seconds in rows if seconds is not None]
 

@@ -11,10 +11,10 @@ strip of ``BLOCK_N`` weight rows (2 or 4) across up to 1,024 columns at a time, 
 small programs keep the whole weight in flight at once. Row ``m`` of ``x`` is
 ``program_id(1)``: a second row's programs read the strip from L2, not from memory. The
 merged gate/up projection can produce its SwiGLU product in the same pass (``gated_linear``),
-which saves the activation's launch, and can RMS-normalise its input first, after the residual
-add (``normed_linear``), which saves the norm's launch. Start-up
-still measures both kernels per projection shape (``worker/projection_tuning.py``) and uses
-this one only where it wins.
+which saves the activation's launch, and any projection can RMS-normalise its input first,
+after the residual add (``normed_linear``), which saves the norm's launch. Start-up still
+measures both kernels per projection shape (``worker/projection_tuning.py``) and uses this one
+only where it wins.
 """
 
 from __future__ import annotations
@@ -113,13 +113,16 @@ def _input(x_ptrs, res_ptrs, mask, RESIDUAL: tl.constexpr, EVEN: tl.constexpr):
     return x
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, gated: bool, norm=None) -> torch.Tensor:
-    """``norm``: (residual or None, residual_out, norm weight, eps)."""
+def _launch(x: torch.Tensor, weight: torch.Tensor, gated: bool,
+            norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+            residual: torch.Tensor | None = None,
+            residual_out: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel over ``x``; with ``norm_weight``, ``x`` (plus ``residual``, written to
+    ``residual_out``) is RMS-normalised first. Unused pointers are given ``x``."""
     assert x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.stride(1) == weight.stride(1) == 1
     n, k = weight.shape
     n //= 1 + gated
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
-    residual, residual_out, norm_weight, eps = norm or (None, None, None, 0.0)
     res = x if residual is None else residual
     res_out = x if residual_out is None else residual_out
     if x.shape[0]:
@@ -131,7 +134,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, gated: bool, norm=None) -> to
             res, res_out, x if norm_weight is None else norm_weight, eps, res.stride(0),
             res_out.stride(0),
             BLOCK_N=block_n, BLOCK_K=block_k, EVEN=n % block_n == 0 and k % block_k == 0,
-            GATED=gated, NORM=norm is not None, RESIDUAL=residual is not None,
+            GATED=gated, NORM=norm_weight is not None, RESIDUAL=residual is not None,
             num_warps=4, num_stages=1,
         )
     return out
@@ -155,6 +158,7 @@ def normed_linear(
     """Triton twin of ``kernels.normed_linear`` (no bias) for ``x [M <= MAX_ROWS, K]``: the
     projection (``gated``: its SwiGLU product) of the RMS-normed ``x + residual``, and
     ``x + residual`` as a new tensor (``x`` itself without a residual)."""
-    residual_out = None if residual is None else torch.empty_like(x)
-    out = _launch(x, weight, gated, (residual, residual_out, norm_weight, eps))
-    return out, x if residual is None else residual_out
+    if residual is None:
+        return _launch(x, weight, gated, norm_weight, eps), x
+    residual_out = torch.empty_like(x)
+    return _launch(x, weight, gated, norm_weight, eps, residual, residual_out), residual_out

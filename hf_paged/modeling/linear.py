@@ -44,6 +44,10 @@ class _ParallelLinear(nn.Module):
 class ColumnParallelLinear(_ParallelLinear):
     """Output features split across ranks; each rank keeps its slice of the output."""
 
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 tp: TensorParallel = SINGLE):
+        super().__init__(in_features, _divide(out_features, tp.size, "output features"), bias, tp)
+
     def normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
                gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(self(norm(x, residual)[0]), x + residual)`` (``gated``: the SwiGLU product of
@@ -51,10 +55,6 @@ class ColumnParallelLinear(_ParallelLinear):
         ``RMSNorm``, whose launch that saves)."""
         return kernels.normed_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias,
                                      self.small_m_rows, gated)
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 tp: TensorParallel = SINGLE):
-        super().__init__(in_features, _divide(out_features, tp.size, "output features"), bias, tp)
 
     def weight_loader(self, param: nn.Parameter, loaded) -> None:
         size = param.shape[0]

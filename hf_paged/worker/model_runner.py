@@ -225,7 +225,7 @@ class ModelRunner:
         if cfg.num_kv_blocks is not None:
             num_blocks = cfg.num_kv_blocks
         else:
-            if self.device.type == "cuda":
+            if self._sizing_runs():
                 num_blocks = self._blocks_that_fit_on_gpu()
             else:
                 num_blocks = int(cfg.cpu_kv_cache_gib * 2**30) // self._block_bytes()
@@ -251,6 +251,10 @@ class ModelRunner:
             layer.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.v_cache = (torch.zeros(shape, dtype=self.dtype, device=self.device)
                              if separate else layer.k_cache)
+
+    def _sizing_runs(self) -> bool:
+        """Whether sizing the KV cache runs ``_sizing_step`` (on CUDA, unless given a size)."""
+        return self.device.type == "cuda" and self.config.num_kv_blocks is None
 
     def _sizing_step(self) -> tuple[int, int]:
         """The largest step the scheduler can make: (sequences, tokens each)."""
@@ -320,7 +324,7 @@ class ModelRunner:
         self._set_kv_cache(2)
         try:
             with torch.inference_mode(), compiling_only(workers):
-                if self.device.type == "cuda" and self.config.num_kv_blocks is None:
+                if self._sizing_runs():
                     self._warmup(*self._sizing_step())
                 self._warm_steps()
                 self._graph_steps()
@@ -338,10 +342,10 @@ class ModelRunner:
                 step()
 
     def _warm_steps(self) -> None:
-        """The steps that run every kernel variant of prefill, sampling and decode (with and
-        without split-K, the small-M projections and cascade): eagerly, the decode steps
-        when no graph captures them, and before the captures, so that those launch nothing
-        for the first time."""
+        """Steps that launch every kernel variant of prefill, sampling and decode (with and
+        without split-K, the small-M projections and cascade). Run eagerly before the graphs
+        are captured, so that no capture launches a kernel for the first time (and they are
+        what eager decode runs when nothing is captured)."""
         self._warmup(2, 3)
         context = self.block_size * min(4, self.max_blocks_per_seq - 1)
         for num_seqs in (1, self.config.max_num_seqs):

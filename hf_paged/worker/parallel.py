@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 from transformers import PretrainedConfig
 
-from hf_paged import kernels
 from hf_paged.config import EngineConfig
 from hf_paged.cuda_graphs import capture_graph
 from hf_paged.kernels.launch import hash_triton_in_background
@@ -93,7 +92,7 @@ class RunnerSpec:
         if device.type == "cuda" and tp.size > 1 and not self.config.disable_custom_all_reduce:
             tp = self._with_symmetric_all_reduce(tp, device)
         logger.info("rank %d of %d: loading the weights on %s", tp.rank, tp.size, device)
-        if device.type == "cuda" and kernels.triton_available():
+        if device.type == "cuda":
             hash_triton_in_background()
         return build_model(self.hf_config, self.checkpoint, self.dtype, device,
                            self.config.attention_backend, self.max_model_len, tp)

@@ -65,7 +65,7 @@ def tune_projections(layers: nn.Module) -> dict[str, dict]:
     weight = next(iter(groups.values()))[0].weight
     key = {"device": torch.cuda.get_device_name(weight.device), "dtype": str(weight.dtype),
            "shapes": {name: len(modules) for name, modules in groups.items()},
-           "torch": torch.__version__, "triton": _triton_version(), "kernel": _kernel_source()}
+           "torch": torch.__version__, "kernel": _kernel_digest()}
     try:
         report = cached_report("projections", key, lambda: _measure(groups))
     except Exception as e:  # e.g. a GPU this Triton cannot compile for: cuBLAS throughout
@@ -84,7 +84,7 @@ def cached_report(kind: str, key: dict, measure: Callable[[], dict]) -> dict:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     folder = Path(os.environ.get("HF_PAGED_CACHE_DIR") or Path.home() / ".cache" / "hf_paged")
     path = folder / f"{kind}-{digest}.json"
-    with contextlib.suppress(OSError, ValueError):
+    with contextlib.suppress(OSError, ValueError, KeyError):
         return json.loads(path.read_text())["report"]
     report = measure()
     try:
@@ -97,19 +97,15 @@ def cached_report(kind: str, key: dict, measure: Callable[[], dict]) -> dict:
     return report
 
 
-def _triton_version() -> str:
+def _kernel_digest() -> str:
+    """A digest of Triton's version, the small-M kernel's source and this file: a changed
+    compiler, kernel or rule invalidates cached choices."""
     import triton
 
-    return triton.__version__
-
-
-def _kernel_source() -> str:
-    """A digest of the small-M kernel's source and of this file: a changed kernel or rule
-    invalidates cached choices."""
     from hf_paged.kernels import small_m
 
-    text = Path(small_m.__file__).read_bytes() + Path(__file__).read_bytes()
-    return hashlib.sha256(text).hexdigest()[:16]
+    text = triton.__version__.encode() + Path(small_m.__file__).read_bytes()
+    return hashlib.sha256(text + Path(__file__).read_bytes()).hexdigest()[:16]
 
 
 def _measure(groups: dict[str, list[_ParallelLinear]]) -> dict[str, dict]:
@@ -117,7 +113,7 @@ def _measure(groups: dict[str, list[_ParallelLinear]]) -> dict[str, dict]:
 
     def kernels_for(gated: bool) -> tuple[Callable, Callable]:
         if gated:
-            return (lambda x, w: kernels.silu_and_mul(F.linear(x, w))), small_m.gated_linear
+            return kernels.gated_linear, small_m.gated_linear  # cuBLAS + silu_and_mul, or ours
         return F.linear, small_m.linear
 
     with torch.inference_mode():

@@ -51,7 +51,7 @@ def test_throughput_with_a_baseline(tiny, tmp_path):
 def test_startup_fresh_and_warm(tiny, tmp_path):
     bench_startup.main([*tiny, "--warm-starts", "1", "--results-dir", str(tmp_path)])
     assert metrics(tmp_path / "startup-cpu.json") == [
-        "start-up s, fresh Triton cache", "start-up s, warm Triton cache"]
+        "start-up s, fresh caches", "start-up s, warm caches"]
 
 
 def test_results_are_copied_to_out_and_name_the_given_commit(tmp_path, monkeypatch):
