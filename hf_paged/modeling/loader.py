@@ -1,14 +1,26 @@
 """safetensors checkpoint -> (sharded) parameters, one tensor at a time; a tensor-parallel
-rank reads only its own slices of the file."""
+rank reads only its own slices of the file.
+
+Every key is accounted for, from the file headers, before anything is allocated or copied,
+as transformers' ``from_pretrained`` reports them: keys the model expects that the checkpoint
+lacks (one part of a merged projection included), keys whose full shape differs, and keys the
+model does not use. Missing and mis-shaped keys are errors, since hf_paged never runs on
+uninitialised memory; unused keys are logged and loading goes on, as in transformers.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
+from dataclasses import dataclass, field
 
 import torch
 from safetensors import safe_open
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 # Checkpoint projection -> (merged module, shard id) in the swapped model.
 PACKED_MODULES = {
@@ -18,6 +30,13 @@ PACKED_MODULES = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+LM_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+# Qwen3ForCausalLM.base_model_prefix: keys saved from a bare Qwen3Model lack it.
+PREFIX = "model."
+# Besides the class's own list, transformers drops these unexpected keys without a word (old
+# checkpoints stored the RoPE buffers).
+ALWAYS_IGNORED = (r"rotary_emb\.inv_freq",)
+LISTED = 10  # names shown per kind of problem; the rest are counted
 
 
 def checkpoint_files(path: str) -> list[str]:
@@ -26,11 +45,142 @@ def checkpoint_files(path: str) -> list[str]:
     if os.path.exists(index):
         with open(index) as f:
             names = sorted(set(json.load(f)["weight_map"].values()))
+        absent = [n for n in names if not os.path.exists(os.path.join(path, n))]
+        if absent:
+            raise FileNotFoundError(f"{index} names files that are not there: {', '.join(absent)}")
         return [os.path.join(path, n) for n in names]
     single = os.path.join(path, "model.safetensors")
     if os.path.exists(single):
         return [single]
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint folder's tensors, from the file headers only: the file holding each and
+    its full shape."""
+
+    path: str
+    files: dict[str, str] = field(default_factory=dict)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, path: str) -> Checkpoint:
+        checkpoint = cls(path)
+        for file in checkpoint_files(path):
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    checkpoint.files[name] = file
+                    checkpoint.shapes[name] = tuple(f.get_slice(name).get_shape())
+        return checkpoint
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor ``name``, read on the CPU."""
+        with safe_open(self.files[name], framework="pt") as f:
+            return f.get_tensor(name)
+
+
+@dataclass(frozen=True)
+class ExpectedKeys:
+    """The keys transformers' model loads from a checkpoint, with their full (unsharded)
+    shapes, and the unexpected keys it ignores silently."""
+
+    shapes: dict[str, tuple[int, ...]]
+    ignored: re.Pattern
+
+    @classmethod
+    def of(cls, skeleton: nn.Module) -> ExpectedKeys:
+        """From transformers' own model (on meta, before any module is swapped)."""
+        patterns = [*(getattr(skeleton, "_keys_to_ignore_on_load_unexpected", None) or ()),
+                    *ALWAYS_IGNORED]
+        return cls({k: tuple(v.shape) for k, v in skeleton.state_dict().items()},
+                   re.compile("|".join(f"({p})" for p in patterns)))
+
+
+def ties_embeddings(checkpoint: Checkpoint, tie_word_embeddings: bool, log: bool = True) -> bool:
+    """Whether the LM head is the embedding matrix. As in transformers: as the config says,
+    unless the checkpoint holds both matrices with different values (then they stay apart)."""
+    if not tie_word_embeddings or not {LM_HEAD, EMBEDDING} <= checkpoint.shapes.keys():
+        return tie_word_embeddings
+    head, embedding = checkpoint.tensor(LM_HEAD), checkpoint.tensor(EMBEDDING)
+    if head.shape == embedding.shape and torch.equal(head, embedding.to(head.dtype)):
+        return True
+    if log:
+        logger.warning("%s: tie_word_embeddings is set, but the checkpoint holds %s and %s with "
+                       "different values, so they are not tied (as in transformers)",
+                       checkpoint.path, LM_HEAD, EMBEDDING)
+    return False
+
+
+def _natural(key: str) -> list:
+    """Sort key putting layer 2 before layer 10."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", key)]
+
+
+def _listed(kind: str, lines: list[str]) -> list[str]:
+    more = [f"    ... and {len(lines) - LISTED} more"] if len(lines) > LISTED else []
+    return [f"  {kind} ({len(lines)}):", *(f"    {s}" for s in lines[:LISTED]), *more]
+
+
+@dataclass
+class KeyReport:
+    """What of a checkpoint does not fit the model, by checkpoint key."""
+
+    missing: list[str]
+    mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]]  # key, found, expected
+    unexpected: list[str]
+
+    def error(self, path: str) -> str | None:
+        """The message of the loading error, or None when every expected key is there."""
+        if not self.missing and not self.mismatched:
+            return None
+        lines = [f"checkpoint {path} does not fit Qwen3ForCausalLM as its config.json "
+                 "describes it; nothing was loaded"]
+        if self.missing:
+            lines += _listed("missing", self.missing)
+        if self.mismatched:
+            lines += _listed("wrong shape", [  # whole tensors: a rank's slice would mislead
+                f"{k}: checkpoint {list(found)}, model {list(shape)}"
+                for k, found, shape in self.mismatched])
+        if self.unexpected:
+            lines += _listed("unexpected", self.unexpected)
+        return "\n".join(lines)
+
+
+def match_keys(
+    checkpoint: Checkpoint, expected: ExpectedKeys, tied: bool, log: bool = True
+) -> dict[str, str]:
+    """The checkpoint key that fills each expected key. Raises one ValueError naming every
+    missing and mis-shaped key (and the unused ones); logs the unused keys otherwise."""
+    shapes = dict(expected.shapes)
+    if tied:
+        del shapes[LM_HEAD]  # the embedding matrix serves as the LM head
+    sources = {k: k for k in shapes if k in checkpoint.shapes}
+    for name in checkpoint.shapes:  # a bare Qwen3Model's keys: transformers adds the prefix
+        if PREFIX + name in shapes:
+            sources.setdefault(PREFIX + name, name)
+    if tied and EMBEDDING not in sources and LM_HEAD in checkpoint.shapes:
+        sources[EMBEDDING] = LM_HEAD  # transformers ties either way round
+    # Tied, a checkpoint's LM head is used too: it equals the embedding (ties_embeddings saw to
+    # that) or it fills it.
+    used = set(sources.values()) | ({LM_HEAD} if tied else set())
+    report = KeyReport(
+        missing=sorted((k for k in shapes if k not in sources), key=_natural),
+        mismatched=sorted(((src, checkpoint.shapes[src], shapes[k])
+                           for k, src in sources.items() if checkpoint.shapes[src] != shapes[k]),
+                          key=lambda m: _natural(m[0])),
+        unexpected=sorted((n for n in checkpoint.shapes
+                           if n not in used and not expected.ignored.search(n)), key=_natural),
+    )
+    error = report.error(checkpoint.path)
+    if error:
+        raise ValueError(error)
+    if report.unexpected and log:
+        logger.warning("\n".join([
+            f"checkpoint {checkpoint.path}: Qwen3ForCausalLM does not use these tensors, which are "
+            "ignored (fine for a checkpoint saved from another task or architecture; not if it "
+            "should be exactly this model)", *_listed("unexpected", report.unexpected)]))
+    return sources
 
 
 def target_of(name: str) -> tuple[str, object]:
@@ -42,31 +192,32 @@ def target_of(name: str) -> tuple[str, object]:
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, path: str, tied_embeddings: bool) -> None:
-    """Copy every checkpoint tensor into its (shard of a) parameter; error on any mismatch."""
+def load_weights(model: nn.Module, checkpoint: Checkpoint, sources: dict[str, str]) -> None:
+    """Copy each checkpoint tensor (``match_keys``' choice) into its (shard of a) parameter."""
     params = dict(model.named_parameters())
+    targets = {key: target_of(key) for key in sources}
+    # A guard against a swapped module that transformers' keys do not describe: every
+    # parameter must be filled, and by keys that name it.
+    named = {target for target, _ in targets.values()}
+    unfilled, unknown = sorted(params.keys() - named), sorted(named - params.keys())
+    if unfilled or unknown:
+        raise RuntimeError(f"hf_paged's modules and transformers' keys disagree: unfilled "
+                           f"{unfilled}, unknown {unknown}")
     device = next(iter(params.values())).device
-    filled: set[tuple[str, object]] = set()
-    for file in checkpoint_files(path):
+    by_file: dict[str, list[str]] = {}
+    for key, src in sources.items():
+        by_file.setdefault(checkpoint.files[src], []).append(key)
+    for file, keys in by_file.items():
         with safe_open(file, framework="pt", device=str(device)) as f:
-            for name in f.keys():
-                if tied_embeddings and name == "lm_head.weight":
-                    continue  # the embedding matrix serves as the LM head
-                target, shard_id = target_of(name)
-                param = params.get(target)
-                if param is None:
-                    raise ValueError(f"checkpoint tensor {name!r} matches no parameter of Qwen3")
+            for key in keys:
+                target, shard_id = targets[key]
                 # Loaders live on the modules: parameters are re-created when materialised.
                 module = model.get_submodule(target.rpartition(".")[0])
                 loader = getattr(module, "weight_loader", None)
-                tensor = f.get_slice(name)
+                tensor = f.get_slice(sources[key])
                 if loader is None:  # replicated on every rank
-                    param.copy_(tensor[()])
+                    params[target].copy_(tensor[()])
                 elif shard_id is None:
-                    loader(param, tensor)
+                    loader(params[target], tensor)
                 else:
-                    loader(param, tensor, shard_id)
-                filled.add((target, shard_id))
-    missing = sorted(n for n in params if not any(t == n for t, _ in filled))
-    if missing:
-        raise ValueError(f"checkpoint at {path} lacks weights for: {', '.join(missing[:8])}")
+                    loader(params[target], tensor, shard_id)

@@ -13,7 +13,13 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from hf_paged.modeling.attention import AttentionMetadata, Qwen3PagedAttention
 from hf_paged.modeling.embedding import ParallelLMHead, VocabParallelEmbedding
-from hf_paged.modeling.loader import load_weights
+from hf_paged.modeling.loader import (
+    Checkpoint,
+    ExpectedKeys,
+    load_weights,
+    match_keys,
+    ties_embeddings,
+)
 from hf_paged.modeling.mlp import Qwen3PagedMLP
 from hf_paged.modeling.norm import RMSNorm
 from hf_paged.modeling.rotary import RotaryEmbedding
@@ -86,11 +92,13 @@ def build_model(
     max_positions: int,
     tp: TensorParallel = SINGLE,
 ) -> PagedQwen3:
-    """Skeleton on meta -> swap -> allocate on ``device`` -> load this rank's weights."""
+    """Skeleton on meta -> swap -> check the checkpoint's keys -> allocate on ``device`` ->
+    load this rank's weights."""
     check_supported(config)
     check_shardable(config, tp.size)
     with torch.device("meta"):
         hf = Qwen3ForCausalLM(config)
+        expected = ExpectedKeys.of(hf)  # transformers' names and full shapes, before the swap
         inner = hf.model
         eps = config.rms_norm_eps
         for layer in inner.layers:
@@ -102,12 +110,16 @@ def build_model(
         inner.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         inner.rotary_emb = RotaryEmbedding(inner.rotary_emb, max_positions)
         hf.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
-    tied = bool(getattr(config, "tie_word_embeddings", False))
+    # Every rank checks (and fails alike); rank 0 alone logs.
+    weights = Checkpoint.open(checkpoint)
+    tied = ties_embeddings(weights, bool(getattr(config, "tie_word_embeddings", False)),
+                           log=tp.rank == 0)
+    sources = match_keys(weights, expected, tied, log=tp.rank == 0)
     if tied:
         del hf.lm_head.weight
     hf.to(dtype).to_empty(device=device).eval()
     if tied:
         hf.lm_head.weight = inner.embed_tokens.weight
     inner.rotary_emb.build_cache(device)
-    load_weights(hf, checkpoint, tied)
+    load_weights(hf, weights, sources)
     return PagedQwen3(hf)
