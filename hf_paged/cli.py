@@ -95,10 +95,11 @@ def _generate(args: argparse.Namespace) -> int:
 
             make_checkpoint("tiny", model, dtype="float32")
     t0 = time.perf_counter()
-    engine = hf_paged.from_pretrained(model, dtype=args.dtype, device=args.device,
+    path = _checkpoint_folder(model)
+    engine = hf_paged.from_pretrained(path, dtype=args.dtype, device=args.device,
                                       tensor_parallel_size=args.tensor_parallel_size)
     print(f"loaded {model} on {engine.device} in {time.perf_counter() - t0:.1f} s")
-    tokenizer = _tokenizer(model)
+    tokenizer = _tokenizer(path)
     try:
         prompts = [[int(t) for t in ids.split(",")] for ids in args.token_ids or []]
     except ValueError:
@@ -108,7 +109,11 @@ def _generate(args: argparse.Namespace) -> int:
             print("error: --prompt needs a tokenizer in the checkpoint; use --token-ids",
                   file=sys.stderr)
             return 2
-        prompts += [tokenizer(p)["input_ids"] for p in args.prompt]
+        for text in args.prompt:
+            ids = tokenizer(text)["input_ids"]
+            if not ids:  # stock generate() cannot start from nothing either
+                raise ValueError(f"--prompt {text!r} tokenizes to no tokens; give some text")
+            prompts.append(ids)
     if not prompts:  # the built-in demo: a few random prompts of different lengths
         gen = torch.Generator().manual_seed(0)
         vocab = engine.hf_config.vocab_size
@@ -129,7 +134,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.check:
         from transformers import AutoModelForCausalLM
 
-        ref_model = AutoModelForCausalLM.from_pretrained(model, dtype=engine.runner.dtype)
+        ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=engine.runner.dtype)
         ref = ref_model.to(engine.device).generate(input_ids.to(engine.device),
                                                    attention_mask=mask.to(engine.device),
                                                    **kwargs).cpu()
@@ -138,6 +143,20 @@ def _generate(args: argparse.Namespace) -> int:
         print("parity with transformers:", "identical tokens" if same else "DIFFERENT tokens")
         return 0 if same else 1
     return 0
+
+
+def _checkpoint_folder(model: str) -> str:
+    """``--model`` as a local checkpoint folder (a hub id downloaded), or a one-line error
+    naming ``--model``."""
+    from hf_paged.engine.engine import resolve_checkpoint
+
+    try:
+        path = resolve_checkpoint(model)
+    except OSError as error:
+        raise OSError(f"--model {error}") from error
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise OSError(f"--model {model!r} is a folder without a config.json, not a checkpoint")
+    return path
 
 
 def _print_rows(label: str, new_tokens, tokenizer) -> None:

@@ -29,8 +29,9 @@ class EngineConfig:
             or ``"flash_attn"`` (only when the flash-attn package imports; needs
             ``block_size=256``, flash-attn's page granularity).
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes across requests.
-        progress_bar: show a tqdm bar with prefill/decode throughput; ``None`` shows it for
-            long runs only (at least 4,096 new tokens requested).
+        progress_bar: show a tqdm bar with prefill/decode throughput while requests run. Off
+            by default: transformers' ``generate()`` prints nothing, and neither does the
+            drop-in. A ``generate(..., progress_bar=True)`` call turns it on for that call.
         tensor_parallel_size: ranks the model is split across (one GPU each on CUDA). From an
             ordinary process the caller is rank 0 and the other ranks are spawned; under
             torchrun the launched processes are the ranks, in groups of this size.
@@ -50,7 +51,7 @@ class EngineConfig:
     max_graph_batch_size: int | None = None
     attention_backend: str | None = None
     enable_prefix_caching: bool = True
-    progress_bar: bool | None = None
+    progress_bar: bool = False
     tensor_parallel_size: int = 1
     disable_custom_all_reduce: bool = False
 
@@ -67,9 +68,9 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
-        if not isinstance(self.disable_custom_all_reduce, bool):
-            raise ValueError("disable_custom_all_reduce must be True or False, got "
-                             f"{self.disable_custom_all_reduce!r}")
+        for name in ("disable_custom_all_reduce", "progress_bar"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not self.cpu_kv_cache_gib > 0:
             raise ValueError(f"cpu_kv_cache_gib must be positive, got {self.cpu_kv_cache_gib!r}")
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):

@@ -22,8 +22,6 @@ from hf_paged.worker.executor import Executor, create_executor, resolve_device
 from hf_paged.worker.model_runner import LaunchedStep
 from hf_paged.worker.parallel import RunnerSpec
 
-_LONG_RUN_TOKENS = 4096
-
 
 def resolve_checkpoint(path_or_id: str) -> str:
     """A local folder as is; anything else is a hub id that huggingface_hub downloads."""
@@ -31,16 +29,53 @@ def resolve_checkpoint(path_or_id: str) -> str:
         return path_or_id
     from huggingface_hub import snapshot_download
 
-    return snapshot_download(path_or_id, allow_patterns=["*.json", "*.safetensors", "*.txt"])
+    try:
+        return snapshot_download(path_or_id, allow_patterns=["*.json", "*.safetensors", "*.txt"])
+    except Exception as error:  # huggingface_hub raises many kinds; their text is a wall
+        raise OSError(
+            f"{path_or_id!r} is neither a local folder nor reachable on the hub "
+            f"({_short_reason(error)})"
+        ) from error
+
+
+def _short_reason(error: BaseException) -> str:
+    """The exception's class and its cause's: 'LocalEntryNotFoundError: ConnectError' says
+    what went wrong (offline, no such repository, not a valid id) in a few words."""
+    cause = error.__cause__ or error.__context__
+    names = [type(error).__name__]
+    if cause is not None and type(cause).__name__ != names[0]:
+        names.append(type(cause).__name__)
+    return ": ".join(names)
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_dtype(dtype: torch.dtype | str | None, hf_config: PretrainedConfig) -> torch.dtype:
-    dtype = dtype or getattr(hf_config, "dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
-    return dtype
+    """``dtype`` as a torch.dtype: a torch.dtype or its name (``"bfloat16"``,
+    ``"torch.bfloat16"``); ``None`` or ``"auto"``: the checkpoint's (float32 if it names none)."""
+    if dtype is None or dtype == "auto":
+        own = getattr(hf_config, "dtype", None) or torch.float32
+        resolved = _as_dtype(own)
+        if resolved is None:
+            raise ValueError(
+                f"dtype: the checkpoint's dtype {own!r} is not one the engine runs; pass "
+                f"dtype= one of {', '.join(_DTYPES)}"
+            )
+        return resolved
+    resolved = _as_dtype(dtype)
+    if resolved is None:
+        raise ValueError(
+            f"dtype must be one of {', '.join(_DTYPES)} (a torch.dtype or its name) or 'auto' "
+            f"(the checkpoint's), got {dtype!r}"
+        )
+    return resolved
+
+
+def _as_dtype(dtype: object) -> torch.dtype | None:
+    if isinstance(dtype, str):  # torch's own names, its aliases ("half", "float") included
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values() else None
 
 
 def resolve_backend(backend: str | None, device: torch.device, block_size: int) -> str:
@@ -130,17 +165,19 @@ class PagedEngine:
         *,
         dtype: torch.dtype | str | None = None,
         device: torch.device | str | None = None,
+        hf_config: PretrainedConfig | None = None,
         **engine_options,
     ) -> PagedEngine:
         """Load a Qwen3 checkpoint (a folder or a hub id) into a new engine.
 
         ``dtype`` defaults to the checkpoint's own (float32 when it names none), ``device``
-        to CUDA when available (under torchrun, the local rank's GPU). Any ``EngineConfig``
+        to CUDA when available (under torchrun, the local rank's GPU). ``hf_config`` replaces
+        the checkpoint's config.json (transformers' config overrides). Any ``EngineConfig``
         field may be passed by name.
         """
         config = EngineConfig.from_options(**engine_options)
         path = resolve_checkpoint(path_or_id)
-        hf_config = AutoConfig.from_pretrained(path)
+        hf_config = hf_config if hf_config is not None else AutoConfig.from_pretrained(path)
         check_supported(hf_config)
         check_shardable(hf_config, config.tensor_parallel_size)
         device = resolve_device(device)
@@ -188,18 +225,39 @@ class PagedEngine:
         if low < 0 or high >= vocab:
             bad = low if low < 0 else high
             raise ValueError(f"input_ids: token id {bad} is outside the vocabulary [0, {vocab})")
-        total = len(prompt_token_ids) + params.max_new_tokens
+        self._check_fits(len(prompt_token_ids), params.max_new_tokens)
+
+    def _check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Blame the prompt when it leaves no room for even one new token (no value of
+        max_new_tokens could help), and max_new_tokens only when the prompt alone fits."""
+        bm = self.block_manager
+        memory = "gpu_memory_utilization" if self.device.type == "cuda" else "cpu_kv_cache_gib"
+        if prompt_len >= self.max_model_len:
+            raise ValueError(
+                f"input_ids: the prompt of {prompt_len} tokens leaves no room for a new token "
+                f"within max_model_len ({self.max_model_len} tokens, prompt plus new tokens); "
+                "shorten the prompt or raise max_model_len"
+            )
+        if bm.blocks_needed(prompt_len + 1) > bm.num_blocks:
+            raise ValueError(
+                f"input_ids: the prompt of {prompt_len} tokens (plus one new token) needs "
+                f"{bm.blocks_needed(prompt_len + 1)} KV blocks but the whole cache has "
+                f"{bm.num_blocks} ({bm.num_blocks * bm.block_size} tokens); shorten the prompt "
+                f"or raise num_kv_blocks or {memory}"
+            )
+        total = prompt_len + max_new_tokens
+        room = min(self.max_model_len, bm.num_blocks * bm.block_size) - prompt_len
         if total > self.max_model_len:
             raise ValueError(
-                f"max_new_tokens: prompt ({len(prompt_token_ids)} tokens) + max_new_tokens "
-                f"({params.max_new_tokens}) = {total} exceeds max_model_len ({self.max_model_len})"
+                f"max_new_tokens: prompt ({prompt_len} tokens) + max_new_tokens "
+                f"({max_new_tokens}) = {total} exceeds max_model_len ({self.max_model_len}); "
+                f"at most {room} new tokens fit after this prompt"
             )
-        needed = self.block_manager.blocks_needed(total)
-        if needed > self.block_manager.num_blocks:
-            memory = "gpu_memory_utilization" if self.device.type == "cuda" else "cpu_kv_cache_gib"
+        if bm.blocks_needed(total) > bm.num_blocks:
             raise ValueError(
-                f"max_new_tokens: the request needs {needed} KV blocks but the whole cache has "
-                f"{self.block_manager.num_blocks}; raise num_kv_blocks or {memory}"
+                f"max_new_tokens: the request needs {bm.blocks_needed(total)} KV blocks but the "
+                f"whole cache has {bm.num_blocks}; at most {room} new tokens fit after this "
+                f"prompt: lower max_new_tokens or raise num_kv_blocks or {memory}"
             )
 
     def add_forked_requests(
@@ -349,9 +407,9 @@ class PagedEngine:
             hooks.load_shared_state(state)
 
     def _run(self, seqs: list[Sequence], progress_bar: bool | None, on_step) -> None:
+        # Off unless asked for (per call or by the engine option): transformers' generate()
+        # prints nothing, and a drop-in must not either.
         show = self.config.progress_bar if progress_bar is None else progress_bar
-        if show is None:
-            show = sum(s.params.max_new_tokens for s in seqs) >= _LONG_RUN_TOKENS
         bar = tqdm(total=len(seqs), desc="hf_paged", unit="req", disable=not show)
         pending = {s.seq_id for s in seqs}
         try:

@@ -38,6 +38,41 @@ _REFUSED = {
 }
 
 
+# The decoding modes GenerationConfig.get_generation_mode() can select that hf_paged does not
+# decode: the mode's name, and the fields that select it, so that the error names what the
+# caller passed rather than transformers' internal mode (transformers itself would raise for
+# some of them that they moved to hub ``custom_generate`` repositories, naming no argument).
+_MODE_ARGUMENTS = {
+    GenerationMode.CONTRASTIVE_SEARCH: ("contrastive search", ("penalty_alpha", "top_k")),
+    GenerationMode.DOLA_GENERATION: ("DoLa decoding", ("dola_layers",)),
+    GenerationMode.GROUP_BEAM_SEARCH: ("group beam search", ("num_beam_groups", "num_beams")),
+    GenerationMode.CONSTRAINED_BEAM_SEARCH: (
+        "constrained beam search", ("constraints", "force_words_ids")),
+    GenerationMode.BEAM_SAMPLE: ("beam sampling", ("do_sample", "num_beams")),
+    GenerationMode.ASSISTED_GENERATION: (
+        "assisted generation",
+        ("assistant_model", "prompt_lookup_num_tokens", "use_mtp", "assistant_early_exit")),
+}
+_SUPPORTED_TEXT = ("greedy search, sampling (do_sample=True) and beam search (num_beams > 1, "
+                   "do_sample=False)")
+
+
+def unsupported_mode_message(mode: GenerationMode, config: GenerationConfig) -> str:
+    """'penalty_alpha=0.6, top_k=4 (contrastive search) is not supported ...': the fields set
+    that selected ``mode``, scalars with their values, lists (constraints) by name alone."""
+    name, selectors = _MODE_ARGUMENTS.get(mode, (mode.value.replace("_", " "), ()))
+    shown = []
+    for field in selectors:
+        value = getattr(config, field, None)
+        if value is None or (value is False and field != "do_sample"):
+            continue  # unset: not what selected the mode
+        scalar = isinstance(value, (bool, int, float, str))
+        shown.append(f"{field}={value!r}" if scalar else field)
+    given = ", ".join(shown) or f"generation mode {mode.value!r}"
+    return (f"{given} ({name}) is not supported by hf_paged's generate(); it decodes "
+            f"{_SUPPORTED_TEXT}")
+
+
 class _StandIn(GenerationMixin):
     """Just enough of a transformers model for GenerationMixin's preparation methods."""
 
@@ -86,6 +121,9 @@ def resolve(
         if value is not None and value is not False:
             raise ValueError(f"{name} is not supported by hf_paged's generate(): {why}")
         kwargs.pop(name, None)
+    # transformers pops it first: it only lets hub code run (custom_generate, and the modes
+    # moved to hub repositories), which hf_paged refuses by name whatever its value.
+    kwargs.pop("trust_remote_code", None)
     model = _StandIn(hf_config, base)
     tokenizer = kwargs.pop("tokenizer", None)
     has_default_max_length = (
@@ -104,11 +142,7 @@ def resolve(
             raise ValueError(f"{name} is not supported by hf_paged's generate(): {_REFUSED[name]}")
     mode = config.get_generation_mode()
     if mode not in SUPPORTED_MODES:
-        raise ValueError(
-            f"generation mode {str(mode)!r} (from num_beams={config.num_beams}, "
-            f"do_sample={config.do_sample}, ...) is not supported by hf_paged; supported: "
-            f"{', '.join(str(m) for m in SUPPORTED_MODES)}"
-        )
+        raise ValueError(unsupported_mode_message(mode, config))
     if config.guidance_scale not in (None, 1, 1.0):
         raise ValueError(
             f"guidance_scale is not supported by hf_paged: {_REFUSED['negative_prompt_ids']}")

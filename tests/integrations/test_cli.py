@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+import huggingface_hub
 import pytest
 import torch
 
@@ -19,6 +22,10 @@ def _one_line_error(capsys, argv: list[str], match: str) -> None:
     (["--token-ids", "5,6,7", "--max-new-tokens", "100000"], "max_new_tokens"),
     (["--token-ids", "5,6,5000"], "input_ids"),
     (["--dtype", "int4"], "dtype"),
+    (["--dtype", "floa32"], "dtype must be one of float32, bfloat16, float16"),
+    (["--prompt", ""], "--prompt '' tokenizes to no tokens"),
+    (["--prompt", "Hello", "--prompt", ""], "--prompt '' tokenizes to no tokens"),
+    (["--token-ids", "5,6,7", "--max-new-tokens", "100000"], "at most 2045 new tokens fit"),
 ])
 def test_bad_generate_input_is_one_line(capsys, tiny_checkpoint, args, match):
     _one_line_error(capsys, ["generate", "--model", tiny_checkpoint, *args], match)
@@ -35,6 +42,28 @@ def test_cuda_without_cuda_is_one_line(capsys, tiny_checkpoint):
 def test_missing_script_and_model(capsys, tmp_path):
     _one_line_error(capsys, ["run", str(tmp_path / "absent.py")], "absent.py")
     _one_line_error(capsys, ["generate", "--model", str(tmp_path / "absent")], "absent")
+
+
+@pytest.mark.parametrize("model", ["/no/such/folder", "not a valid id!", "no-org/no-repo"])
+def test_bad_model_is_one_line_naming_model(capsys, monkeypatch, model):
+    """Not a folder and not fetchable: the hub's own wall of text is cut to its class names."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # never the network
+    assert main(["generate", "--model", model, "--token-ids", "5,6"]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(f"error: --model {re.escape(repr(model))} is neither a local folder nor "
+                        r"reachable on the hub \(\w+(: \w+)?\)\n", err), err
+
+
+def test_unreachable_hub_names_the_cause(capsys, monkeypatch):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert main(["generate", "--model", "no-such-org/no-such-repo"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "(LocalEntryNotFoundError: OfflineModeIsEnabled)")
+
+
+def test_folder_without_config_is_one_line(capsys, tmp_path):
+    _one_line_error(capsys, ["generate", "--model", str(tmp_path)],
+                    f"--model {str(tmp_path)!r} is a folder without a config.json")
 
 
 def test_check_labels_what_it_prints(capsys, tiny_checkpoint):

@@ -190,3 +190,33 @@ def test_sampling_draws_from_transformers_allowed_set(setup, warpers):
     drawn = set(out[:, -1].tolist())
     assert drawn <= allowed
     assert len(drawn) >= len(allowed) - 3  # nearly all of the allowed set shows up
+
+
+# Modes transformers moved to hub ``custom_generate`` repositories: stock generate() refuses
+# them naming the mode ("Contrastive Search requires `trust_remote_code=True`...") or, with
+# trust_remote_code=True, tries the hub; hf_paged refuses them naming the argument.
+HUB_MODES = [
+    (dict(penalty_alpha=0.6, top_k=4), "penalty_alpha=0.6, top_k=4 (contrastive search)"),
+    (dict(dola_layers="high"), "dola_layers='high' (DoLa decoding)"),
+    (dict(num_beams=4, num_beam_groups=2), "num_beam_groups=2, num_beams=4 (group beam search)"),
+    (dict(num_beams=2, force_words_ids=[[7]]), "force_words_ids (constrained beam search)"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", HUB_MODES, ids=[m for _, m in HUB_MODES])
+def test_hub_moved_modes_name_the_argument(setup, kwargs, message):
+    engine, model, ids, mask, _ = setup
+    with pytest.raises(ValueError, match="requires `trust_remote_code=True`"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, **kwargs)
+    for extra in ({}, {"trust_remote_code": True}):
+        with pytest.raises(ValueError) as error:
+            engine.generate(ids, attention_mask=mask, max_new_tokens=4, **kwargs, **extra)
+        assert str(error.value).startswith(f"{message} is not supported by hf_paged"), error.value
+
+
+def test_trust_remote_code_is_accepted_as_by_transformers(setup):
+    """transformers' generate() takes it (it gates hub code only): a plain call runs alike."""
+    engine, model, ids, mask, _ = setup
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=4, trust_remote_code=True)
+    out = engine.generate(ids, attention_mask=mask, max_new_tokens=4, trust_remote_code=True)
+    assert torch.equal(out, ref)

@@ -3,14 +3,16 @@ serves the next call as if nothing had happened."""
 
 from __future__ import annotations
 
+import re
 import sys
 import types
 
 import pytest
 import torch
+from transformers import GenerationConfig, PretrainedConfig
 
 import hf_paged
-from hf_paged.engine.engine import resolve_backend
+from hf_paged.engine.engine import resolve_backend, resolve_dtype
 from hf_paged.sampling_params import SamplingParams
 
 IDS = torch.tensor([[5, 6, 7, 8]])
@@ -82,8 +84,83 @@ def test_request_larger_than_the_whole_cache_is_refused(checkpoints):
     assert engine.stats()["num_running"] == engine.stats()["num_waiting"] == 0
 
 
+# Decoding modes transformers selects from these fields and hf_paged does not decode: the
+# error names the field the caller set, not transformers' GenerationMode.
+REFUSED_MODES = [
+    (dict(penalty_alpha=0.6, top_k=4), "penalty_alpha=0.6, top_k=4 (contrastive search)"),
+    (dict(dola_layers="low"), "dola_layers='low' (DoLa decoding)"),
+    (dict(dola_layers=[1], do_sample=True), "dola_layers (DoLa decoding)"),
+    (dict(num_beams=4, num_beam_groups=2, diversity_penalty=0.5),
+     "num_beam_groups=2, num_beams=4 (group beam search)"),
+    (dict(num_beams=2, constraints=[[5, 6]]), "constraints (constrained beam search)"),
+    (dict(force_words_ids=[[5]]), "force_words_ids (constrained beam search)"),
+    (dict(num_beams=2, do_sample=True), "do_sample=True, num_beams=2 (beam sampling)"),
+    (dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens=3 (assisted generation)"),
+    (dict(use_mtp=True), "use_mtp=True (assisted generation)"),
+    (dict(assistant_early_exit=2), "assistant_early_exit=2 (assisted generation)"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", REFUSED_MODES, ids=[m for _, m in REFUSED_MODES])
+def test_refused_mode_names_the_argument(engine, expected, kwargs, message):
+    with pytest.raises(ValueError) as error:
+        engine.generate(IDS, max_new_tokens=5, **kwargs)
+    text = str(error.value)
+    assert text.startswith(message + " is not supported by hf_paged's generate()"), text
+    assert "GenerationMode" not in text and "greedy search, sampling" in text
+    assert torch.equal(engine.generate(IDS, max_new_tokens=5), expected)
+
+
+def test_refused_mode_from_a_generation_config_names_the_field(engine):
+    config = GenerationConfig(penalty_alpha=0.6, top_k=4, max_new_tokens=5)
+    with pytest.raises(ValueError, match=r"^penalty_alpha=0\.6, top_k=4 \(contrastive search\)"):
+        engine.generate(IDS, generation_config=config)
+
+
+def test_prompt_longer_than_max_model_len_blames_the_prompt(engine, expected):
+    """max_model_len is 64: a prompt of 64 or more tokens leaves no room for any new token,
+    whatever max_new_tokens says; a prompt that fits blames max_new_tokens, with the room."""
+    for length in (64, 70):
+        with pytest.raises(ValueError, match=f"^input_ids: the prompt of {length} tokens leaves "
+                           "no room for a new token within max_model_len \\(64"):
+            engine.generate(torch.arange(3, 3 + length)[None], max_new_tokens=1)
+    with pytest.raises(ValueError, match=r"^max_new_tokens: prompt \(60 tokens\) \+ "
+                       r"max_new_tokens \(10\) = 70 exceeds max_model_len \(64\); at most 4 "):
+        engine.generate(torch.arange(3, 63)[None], max_new_tokens=10)
+    assert engine.generate(torch.arange(3, 63)[None], max_new_tokens=4).shape == (1, 64)
+    assert torch.equal(engine.generate(IDS, max_new_tokens=5), expected)
+
+
+def test_prompt_larger_than_the_whole_cache_blames_the_prompt(checkpoints):
+    """4 blocks of 8 tokens hold 32: a 32-token prompt plus its first new token needs 5."""
+    engine = hf_paged.from_pretrained(checkpoints["gqa_tied"], block_size=8, max_model_len=64,
+                                      num_kv_blocks=4)
+    with pytest.raises(ValueError, match=r"^input_ids: the prompt of 32 tokens \(plus one new "
+                       r"token\) needs 5 KV blocks but the whole cache has 4 \(32 tokens\)"):
+        engine.generate(torch.arange(3, 35)[None], max_new_tokens=1)
+    with pytest.raises(ValueError, match="at most 2 new tokens fit after this prompt"):
+        engine.generate(torch.arange(3, 33)[None], max_new_tokens=3)
+    assert engine.generate(torch.arange(3, 33)[None], max_new_tokens=2).shape == (1, 32)
+
+
+@pytest.mark.parametrize("dtype", ["floa32", "int8", "zeros", torch.int64, 3])
+def test_bad_dtype_names_argument_value_and_accepted(checkpoints, dtype):
+    with pytest.raises(ValueError, match=f"^dtype must be one of float32, bfloat16, float16 "
+                       f".*got {re.escape(repr(dtype))}$"):
+        hf_paged.from_pretrained(checkpoints["gqa_tied"], dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype,expected", [
+    (None, torch.float32), ("auto", torch.float32), ("bfloat16", torch.bfloat16),
+    ("torch.float16", torch.float16), ("half", torch.float16), (torch.bfloat16, torch.bfloat16),
+])
+def test_dtype_names_resolve(dtype, expected):
+    assert resolve_dtype(dtype, PretrainedConfig()) is expected
+
+
 @pytest.mark.parametrize("options,name", [
     (dict(block_size=12), "block_size"),
+    (dict(progress_bar="yes"), "progress_bar"),
     (dict(max_num_seqs=0), "max_num_seqs"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
     (dict(attention_backend="magic"), "attention_backend"),
