@@ -1,64 +1,48 @@
-"""The model object a transformers script expects: ``hf_paged.AutoModelForCausalLM``.
+"""The model object a transformers script expects: transformers' own ``Qwen3ForCausalLM``.
 
-``from_pretrained`` takes transformers' loading keywords plus every engine option and returns
-hf_paged's ``Qwen3ForCausalLM``: ``generate`` runs on the engine, calling the model computes
-transformers' ``CausalLMOutputWithPast`` through the swapped modules, and ``config``,
-``generation_config``, ``device``, ``dtype``, ``eval()`` and friends answer as transformers'
-own model would.
+``hf_paged.Qwen3ForCausalLM`` subclasses transformers' class, so ``isinstance`` checks hold
+and every attribute a client reads (``loss_type``, ``tie_weights``, ``get_decoder``,
+``prepare_inputs_for_generation``, ``is_gradient_checkpointing``, ...) is transformers' own by
+inheritance. An instance is built by transformers' constructor on the meta device, then its
+``model`` and ``lm_head`` children are replaced by the engine's swapped modules: the weights
+exist once, in the engine. ``generate`` runs on the engine; the forward computes transformers'
+outputs through the same modules; what the engine cannot do (training, resizing, moving) raises.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
-from torch import nn
+import transformers
 from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.utils import logging
 
-from hf_paged.config import EngineConfig
 from hf_paged.engine.engine import PagedEngine
+from hf_paged.integrations.loading import load_engine
+from hf_paged.integrations.state_dict import transformers_state_dict
 from hf_paged.modeling.full_forward import full_forward
 
-# transformers' own hub keywords, passed to huggingface_hub to find a checkpoint by id.
-_HUB_KEYWORDS = ("revision", "token", "cache_dir", "local_files_only", "force_download", "proxies")
-# Accepted and left to the engine, which chooses its own attention and loads weights lazily;
-# no code runs from a checkpoint, so the revision of its code means nothing either.
-_IGNORED_KEYWORDS = ("attn_implementation", "low_cpu_mem_usage", "code_revision",
-                     "_from_pipeline", "_from_auto")
-# transformers keywords hf_paged cannot honour: accepted at their defaults (None or False) only.
-_REFUSED_UNLESS_DEFAULT = (
-    "config", "state_dict", "quantization_config", "variant", "gguf_file", "max_memory",
-    "offload_folder", "offload_buffers", "output_loading_info", "adapter_kwargs", "key_mapping",
-    "tp_plan", "tp_size", "device_mesh", "distributed_config", "use_kernels", "kernel_config",
-)
-# Keywords taken by hf_paged: transformers' placement ones, then every EngineConfig field.
-_ENGINE_KEYWORDS = (
-    "dtype", "torch_dtype", "device_map", "device", "subfolder", "generation_config",
-    *(f.name for f in dataclasses.fields(EngineConfig)),
-)
-# device_map strategies that accelerate spreads over GPUs; the engine takes the first one.
-_DEVICE_MAP_STRATEGIES = ("auto", "balanced", "sequential")
 # Keywords of transformers' loss function, passed on with ``labels``.
 _LOSS_KEYWORDS = ("num_items_in_batch", "ignore_index", "shift_labels")
+_INFERENCE_ONLY = "hf_paged models are for inference only"
 
 
-class Qwen3ForCausalLM(nn.Module):
-    """A Qwen3 causal LM served by a ``PagedEngine``: ``generate`` runs on the engine, and
-    calling the model returns transformers' outputs computed by the same swapped modules.
+class Qwen3ForCausalLM(transformers.Qwen3ForCausalLM):
+    """transformers' Qwen3 causal LM with hf_paged's modules swapped in, served by a
+    ``PagedEngine`` (``model.engine``). It keeps transformers' class name because pipelines
+    check models by that name."""
 
-    It bears transformers' class name because pipelines check models by that name."""
-
-    main_input_name = "input_ids"
-
-    def __init__(self, engine: PagedEngine):
-        super().__init__()
-        self.engine = engine
-        # transformers' module tree (``model.layers...``, ``lm_head``), for scripts that look.
-        self.model = engine.model.hf_model.model
-        self.lm_head = engine.model.hf_model.lm_head
-        super().train(False)
+    @classmethod
+    def from_engine(cls, engine: PagedEngine) -> Qwen3ForCausalLM:
+        """transformers' constructor on the meta device (nothing allocated), then the engine's
+        modules as its children."""
+        with torch.device("meta"):
+            model = cls(engine.hf_config)
+        model.engine = engine  # first: the generation_config property reads it
+        model.model = engine.model.hf_model.model
+        model.lm_head = engine.model.hf_model.lm_head
+        torch.nn.Module.train(model, False)
+        return model
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *model_args,
@@ -67,19 +51,21 @@ class Qwen3ForCausalLM(nn.Module):
         return AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *model_args,
                                                     **kwargs)
 
-    # ---- what scripts read --------------------------------------------------------------
-
-    @property
-    def config(self):
-        return self.engine.hf_config
+    # ---- what lives in the engine ---------------------------------------------------------
 
     @property
     def generation_config(self):
-        return self.engine.generation_config
+        engine = self.__dict__.get("engine")
+        return engine.generation_config if engine else self.__dict__.get("_generation_config")
 
     @generation_config.setter
     def generation_config(self, value) -> None:
-        self.engine.generation_config = value
+        # transformers' constructor sets one before the engine is attached; the engine's wins.
+        engine = self.__dict__.get("engine")
+        if engine is None:
+            self.__dict__["_generation_config"] = value
+        else:
+            engine.generation_config = value
 
     @property
     def device(self) -> torch.device:
@@ -89,13 +75,6 @@ class Qwen3ForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.engine.runner.dtype
 
-    @property
-    def name_or_path(self) -> str:
-        return self.config._name_or_path
-
-    def can_generate(self) -> bool:
-        return True
-
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         """transformers' count: each parameter once (tied ones too), the input embedding left
         out with ``exclude_embeddings``; nothing here trains."""
@@ -104,24 +83,43 @@ class Qwen3ForCausalLM(nn.Module):
         skip = self.model.embed_tokens.weight if exclude_embeddings else None
         return sum(p.numel() for p in self.parameters() if p is not skip)
 
-    def get_input_embeddings(self) -> nn.Module:
-        return self.model.embed_tokens
+    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        """transformers' layout: the fused projections split back into their checkpoint
+        tensors, so ``save_pretrained`` writes what stock ``from_pretrained`` reads."""
+        if self.engine.config.tensor_parallel_size > 1:
+            raise ValueError("state_dict()/save_pretrained(): this process holds one rank's "
+                             "shard of the weights (tensor_parallel_size > 1)")
+        return transformers_state_dict(super().state_dict(*args, **kwargs), self.config)
 
-    def get_output_embeddings(self) -> nn.Module:
-        return self.lm_head
-
-    # ---- inference only, on the device it was loaded on ---------------------------------
+    # ---- inference only, on the device it was loaded on -----------------------------------
 
     def train(self, mode: bool = True) -> Qwen3ForCausalLM:
         if mode:
-            raise RuntimeError("hf_paged models are for inference only; train(True) is refused")
+            raise RuntimeError(f"{_INFERENCE_ONLY}; train(True) is refused")
         return super().train(False)
 
     def requires_grad_(self, requires_grad: bool = True) -> Qwen3ForCausalLM:
         if requires_grad:
-            raise RuntimeError("hf_paged models are for inference only; requires_grad_(True) "
-                               "is refused")
+            raise RuntimeError(f"{_INFERENCE_ONLY}; requires_grad_(True) is refused")
         return self
+
+    def gradient_checkpointing_enable(self, *args, **kwargs) -> None:
+        raise RuntimeError(f"{_INFERENCE_ONLY}; gradient_checkpointing_enable() is refused")
+
+    def enable_input_require_grads(self) -> None:
+        raise RuntimeError(f"{_INFERENCE_ONLY}; enable_input_require_grads() is refused")
+
+    def resize_token_embeddings(self, *args, **kwargs):
+        raise RuntimeError("resize_token_embeddings() is refused: the engine's embedding, LM head "
+                           "and compiled kernels are sized for the checkpoint's vocabulary")
+
+    def set_input_embeddings(self, value) -> None:
+        raise RuntimeError("set_input_embeddings() is refused: the engine serves the loaded "
+                           "modules; load another checkpoint instead")
+
+    def set_output_embeddings(self, new_embeddings) -> None:
+        raise RuntimeError("set_output_embeddings() is refused: the engine serves the loaded "
+                           "modules; load another checkpoint instead")
 
     def to(self, *args, **kwargs) -> Qwen3ForCausalLM:
         """A no-op to the device and dtype the model has; anything else is an error (load the
@@ -155,8 +153,9 @@ class Qwen3ForCausalLM(nn.Module):
     def float(self) -> Qwen3ForCausalLM:
         return self.to(torch.float32)
 
-    # ---- generation and scoring ---------------------------------------------------------
+    # ---- generation and scoring -----------------------------------------------------------
 
+    @torch.no_grad()
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):
         """transformers' ``generate`` (same arguments, same result), run by the engine."""
         return self.engine.generate(inputs, generation_config, **kwargs)
@@ -201,13 +200,14 @@ class Qwen3ForCausalLM(nn.Module):
             loss = None
             if labels is not None:
                 loss_kwargs = {n: v for n, v in kwargs.items() if n in _LOSS_KEYWORDS}
-                loss = self.engine.model.hf_model.loss_function(
-                    logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs
-                )
+                loss = self.loss_function(logits=logits, labels=labels,
+                                          vocab_size=self.config.vocab_size, **loss_kwargs)
         output = CausalLMOutputWithPast(loss=loss, logits=logits)
-        return output.to_tuple() if return_dict is False else output
+        if return_dict is None:
+            return_dict = self.config.return_dict
+        return output if return_dict else output.to_tuple()
 
-    # ---- lifecycle ----------------------------------------------------------------------
+    # ---- lifecycle ------------------------------------------------------------------------
 
     def close(self) -> None:
         """Free the weights, KV cache and CUDA graphs; see ``PagedEngine.close``."""
@@ -233,95 +233,18 @@ class AutoModelForCausalLM:
         the default: the checkpoint's), ``device_map`` (``None``/``"auto"``: the first GPU,
         else the CPU; ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``N`` or ``{"": N}``), the hub's
         ``revision``, ``token``, ``cache_dir``, ``local_files_only``, ``force_download`` and
-        ``proxies``, ``subfolder``, ``generation_config``, ``trust_remote_code=False``,
-        ``use_safetensors``, and ignores ``attn_implementation`` and ``low_cpu_mem_usage``
-        (the engine chooses). Every ``EngineConfig`` field may be passed too. transformers
-        keywords it cannot honour (``quantization_config``, ``config``, ...) raise a
-        ``ValueError`` unless None; unknown ones a ``TypeError``.
+        ``proxies``, ``subfolder``, ``generation_config``, ``config`` (an object or a path),
+        ``trust_remote_code=False``, ``use_safetensors``, and ignores ``attn_implementation``
+        and ``low_cpu_mem_usage`` (the engine chooses). Every ``EngineConfig`` field may be
+        passed too. Other keywords that name attributes of the model config override them, as
+        in transformers (those the engine cannot honour raise a ``ValueError``); transformers
+        keywords it cannot honour (``quantization_config``, ...) raise a ``ValueError`` unless
+        None; unknown ones a ``TypeError``.
         """
         if model_args:
             raise TypeError("from_pretrained() takes the checkpoint and keyword arguments only")
-        return Qwen3ForCausalLM(load_engine(os.fspath(pretrained_model_name_or_path), kwargs))
-
-
-def load_engine(path_or_id: str, kwargs: dict) -> PagedEngine:
-    """A ``PagedEngine`` from transformers-style ``from_pretrained`` keywords."""
-    kwargs = dict(kwargs)
-    engine_options = {n: kwargs.pop(n) for n in _ENGINE_KEYWORDS if n in kwargs}
-    hub = {name: kwargs.pop(name) for name in _HUB_KEYWORDS if name in kwargs}
-    for name in _IGNORED_KEYWORDS:
-        kwargs.pop(name, None)
-    if kwargs.pop("trust_remote_code", None):
-        raise ValueError("trust_remote_code=True is refused: hf_paged runs no code from a "
-                         "checkpoint (safetensors weights of known architectures only)")
-    if kwargs.pop("use_safetensors", None) is False:
-        raise ValueError("use_safetensors=False is refused: hf_paged loads safetensors only")
-    refused = sorted(n for n in _REFUSED_UNLESS_DEFAULT if kwargs.pop(n, None) not in (None, False))
-    if refused:
-        raise ValueError(f"from_pretrained(): {', '.join(refused)} not supported by hf_paged")
-    if kwargs:
-        raise TypeError(
-            f"from_pretrained() got keyword(s) hf_paged does not know: "
-            f"{', '.join(sorted(kwargs))}; engine options: {', '.join(sorted(_ENGINE_KEYWORDS))}"
-        )
-    dtype = engine_options.pop("torch_dtype", None)
-    if dtype is not None:  # transformers' own deprecation notice, as its loader gives it
-        logging.get_logger("transformers.modeling_utils").warning_once(
-            "`torch_dtype` is deprecated! Use `dtype` instead!")
-    dtype = engine_options.pop("dtype", None) or dtype
-    if "device_map" in engine_options:
-        if engine_options.get("device") is not None:
-            raise ValueError("pass device_map or device, not both")
-        engine_options["device"] = resolve_device_map(engine_options.pop("device_map"))
-    generation_config = engine_options.pop("generation_config", None)
-    path = os.path.join(resolve_checkpoint(path_or_id, hub), engine_options.pop("subfolder", ""))
-    engine = PagedEngine.from_pretrained(
-        path, dtype=None if dtype == "auto" else dtype, **engine_options
-    )
-    if generation_config is not None:
-        engine.generation_config = generation_config
-    engine.hf_config._name_or_path = path_or_id
-    return engine
-
-
-def resolve_checkpoint(path_or_id: str, hub: dict) -> str:
-    """A local folder as is; a hub id through huggingface_hub with transformers' keywords."""
-    if os.path.isdir(path_or_id):
-        return path_or_id
-    from huggingface_hub import snapshot_download
-
-    try:
-        return snapshot_download(
-            path_or_id, allow_patterns=["*.json", "*.safetensors", "*.txt"], **hub
-        )
-    except Exception as error:
-        raise OSError(
-            f"{path_or_id!r} is not a local folder and could not be fetched from the hub: {error}"
-        ) from error
-
-
-def resolve_device_map(device_map) -> torch.device | None:
-    """The one device a transformers ``device_map`` names (``None``: the engine's default)."""
-    if device_map is None or device_map in _DEVICE_MAP_STRATEGIES:
-        return None
-    if isinstance(device_map, dict):
-        devices = set(device_map.values())
-        if len(devices) != 1:
-            raise ValueError(
-                f"device_map spreads the model over {sorted(map(str, devices))}; hf_paged keeps "
-                "a model on one device: to split it over GPUs, use tensor parallelism "
-                "(tensor_parallel_size=N)"
-            )
-        device_map = devices.pop()
-    try:
-        device = torch.device("cuda", device_map) if isinstance(device_map, int) else (
-            torch.device(device_map))
-    except (RuntimeError, TypeError):
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device_map must name one CPU or CUDA device (None, 'auto', 'cpu', "
-                         f"'cuda', 'cuda:N', N or {{'': N}}), got {device_map!r}")
-    return device
+        engine = load_engine(os.fspath(pretrained_model_name_or_path), kwargs)
+        return Qwen3ForCausalLM.from_engine(engine)
 
 
 def _check_input_ids(input_ids, vocab_size: int) -> torch.Tensor:

@@ -7,7 +7,7 @@ import inspect
 import warnings
 
 import transformers
-from transformers import AutoConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from hf_paged.integrations.causal_lm import AutoModelForCausalLM
 
@@ -66,12 +66,12 @@ def _loader(patched_cls: type, stock):
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         if cls is patched_cls:
             model_type = _model_type(pretrained_model_name_or_path, kwargs)
-            if model_type == "qwen3" and not model_args and kwargs.get("config") is None:
+            if model_type == "qwen3" and not model_args:
                 return AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path,
                                                             **kwargs)
             if model_type is not None:
                 why = ("hf_paged serves Qwen3 checkpoints only" if model_type != "qwen3" else
-                       "hf_paged reads the checkpoint's own config (no config or model_args)")
+                       "hf_paged takes no positional model_args")
                 warnings.warn(f"{why}; {pretrained_model_name_or_path!r} (model_type "
                               f"{model_type!r}) loads with stock transformers", stacklevel=2)
         return stock.__get__(None, cls)(pretrained_model_name_or_path, *model_args, **kwargs)
@@ -82,10 +82,13 @@ def _loader(patched_cls: type, stock):
 
 
 def _model_type(path_or_id, kwargs: dict) -> str | None:
-    """The checkpoint's model_type, or None when its config cannot be read (stock
-    transformers then reports why)."""
+    """The model_type of the config passed (an object or a path) or else the checkpoint's, or
+    None when it cannot be read (stock transformers then reports why)."""
+    config = kwargs.get("config")
+    if isinstance(config, PretrainedConfig):
+        return getattr(config, "model_type", None)
     hub = {name: kwargs[name] for name in _CONFIG_KEYWORDS if name in kwargs}
     try:
-        return getattr(AutoConfig.from_pretrained(path_or_id, **hub), "model_type", None)
+        return getattr(AutoConfig.from_pretrained(config or path_or_id, **hub), "model_type", None)
     except (OSError, ValueError, KeyError):
         return None

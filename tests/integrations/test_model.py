@@ -253,3 +253,60 @@ def test_checkpoint_tokenizer(tiny_checkpoint, tokenizer):
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
                                          add_generation_prompt=True)
     assert chat == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_the_model_is_transformers_own_class(model, stock_model):
+    """Every attribute a client reads is transformers' own, by inheritance."""
+    assert isinstance(model, transformers.Qwen3ForCausalLM)
+    assert isinstance(model, transformers.PreTrainedModel)
+    for name in ("loss_type", "main_input_name", "base_model_prefix", "is_gradient_checkpointing",
+                 "_tied_weights_keys", "supports_gradient_checkpointing"):
+        assert getattr(model, name) == getattr(stock_model, name), name
+    assert model.get_decoder() is model.model is model.base_model
+    assert model.config is model.engine.hf_config
+    assert model.generation_config is model.engine.generation_config
+    model.tie_weights()  # lm-eval calls it; the engine's tied weights stay tied
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert [n for n, _ in model.named_children()] == [n for n, _ in stock_model.named_children()]
+    inputs = model.prepare_inputs_for_generation(IDS, attention_mask=torch.ones_like(IDS))
+    assert torch.equal(inputs["input_ids"], IDS)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda m: m.gradient_checkpointing_enable(), "gradient_checkpointing_enable"),
+    (lambda m: m.resize_token_embeddings(2048), "resize_token_embeddings"),
+    (lambda m: m.set_input_embeddings(torch.nn.Embedding(4, 64)), "set_input_embeddings"),
+    (lambda m: m.enable_input_require_grads(), "enable_input_require_grads"),
+])
+def test_what_the_engine_cannot_do_is_named(model, call, match):
+    with pytest.raises(RuntimeError, match=match):
+        call(model)
+    assert not model.is_gradient_checkpointing
+
+
+def test_state_dict_and_save_pretrained_in_transformers_layout(model, stock_model, tmp_path):
+    assert model.state_dict().keys() == stock_model.state_dict().keys()
+    model.save_pretrained(tmp_path)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    assert type(reloaded) is transformers.Qwen3ForCausalLM
+    torch.testing.assert_close(reloaded(IDS).logits, stock_model(IDS).logits, atol=0, rtol=0)
+
+
+def test_config_overrides_apply_as_in_transformers(tiny_checkpoint, stock_model):
+    model = hf_paged.AutoModelForCausalLM.from_pretrained(tiny_checkpoint, return_dict=False,
+                                                          **SMALL)
+    assert model.config.return_dict is False
+    assert isinstance(model(IDS), tuple)
+    model.close()
+    # An override the engine honours changes the numbers as it does in transformers.
+    kwargs = dict(rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    stock = transformers.AutoModelForCausalLM.from_pretrained(tiny_checkpoint, **kwargs)
+    with hf_paged.AutoModelForCausalLM.from_pretrained(tiny_checkpoint, **kwargs,
+                                                       **SMALL) as model:
+        ids = torch.randint(3, 1024, (1, 30), generator=torch.Generator().manual_seed(2))
+        assert torch.equal(model.generate(ids, max_new_tokens=8),
+                           stock.generate(ids, max_new_tokens=8))
+        torch.testing.assert_close(model(ids).logits, stock(ids).logits, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="output_attentions"):
+        hf_paged.AutoModelForCausalLM.from_pretrained(tiny_checkpoint, output_attentions=True,
+                                                      **SMALL)

@@ -63,12 +63,20 @@ def test_other_architectures_load_stock_with_a_warning(llama_checkpoint):
     assert len([w for w in caught if "hf_paged" in str(w.message)]) == 1
 
 
-def test_a_config_object_loads_stock_with_a_warning(tiny_checkpoint, stock_model):
+def test_a_config_object_and_overrides_load_on_hf_paged(tiny_checkpoint, stock_model):
+    """transformers applies a config object and config keywords; so does the patched loader."""
+    config = transformers.AutoConfig.from_pretrained(tiny_checkpoint)
+    config.return_dict = False
     with hf_paged.patch_transformers():
-        with pytest.warns(UserWarning, match="own config"):
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                tiny_checkpoint, config=stock_model.config)
-    assert type(model) is transformers.Qwen3ForCausalLM
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            tiny_checkpoint, config=config, max_model_len=128, num_kv_blocks=64, block_size=8)
+        assert isinstance(model, hf_paged.Qwen3ForCausalLM) and model.config is not config
+        assert isinstance(model(torch.tensor([[5, 6, 7]])), tuple)
+        model.close()
+        model = transformers.Qwen3ForCausalLM.from_pretrained(
+            tiny_checkpoint, return_dict=False, max_model_len=128, num_kv_blocks=64, block_size=8)
+        assert isinstance(model(torch.tensor([[5, 6, 7]])), tuple)
+        model.close()
 
 
 def test_subclasses_load_stock_without_a_warning(tiny_checkpoint):
