@@ -18,8 +18,8 @@ class RequestHooks:
     them that sample in a step at once. Subclasses override what they need.
     """
 
-    #: ``process`` reads host-side state that ``on_token`` updates: the engine then collects a
-    #: step's tokens before it launches the next one (no asynchronous overlap).
+    #: ``process`` reads host-side state that ``on_tokens`` updates: the engine then collects
+    #: a step's tokens before it launches the next one (no asynchronous overlap).
     needs_history: bool = False
 
     def process(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
@@ -30,9 +30,17 @@ class RequestHooks:
         """Called with the tokens just sampled (on the device) for the requests ``process``
         saw, before they reach the host."""
 
-    def on_token(self, seq: Sequence) -> bool:
-        """Called after a token is appended to ``seq``; True finishes the request."""
-        return False
+    def on_tokens(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
+        """Called once a step with the requests that received a token (already appended;
+        those it finished by EOS or length included). Returns the requests to stop, each with
+        the number of new tokens it keeps (a decision about an earlier token drops the later
+        ones, as for a token sampled after EOS)."""
+        return []
+
+    def may_compute(self, seq: Sequence) -> bool:
+        """Whether ``seq`` may be scheduled to sample its next token now (False holds it back
+        for a step; the engine overrides a hold when nothing else can run)."""
+        return True
 
 
 @dataclass(frozen=True)

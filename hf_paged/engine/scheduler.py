@@ -93,36 +93,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
-        preempted = False
-        i = 0
-        allocate = self.block_manager.allocate
-        while i < len(self.running) and budget:
-            seq = self.running[i]
-            if seq.num_pending and self._length_reached(seq, seq.num_tokens):
-                i += 1  # its pending token is its last: nothing more to compute
-                continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if n == 0:  # a group member waiting for its group's choice
-                i += 1
-                continue
-            while not allocate(seq, n):
-                preempted = True
-                # A member waiting for its group's choice gives way first: it may be waiting
-                # for this very sequence, whose preemption would then repeat forever.
-                j = self._idle_member_index(besides={seq.seq_id, *(s.seq_id for s in batch.seqs)})
-                if j is not None:
-                    self._preempt(self.running.pop(j), park=True)
-                    i -= j < i
-                    continue
-                victim = self.running.pop()
-                self._preempt(victim)
-                if victim is seq:
-                    break
-            else:
-                self._add_to_batch(batch, seq, n)
-                budget -= n
-                i += 1
+        budget, preempted = self._schedule_running(batch, respect_holds=True)
         # Admitting right after a preemption would only take the blocks back.
         while self.waiting and budget and not preempted:
             seq = self.waiting[0]
@@ -147,10 +118,53 @@ class Scheduler:
             self.running.append(seq)
             self._add_to_batch(batch, seq, n)
             budget -= n
+        if not batch.seqs and not preempted:
+            # Nothing but held requests can run (what they wait for cannot be admitted yet):
+            # a hold is a preference, never a deadlock.
+            self._schedule_running(batch, respect_holds=False)
         # Followers forked by this step run from the next one (their tokens are being sampled).
         self.running.extend(follower for _, follower in batch.sample_copies)
         batch.block_copies = self.block_manager.take_copies()
         return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, respect_holds: bool) -> tuple[int, bool]:
+        """Running requests first, in admission order; returns the budget left and whether
+        a request was preempted."""
+        budget = self.max_num_batched_tokens
+        preempted = False
+        i = 0
+        allocate = self.block_manager.allocate
+        while i < len(self.running) and budget:
+            seq = self.running[i]
+            if seq.num_pending and self._length_reached(seq, seq.num_tokens):
+                i += 1  # its pending token is its last: nothing more to compute
+                continue
+            hooks = seq.params.hooks
+            if respect_holds and hooks is not None and not hooks.may_compute(seq):
+                i += 1
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n == 0:  # a group member waiting for its group's choice
+                i += 1
+                continue
+            while not allocate(seq, n):
+                preempted = True
+                # A member waiting for its group's choice gives way first: it may be waiting
+                # for this very sequence, whose preemption would then repeat forever.
+                j = self._idle_member_index(besides={seq.seq_id, *(s.seq_id for s in batch.seqs)})
+                if j is not None:
+                    self._preempt(self.running.pop(j), park=True)
+                    i -= j < i
+                    continue
+                victim = self.running.pop()
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self._add_to_batch(batch, seq, n)
+                budget -= n
+                i += 1
+        return budget, preempted
 
     def postprocess(
         self, batch: ScheduledBatch, sampled: list[int], candidates: list[tuple] = ()
@@ -161,37 +175,59 @@ class Scheduler:
         finished: list[Sequence] = []
         tokens, reports = iter(sampled), iter(candidates)
         ready: dict[int, SequenceGroup] = {}
+        appended: list[Sequence] = []
         for seq, sample in zip(batch.seqs, batch.sample):
             if not sample:
                 continue
             if seq.group is None:
-                self._append(seq, next(tokens), finished)
+                if self._append(seq, next(tokens), finished):
+                    appended.append(seq)
             else:
                 report = next(reports)
                 if not seq.is_finished and seq.group.report(seq, report):
                     ready[id(seq.group)] = seq.group
         for _, follower in batch.sample_copies:
-            self._append(follower, next(tokens), finished)
+            if self._append(follower, next(tokens), finished):
+                appended.append(follower)
+        self._run_hooks(appended, finished)
         for group in ready.values():
             self._advance(group, finished)
         if finished or ready:
             self.running = [s for s in self.running if s.status is Status.RUNNING]
         return finished
 
-    def _append(self, seq: Sequence, token: int, finished: list[Sequence]) -> None:
-        if seq.is_finished:  # stopped or aborted while this step ran: a token too many
-            return
+    def _append(self, seq: Sequence, token: int, finished: list[Sequence]) -> bool:
+        """Append ``token`` to ``seq`` and finish it at EOS or its length; False when the
+        request had stopped meanwhile (the token is one too many)."""
+        if seq.is_finished:
+            return False
         seq.num_pending -= 1
         seq.token_ids.append(token)
         params = seq.params
         if not params.ignore_eos and token in params.eos_token_ids:
             seq.finish_reason = "stop"
-        elif params.hooks is not None and params.hooks.on_token(seq):
-            seq.finish_reason = "stop"
         elif self._length_reached(seq, len(seq.token_ids)):
             seq.finish_reason = "length"
         else:
-            return
+            return True
+        self._finish(seq, finished)
+        return True
+
+    def _run_hooks(self, appended: list[Sequence], finished: list[Sequence]) -> None:
+        """Each hooks object sees its requests that got a token this step, once; the
+        requests it stops keep the tokens it says."""
+        by_hooks: dict[int, tuple] = {}
+        for seq in appended:
+            if seq.params.hooks is not None:
+                by_hooks.setdefault(id(seq.params.hooks), (seq.params.hooks, []))[1].append(seq)
+        for hooks, seqs in by_hooks.values():
+            for seq, kept in hooks.on_tokens(seqs):
+                del seq.token_ids[seq.num_prompt_tokens + kept:]
+                if not seq.is_finished:
+                    seq.finish_reason = "stop"
+                    self._finish(seq, finished)
+
+    def _finish(self, seq: Sequence, finished: list[Sequence]) -> None:
         self._release(seq)
         seq.status = Status.FINISHED
         finished.append(seq)

@@ -17,105 +17,13 @@ from transformers.generation.stopping_criteria import (
     StoppingCriteriaList,
 )
 
-from hf_paged.engine.sequence import Sequence
 from hf_paged.generation import processors as procs
 from hf_paged.generation.beam_search import beam_search
+from hf_paged.generation.call_hooks import CallHooks
 from hf_paged.generation.outputs import decoder_only_output, pad_outputs, per_step
-from hf_paged.generation.settings import Resolved, resolve
+from hf_paged.generation.settings import resolve
 from hf_paged.generation.streaming import StreamFeeder
-from hf_paged.sampling_params import RequestHooks, SamplingParams
-from hf_paged.worker.model_runner import to_device
-
-
-class CallHooks(RequestHooks):
-    """One generate() call's processors, criteria and recorded outputs, for all its rows.
-
-    ``input_ids`` is the call's batch as transformers' loop holds it, on the device: the
-    left-padded prompt rows, then each row's new tokens, appended on the device as they are
-    sampled (``pad`` after a row finishes, as transformers feeds finished rows). Processors
-    run on it batched over the call, with no host round trip; rows sampling at different
-    lengths (chunked prefill can stagger them) run as one batch per length.
-
-    When the caller wants per-step ``scores`` or ``logits``, the call runs in lockstep as
-    transformers' loop does: a row that is done keeps running on ``pad`` (its scores are
-    still computed), and every row stops once all are done.
-    """
-
-    def __init__(self, resolved: Resolved, rest, criteria: StoppingCriteriaList, pad: int,
-                 record_scores: bool, record_logits: bool):
-        self.rest = rest
-        self.criteria = criteria
-        self.pad = pad
-        self.prompt_ids = resolved.input_ids
-        self.width = resolved.input_ids.shape[1]
-        self.max_new_tokens = resolved.max_new_tokens
-        self.input_ids: torch.Tensor | None = None  # on the device, from the first step on
-        self.lockstep = record_scores or record_logits
-        self.needs_history = self.lockstep  # ``process`` reads the done flags
-        self.record_scores, self.record_logits = record_scores, record_logits
-        batch = self.prompt_ids.shape[0]
-        mask = resolved.attention_mask.bool()
-        self.padding = [self.prompt_ids[r][~mask[r]].tolist() for r in range(batch)]
-        self.rows: dict[int, int] = {}
-        self.done = [False] * batch
-        self.scores: list[list[torch.Tensor]] = [[] for _ in range(batch)]
-        self.logits: list[list[torch.Tensor]] = [[] for _ in range(batch)]
-
-    def _positions(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
-        """Each request's row, and the column its token being sampled takes."""
-        rows = [self.rows[s.seq_id] for s in seqs]
-        # ``num_tokens`` already counts the token this step samples.
-        cols = [self.width + s.num_tokens - 1 - s.num_prompt_tokens for s in seqs]
-        return rows, cols
-
-    def process(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        if self.input_ids is None:
-            self.input_ids = torch.full(
-                (len(self.done), self.width + self.max_new_tokens), self.pad, dtype=torch.long,
-                device=logits.device)
-            self.input_ids[:, : self.width] = self.prompt_ids.to(logits.device)
-        rows, cols = self._positions(seqs)
-        scores = logits.clone() if self.lockstep else logits
-        if self.rest:
-            by_length: dict[int, list[int]] = {}
-            for i, col in enumerate(cols):
-                by_length.setdefault(col, []).append(i)
-            for col, members in by_length.items():
-                index = to_device(members, logits.device)
-                at = to_device([rows[i] for i in members], logits.device)
-                full = logits.new_zeros(len(self.done), logits.shape[1])
-                full[at] = logits[index]
-                scores[index] = self.rest(self.input_ids[:, :col], full)[at]
-        if self.lockstep:
-            for i, row in enumerate(rows):
-                if self.record_logits:
-                    self.logits[row].append(logits[i].to("cpu", copy=True))
-                if self.record_scores:
-                    self.scores[row].append(scores[i].to("cpu", copy=True))
-                if self.done[row]:  # transformers feeds finished rows the pad token
-                    scores[i] = float("-inf")
-                    scores[i, self.pad] = 0.0
-        return scores
-
-    def shared_state(self) -> tuple:
-        """What this call's copy on another rank needs for the same outputs (under torchrun
-        only rank 0 samples; the engine sends this to the others)."""
-        return self.scores, self.logits
-
-    def load_shared_state(self, state: tuple) -> None:
-        self.scores, self.logits = state
-
-    def record(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
-        rows, cols = self._positions(seqs)
-        at = to_device(rows, tokens.device), to_device(cols, tokens.device)
-        self.input_ids[at] = tokens
-
-    def on_token(self, seq: Sequence) -> bool:
-        row = self.rows[seq.seq_id]
-        if self.criteria and not self.done[row]:
-            ids = torch.tensor([self.padding[row] + seq.token_ids])
-            self.done[row] = bool(self.criteria(ids, None)[0])
-        return all(self.done) if self.lockstep else self.done[row]
+from hf_paged.sampling_params import SamplingParams
 
 
 def generate(
@@ -158,11 +66,11 @@ def generate(
     record_scores = bool(config.return_dict_in_generate and config.output_scores)
     record_logits = bool(config.return_dict_in_generate and config.output_logits)
     lockstep = record_scores or record_logits
-    padded = not bool(resolved.attention_mask.bool().all())
-    split = procs.split(resolved.processors, padded, keep_all=lockstep)
     # Length and EOS are the engine's own checks, except in lockstep where EOS marks done.
     native = (MaxLengthCriteria,) if lockstep else (MaxLengthCriteria, EosTokenCriteria)
     criteria = StoppingCriteriaList(c for c in resolved.criteria if type(c) not in native)
+    padded = not bool(resolved.attention_mask.bool().all())
+    split = procs.split(resolved.processors, padded, keep_all=lockstep)
     hooks = None
     if split.rest or criteria or lockstep:
         hooks = CallHooks(resolved, split.rest, criteria, pad, record_scores, record_logits)
@@ -182,7 +90,7 @@ def generate(
         feeder.start(resolved.input_ids)
     seqs = _add_requests(engine, prompts, params, config.num_return_sequences or 1)
     if hooks:
-        hooks.rows = {s.seq_id: row for row, s in enumerate(seqs)}
+        hooks.attach(seqs)
     engine.run(seqs, progress_bar, on_step=feeder.feed if feeder else None)
     if feeder:
         feeder.feed(seqs)
