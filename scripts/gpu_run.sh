@@ -2,7 +2,7 @@
 # The GPU tests and the benchmarks on a CUDA machine, in one call from the repository root:
 #
 #   scripts/gpu_run.sh [STEP...]      STEP: tests w1 w2 w3 preempt profile dropin w4 beam
-#                                     tp-tests startup
+#                                     tp-tests startup lm-eval
 #                                     (default: the first four)
 #
 # Everything printed also goes to $OUT/run.log, and the result JSONs, README-table.md and
@@ -36,9 +36,11 @@
 #       scripts/gpu_run.sh tp-tests w4
 #   tp-tests: the tensor-parallel GPU tests and the CPU (gloo) ones; T_TP=400
 #   startup: from_pretrained on an empty Triton cache, then warm (bench_startup); T_START=240
+#   lm-eval: lm-eval's generate_until through HFLM, stock against patched (bench_lm_eval; needs
+#       lm_eval importable, e.g. from wheels on PYTHONPATH); T_LMEVAL=420, LMEVAL_ARGS
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
 
 SHAPE=${SHAPE:-0.6b}
 CKPT=${CKPT:-/tmp/ckpt/$SHAPE}
@@ -100,6 +102,8 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
             --model "$CKPT" --results-dir "$RESULTS" ${PRE_ARGS:---num-requests 64 --num-kv-blocks 1000} ;;
       beam) bench beam "${T_BEAM:-240}" bench_beam_search "${BEAM_ARGS:-}" "${BASELINE_ARGS[@]}" ;;
       startup) bench startup "${T_START:-240}" bench_startup "" ;;
+      lm-eval) step lm-eval "${T_LMEVAL:-420}" python -m benchmarks.bench_lm_eval --model "$CKPT" \
+            --results-dir "$RESULTS" ${LMEVAL_ARGS:-} ;;
       profile) step profile "${T_PROF:-120}" python -m benchmarks.profile_steps \
             --model "$CKPT" --results-dir "$RESULTS" ;;
       dropin)
@@ -123,7 +127,7 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
             step "w4-prof$n" "${T_W4P:-150}" python -m benchmarks.profile_steps --model "$ckpt8b" \
               --results-dir "$RESULTS" --tensor-parallel-size "$n" --name "w4-profile-tp$n"
           done ;;
-      *) echo "unknown step $s (steps: tests w1 w2 w3 preempt profile dropin w4 beam tp-tests startup)"
+      *) echo "unknown step $s (steps: tests w1 w2 w3 preempt profile dropin w4 beam tp-tests startup lm-eval)"
          STATUS+=("$s unknown") ;;
     esac
   done

@@ -1,13 +1,15 @@
 """Shared fixtures: tiny random Qwen3 checkpoints (built once per session) and their
-transformers twins, the oracle every parity test compares against."""
+transformers twins, the oracle every parity test compares against; and one tiny checkpoint
+with a tokenizer, for the tests that drive hf_paged through transformers and its clients."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from hf_paged.random_checkpoint import SHAPES, random_qwen3
+from hf_paged.random_checkpoint import SHAPES, make_checkpoint, random_qwen3
 
 # Tiny shapes: grouped-query heads with tied embeddings, multi-head attention with an untied
 # LM head, a wider-head GQA model, and a single KV head (replicated under tensor parallelism);
@@ -21,6 +23,10 @@ TINY_CONFIGS = {
                         tie_word_embeddings=False),
     "one_kv_head": dict(SHAPES["tiny"], num_attention_heads=4, num_key_value_heads=1),
 }
+
+# Engine options small enough for a fast CPU cache; every model built from
+# ``tiny_checkpoint`` loads with these.
+SMALL = dict(max_model_len=128, num_kv_blocks=64, block_size=8)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -49,6 +55,26 @@ def hf_models(checkpoints) -> dict[str, Qwen3ForCausalLM]:
         name: Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         for name, path in checkpoints.items()
     }
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> str:
+    """A tiny random Qwen3 checkpoint with its tokenizer, as ``hf-paged make-checkpoint``
+    writes it."""
+    return make_checkpoint("tiny", str(tmp_path_factory.mktemp("tiny_tok")), dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_checkpoint):
+    return transformers.AutoTokenizer.from_pretrained(tiny_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def stock_model(tiny_checkpoint):
+    """``tiny_checkpoint`` under stock transformers."""
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        tiny_checkpoint, dtype=torch.float32
+    ).eval()
 
 
 def left_padded(lengths: list[int], vocab: int, pad: int = 0, seed: int = 0):

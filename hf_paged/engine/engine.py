@@ -14,8 +14,9 @@ from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 from hf_paged.config import EngineConfig
 from hf_paged.engine.block_manager import BlockManager
 from hf_paged.engine.scheduler import Scheduler
-from hf_paged.engine.sequence import Sequence
+from hf_paged.engine.sequence import Sequence, Status
 from hf_paged.kernels.flash_attn import PAGE_MULTIPLE
+from hf_paged.modeling.full_forward import full_forward
 from hf_paged.modeling.swap import check_shardable, check_supported
 from hf_paged.sampling_params import SamplingParams
 from hf_paged.worker.executor import Executor, create_executor, resolve_device
@@ -203,16 +204,51 @@ class PagedEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: object = None
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: object = None,
+        output_token_ids: list[int] = (),
     ) -> Sequence:
-        """Validate and queue one request; it starts at the next ``step``."""
-        self.validate_request(prompt_token_ids, params)
-        return self._enqueue(prompt_token_ids, params, request_id)
+        """Validate and queue one request; it starts at the next ``step``.
+        ``output_token_ids``: tokens already generated for it, which it continues from (they
+        count against ``max_new_tokens``; the prompt may then be empty)."""
+        tokens = [*prompt_token_ids, *output_token_ids]
+        self.validate_request(tokens, params)
+        if not output_token_ids:
+            return self._enqueue(tokens, params, request_id)
+        seq = Sequence(tokens, params, request_id)
+        seq.num_prompt_tokens = len(prompt_token_ids)
+        last = output_token_ids[-1]
+        if not params.ignore_eos and last in params.eos_token_ids:
+            seq.status, seq.finish_reason = Status.FINISHED, "stop"
+        elif len(output_token_ids) >= params.max_new_tokens:
+            seq.status, seq.finish_reason = Status.FINISHED, "length"
+        else:
+            self.scheduler.add(seq)
+        return seq
 
     def _enqueue(self, prompt_token_ids, params, request_id=None) -> Sequence:
         seq = Sequence(prompt_token_ids, params, request_id)
         self.scheduler.add(seq)
         return seq
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor, logits_to_keep: int | torch.Tensor = 0
+                ) -> torch.Tensor:
+        """transformers' model forward over padded ``[batch, seq_len]`` rows (SDPA attention,
+        every token's logits, in the model dtype; ``logits_to_keep`` as transformers takes
+        it), on a scratch KV cache: the engine's cache and prefix cache are left alone."""
+        if self.closed:
+            raise RuntimeError("this model was closed; load it again to use it")
+        if self.config.tensor_parallel_size > 1:  # the other ranks only follow steps
+            raise ValueError("the model call (forward) runs in one process: it is not available "
+                             "with tensor_parallel_size > 1; generate() is")
+        hidden = full_forward(self.model, input_ids, attention_mask, position_ids,
+                              self.config.block_size)
+        if isinstance(logits_to_keep, int):
+            hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
+        else:
+            hidden = hidden[:, logits_to_keep.to(hidden.device)]
+        with torch.no_grad():
+            return self.model.lm_head(hidden)
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError, naming the argument, for a request the engine cannot serve."""
@@ -411,7 +447,7 @@ class PagedEngine:
         # prints nothing, and a drop-in must not either.
         show = self.config.progress_bar if progress_bar is None else progress_bar
         bar = tqdm(total=len(seqs), desc="hf_paged", unit="req", disable=not show)
-        pending = {s.seq_id for s in seqs}
+        pending = {s.seq_id for s in seqs if not s.is_finished}
         try:
             while pending:
                 t0 = time.perf_counter()

@@ -2,13 +2,14 @@
 
 transformers' loop holds the call's rows as one ``input_ids`` batch: each step appends every
 row's token (``pad`` once a row is done), runs the logits processors over the batch and calls
-every stopping criterion once with ``(input_ids[B, L], scores[B, V])``, reading back a bool
-tensor of B. The engine samples each row whenever it is scheduled, so ``CallHooks`` rebuilds
-that view: processors run on the device over the call's batch as each row samples, and the
-criteria run once per step (column) of the call, as soon as every row has delivered that
-column's token or finished, in column order, so that state a criterion keeps per row lines up.
-A row the criteria stop keeps its tokens up to that column (under asynchronous scheduling it
-may already hold one more, which is dropped, as after EOS).
+every stopping criterion once with ``(input_ids[B, L], scores)`` (``scores`` None, or with
+``output_scores`` the tuple of the steps' processed scores), reading back a bool tensor of B.
+The engine samples each row whenever it is scheduled, so ``CallHooks`` rebuilds that view:
+processors run on the device over the call's batch as each row samples, and the criteria run
+once per step (column) of the call, as soon as every row has delivered that column's token or
+finished, in column order, so that state a criterion keeps per row lines up. A row the
+criteria stop keeps its tokens up to that column (under asynchronous scheduling it may already
+hold one more, which is dropped, as after EOS).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class CallHooks(RequestHooks):
         self.caller_device = resolved.device
         self.width = resolved.input_ids.shape[1]
         self.max_new_tokens = resolved.max_new_tokens
-        self.input_ids: torch.Tensor | None = None  # on the device, from the first step on
+        self.input_ids: torch.Tensor | None = None  # on the device, from ``attach`` on
         self.lockstep = record_scores or record_logits
         self.needs_history = self.lockstep  # ``process`` reads the done flags
         self.record_scores, self.record_logits = record_scores, record_logits
@@ -70,16 +71,31 @@ class CallHooks(RequestHooks):
         self.rows: dict[int, int] = {}
         self.delivered = [0] * batch  # new tokens of each row copied into ``host_ids``
         self.checked = 0  # columns the criteria have seen
+        self.early_stops: list[tuple[Sequence, int]] = []
         self.done = [False] * batch
         self.closed_rows: set[int] = set()  # finished rows whose tail is reset to ``pad``
         self.score_steps: list[torch.Tensor] = []  # [B, V] a step, for user criteria
         self.scores: list[list[torch.Tensor]] = [[] for _ in range(batch)]
         self.logits: list[list[torch.Tensor]] = [[] for _ in range(batch)]
 
-    def attach(self, seqs: list[Sequence]) -> None:
-        """The call's requests, one per row in row order."""
+    def attach(self, seqs: list[Sequence], device: torch.device) -> None:
+        """The call's requests, one per row in row order (a request may hold new tokens
+        already: a row continued from its first token), and the engine's device. The device
+        batch is made here, outside the engine's inference mode, so that the host may edit it."""
+        self.input_ids = self.host_ids.to(device, copy=True)
         self.seqs = list(seqs)
         self.rows = {s.seq_id: row for row, s in enumerate(seqs)}
+        self._deliver(seqs)
+        self.early_stops = self._check_ready()  # returned with the first tokens delivered
+
+    def _deliver(self, seqs: list[Sequence]) -> None:
+        """Copy the requests' new tokens into the host batch."""
+        for seq in seqs:
+            row = self.rows[seq.seq_id]
+            new = seq.token_ids[seq.num_prompt_tokens + self.delivered[row]:]
+            start = self.width + self.delivered[row]
+            self.host_ids[row, start: start + len(new)] = torch.tensor(new, dtype=torch.long)
+            self.delivered[row] += len(new)
 
     def _positions(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
         """Each request's row, and the column its token being sampled takes."""
@@ -93,8 +109,6 @@ class CallHooks(RequestHooks):
         return not self.lockstep or seq.num_new_tokens <= self.checked
 
     def process(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        if self.input_ids is None:
-            self.input_ids = self.host_ids.to(logits.device)
         rows, cols = self._positions(seqs)
         scores = logits.clone() if self.lockstep else logits
         if self.rest:
@@ -132,19 +146,19 @@ class CallHooks(RequestHooks):
         self.input_ids[at] = tokens
 
     def on_tokens(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
-        for seq in seqs:
-            row = self.rows[seq.seq_id]
-            new = seq.token_ids[seq.num_prompt_tokens + self.delivered[row]:]
-            start = self.width + self.delivered[row]
-            self.host_ids[row, start: start + len(new)] = torch.tensor(new, dtype=torch.long)
-            self.delivered[row] += len(new)
+        self._deliver(seqs)
+        stops, self.early_stops = self.early_stops + self._check_ready(), []
+        for row, seq in enumerate(self.seqs):
+            if seq.is_finished and row not in self.closed_rows:
+                self._close_row(row, seq.num_new_tokens)
+        return stops
+
+    def _check_ready(self) -> list[tuple[Sequence, int]]:
+        """The criteria over every step all rows have delivered, in order."""
         stops = []
         while self.checked < self.max_new_tokens and self._column_ready(self.checked):
             stops += self._check(self.checked)
             self.checked += 1
-        for row, seq in enumerate(self.seqs):
-            if seq.is_finished and row not in self.closed_rows:
-                self._close_row(row, seq.num_new_tokens)
         return stops
 
     def _column_ready(self, col: int) -> bool:
@@ -187,5 +201,4 @@ class CallHooks(RequestHooks):
         """After a row is over, both copies of the batch hold ``pad`` as transformers' does."""
         self.closed_rows.add(row)
         self.host_ids[row, self.width + kept:] = self.pad
-        if self.input_ids is not None:
-            self.input_ids[row, self.width + kept:] = self.pad
+        self.input_ids[row, self.width + kept:] = self.pad

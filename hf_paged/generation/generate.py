@@ -20,6 +20,7 @@ from transformers.generation.stopping_criteria import (
 from hf_paged.generation import processors as procs
 from hf_paged.generation.beam_search import beam_search
 from hf_paged.generation.call_hooks import CallHooks
+from hf_paged.generation.masked_rows import first_tokens
 from hf_paged.generation.outputs import decoder_only_output, pad_outputs, per_step
 from hf_paged.generation.settings import resolve
 from hf_paged.generation.streaming import StreamFeeder
@@ -57,9 +58,13 @@ def generate(
     pad_tensor = config._pad_token_tensor
     pad = int(pad_tensor) if pad_tensor is not None else 0
     prompts = _unpadded_rows(resolved.input_ids, resolved.attention_mask.bool())
+    empty = [row for row, prompt in enumerate(prompts) if not prompt]
     if config.get_generation_mode() is GenerationMode.BEAM_SEARCH:
         if streamer is not None:  # as transformers
             raise ValueError("streamer cannot be used with beam search: set num_beams=1")
+        if empty:
+            raise ValueError(f"attention_mask: row {empty[0] // config.num_beams} keeps no token; "
+                             "hf_paged's beam search needs at least one unmasked prompt token")
         return beam_search(engine, resolved, prompts[:: config.num_beams], pad, progress_bar)
     eos = config._eos_token_tensor
     eos_ids = () if eos is None else tuple(eos.tolist())
@@ -88,9 +93,18 @@ def generate(
     feeder = StreamFeeder(streamer, pad) if streamer is not None else None
     if feeder:
         feeder.start(resolved.input_ids)
-    seqs = _add_requests(engine, prompts, params, config.num_return_sequences or 1)
+    first = {}
+    if empty:  # transformers' first step for them, then the engine goes on from it
+        tokens, logits, scores = first_tokens(engine, resolved, empty, config.do_sample)
+        first = dict(zip(empty, tokens))
+        for i, row in enumerate(empty):
+            if record_logits:
+                hooks.logits[row].append(logits[i].cpu())
+            if record_scores:
+                hooks.scores[row].append(scores[i].cpu())
+    seqs = _add_requests(engine, prompts, params, config.num_return_sequences or 1, first)
     if hooks:
-        hooks.attach(seqs)
+        hooks.attach(seqs, engine.device)
     engine.run(seqs, progress_bar, on_step=feeder.feed if feeder else None)
     if feeder:
         feeder.feed(seqs)
@@ -112,9 +126,16 @@ def generate(
     )
 
 
-def _add_requests(engine, prompts: list[list[int]], params: SamplingParams, copies: int):
+def _add_requests(engine, prompts: list[list[int]], params: SamplingParams, copies: int,
+                  first: dict[int, int]):
     """One request per (expanded) row; the ``copies`` rows of one prompt prefill it once and
-    share its KV blocks when the engine can run them together."""
+    share its KV blocks when the engine can run them together. A row of ``first`` (its first
+    token, drawn already) continues from that token."""
+    if first:
+        for row, prompt in enumerate(prompts):  # all checked before any is queued
+            engine.validate_request(prompt or [first[row]], params)
+        return [engine.add_request(prompt, params, output_token_ids=[first[row]] if not prompt
+                                   else ()) for row, prompt in enumerate(prompts)]
     if copies == 1 or copies > engine.config.max_num_seqs:
         return engine._add_all(prompts, params)
     for prompt in prompts[::copies]:  # all checked before any is queued

@@ -20,7 +20,6 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from hf_paged.engine.engine import PagedEngine
 from hf_paged.integrations.loading import load_engine
 from hf_paged.integrations.state_dict import transformers_state_dict
-from hf_paged.modeling.full_forward import full_forward
 
 # Keywords of transformers' loss function, passed on with ``labels``.
 _LOSS_KEYWORDS = ("num_items_in_batch", "ignore_index", "shift_labels")
@@ -177,11 +176,6 @@ class Qwen3ForCausalLM(transformers.Qwen3ForCausalLM):
         on a scratch cache. It keeps no KV cache: ``past_key_values`` is None; decode with
         ``generate``."""
         _refuse_forward_options(past_key_values, inputs_embeds, use_cache, kwargs)
-        if self.engine.closed:
-            raise RuntimeError("this model was closed; load it again to use it")
-        if self.engine.config.tensor_parallel_size > 1:  # the other ranks only follow steps
-            raise ValueError("the model call (forward) runs in one process: it is not available "
-                             "with tensor_parallel_size > 1; generate() is")
         input_ids = _check_input_ids(input_ids, self.config.vocab_size)
         attention_mask = _attention_mask(attention_mask, input_ids)
         if position_ids is None:
@@ -189,14 +183,9 @@ class Qwen3ForCausalLM(transformers.Qwen3ForCausalLM):
         if position_ids.shape[-1] != input_ids.shape[1] or position_ids.dim() > 2:
             raise ValueError(f"position_ids must have shape [batch, {input_ids.shape[1]}], "
                              f"got {tuple(position_ids.shape)}")
-        hidden = full_forward(self.engine.model, input_ids, attention_mask, position_ids,
-                              self.engine.config.block_size)
-        if isinstance(logits_to_keep, int):
-            hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
-        else:
-            hidden = hidden[:, logits_to_keep.to(hidden.device)]
+        logits = self.engine.forward(input_ids, attention_mask, position_ids, logits_to_keep)
+        logits = logits.to(input_ids.device)
         with torch.no_grad():
-            logits = self.lm_head(hidden).to(input_ids.device)
             loss = None
             if labels is not None:
                 loss_kwargs = {n: v for n, v in kwargs.items() if n in _LOSS_KEYWORDS}
