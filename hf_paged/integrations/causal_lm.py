@@ -120,6 +120,11 @@ class Qwen3ForCausalLM(transformers.Qwen3ForCausalLM):
         raise RuntimeError("set_output_embeddings() is refused: the engine serves the loaded "
                            "modules; load another checkpoint instead")
 
+    def __deepcopy__(self, memo) -> Qwen3ForCausalLM:
+        raise RuntimeError("copy.deepcopy() is refused: an hf_paged model is an engine (KV cache, "
+                           "CUDA graphs, worker processes); load the checkpoint again for a "
+                           "second one")
+
     def to(self, *args, **kwargs) -> Qwen3ForCausalLM:
         """A no-op to the device and dtype the model has; anything else is an error (load the
         model again with ``device_map=``/``dtype=`` instead)."""

@@ -3,6 +3,7 @@ a forward equal to transformers', inference-only guards and the lifecycle."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import os
 import shutil
@@ -277,6 +278,7 @@ def test_the_model_is_transformers_own_class(model, stock_model):
     (lambda m: m.resize_token_embeddings(2048), "resize_token_embeddings"),
     (lambda m: m.set_input_embeddings(torch.nn.Embedding(4, 64)), "set_input_embeddings"),
     (lambda m: m.enable_input_require_grads(), "enable_input_require_grads"),
+    (lambda m: copy.deepcopy(m), "deepcopy"),
 ])
 def test_what_the_engine_cannot_do_is_named(model, call, match):
     with pytest.raises(RuntimeError, match=match):
