@@ -230,19 +230,25 @@ class PagedEngine:
         self.scheduler.add(seq)
         return seq
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                position_ids: torch.Tensor, logits_to_keep: int | torch.Tensor = 0
-                ) -> torch.Tensor:
-        """transformers' model forward over padded ``[batch, seq_len]`` rows (SDPA attention,
-        every token's logits, in the model dtype; ``logits_to_keep`` as transformers takes
-        it), on a scratch KV cache: the engine's cache and prefix cache are left alone."""
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      position_ids: torch.Tensor) -> torch.Tensor:
+        """transformers' model forward over padded ``[batch, seq_len]`` rows (SDPA attention):
+        the final (normed) hidden states, on a scratch KV cache, so the engine's cache and
+        prefix cache are left alone."""
         if self.closed:
             raise RuntimeError("this model was closed; load it again to use it")
         if self.config.tensor_parallel_size > 1:  # the other ranks only follow steps
             raise ValueError("the model call (forward) runs in one process: it is not available "
                              "with tensor_parallel_size > 1; generate() is")
-        hidden = full_forward(self.model, input_ids, attention_mask, position_ids,
-                              self.config.block_size)
+        return full_forward(self.model, input_ids, attention_mask, position_ids,
+                            self.config.block_size)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor, logits_to_keep: int | torch.Tensor = 0
+                ) -> torch.Tensor:
+        """The logits of ``hidden_states`` (``logits_to_keep`` as transformers takes it), in
+        the model dtype."""
+        hidden = self.hidden_states(input_ids, attention_mask, position_ids)
         if isinstance(logits_to_keep, int):
             hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
         else:

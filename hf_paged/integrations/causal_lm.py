@@ -12,10 +12,11 @@ outputs through the same modules; what the engine cannot do (training, resizing,
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import transformers
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from hf_paged.engine.engine import PagedEngine
 from hf_paged.integrations.loading import load_engine
@@ -38,7 +39,10 @@ class Qwen3ForCausalLM(transformers.Qwen3ForCausalLM):
         with torch.device("meta"):
             model = cls(engine.hf_config)
         model.engine = engine  # first: the generation_config property reads it
-        model.model = engine.model.hf_model.model
+        inner = engine.model.hf_model.model
+        inner.__class__ = Qwen3Model  # transformers' inner model, its forward the engine's
+        inner.engine_ref = weakref.ref(engine)  # not a strong one: the engine holds ``inner``
+        model.model = inner
         model.lm_head = engine.model.hf_model.lm_head
         torch.nn.Module.train(model, False)
         return model
@@ -180,15 +184,9 @@ class Qwen3ForCausalLM(transformers.Qwen3ForCausalLM):
         """transformers' ``Qwen3ForCausalLM.forward`` (SDPA attention) over whole sequences,
         on a scratch cache. It keeps no KV cache: ``past_key_values`` is None; decode with
         ``generate``."""
-        _refuse_forward_options(past_key_values, inputs_embeds, use_cache, kwargs)
-        input_ids = _check_input_ids(input_ids, self.config.vocab_size)
-        attention_mask = _attention_mask(attention_mask, input_ids)
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-        if position_ids.shape[-1] != input_ids.shape[1] or position_ids.dim() > 2:
-            raise ValueError(f"position_ids must have shape [batch, {input_ids.shape[1]}], "
-                             f"got {tuple(position_ids.shape)}")
-        logits = self.engine.forward(input_ids, attention_mask, position_ids, logits_to_keep)
+        _refuse_forward_options(past_key_values, inputs_embeds, use_cache, kwargs, _LOSS_KEYWORDS)
+        inputs = _forward_inputs(input_ids, attention_mask, position_ids, self.config.vocab_size)
+        logits = self.engine.forward(*inputs, logits_to_keep)
         logits = logits.to(input_ids.device)
         with torch.no_grad():
             loss = None
@@ -241,6 +239,40 @@ class AutoModelForCausalLM:
         return Qwen3ForCausalLM.from_engine(engine)
 
 
+class Qwen3Model(transformers.Qwen3Model):
+    """transformers' inner Qwen3 model (``model.model``) whose forward the engine serves: the
+    last hidden state, as transformers' own computes it, on a scratch cache."""
+
+    def forward(self, input_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, past_key_values=None,
+                inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
+                return_dict: bool | None = None, **kwargs) -> BaseModelOutputWithPast | tuple:
+        _refuse_forward_options(past_key_values, inputs_embeds, use_cache, kwargs, ())
+        engine = self.engine_ref()
+        if engine is None:
+            raise RuntimeError("the hf_paged model this module belongs to was freed")
+        inputs = _forward_inputs(input_ids, attention_mask, position_ids, self.config.vocab_size)
+        hidden = engine.hidden_states(*inputs).to(inputs[0].device)
+        output = BaseModelOutputWithPast(last_hidden_state=hidden)
+        if return_dict is None:
+            return_dict = self.config.return_dict
+        return output if return_dict else output.to_tuple()
+
+
+def _forward_inputs(input_ids, attention_mask, position_ids, vocab_size: int) -> tuple:
+    """The checked ``input_ids``, mask and positions of a forward call (transformers'
+    defaults: every token kept, positions counted from 0)."""
+    input_ids = _check_input_ids(input_ids, vocab_size)
+    attention_mask = _attention_mask(attention_mask, input_ids)
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+    if position_ids.shape[-1] != input_ids.shape[1] or position_ids.dim() > 2:
+        raise ValueError(f"position_ids must have shape [batch, {input_ids.shape[1]}], "
+                         f"got {tuple(position_ids.shape)}")
+    return input_ids, attention_mask, position_ids
+
+
 def _check_input_ids(input_ids, vocab_size: int) -> torch.Tensor:
     """Raise ValueError naming ``input_ids`` unless it is a 2-D tensor of in-vocabulary ids."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
@@ -265,14 +297,15 @@ def _attention_mask(mask, input_ids: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def _refuse_forward_options(past_key_values, inputs_embeds, use_cache, kwargs) -> None:
+def _refuse_forward_options(past_key_values, inputs_embeds, use_cache, kwargs,
+                            allowed: tuple[str, ...]) -> None:
     if past_key_values is not None or use_cache:
         raise ValueError("past_key_values/use_cache: hf_paged's forward keeps no KV cache; pass "
                          "whole sequences, or decode with generate()")
     if inputs_embeds is not None:
         raise ValueError("inputs_embeds is not supported by hf_paged's forward; pass input_ids")
     refused = sorted(n for n, v in kwargs.items()
-                     if n not in _LOSS_KEYWORDS and v is not None and v is not False)
+                     if n not in allowed and v is not None and v is not False)
     if refused:
         raise ValueError(f"forward() got argument(s) hf_paged does not support: "
                          f"{', '.join(refused)}")

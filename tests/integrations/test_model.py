@@ -273,6 +273,19 @@ def test_the_model_is_transformers_own_class(model, stock_model):
     assert torch.equal(inputs["input_ids"], IDS)
 
 
+def test_inner_model_and_embeddings_answer_as_transformers(model, stock_model):
+    """Clients that call ``model.model`` (feature extraction) or the embedding module."""
+    ids, mask = _batch("left")
+    out = model.model(ids, attention_mask=mask)
+    ref = stock_model.model(ids, attention_mask=mask)
+    assert isinstance(out, transformers.modeling_outputs.BaseModelOutputWithPast)
+    torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, atol=1e-4, rtol=0)
+    assert isinstance(model.base_model(ids, return_dict=False), tuple)
+    assert torch.equal(model.get_input_embeddings()(ids), stock_model.get_input_embeddings()(ids))
+    with pytest.raises(ValueError, match="past_key_values"):
+        model.model(ids, use_cache=True)
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda m: m.gradient_checkpointing_enable(), "gradient_checkpointing_enable"),
     (lambda m: m.resize_token_embeddings(2048), "resize_token_embeddings"),
