@@ -32,6 +32,9 @@ from benchmarks.workloads import Workload, w1, w3, warmup_requests
 BASELINES = ("generate", "static", "cb")
 SAME_REQUESTS = "hf_paged@baseline_requests"  # hf_paged on the requests the baselines ran
 
+# The sampling settings Qwen3 checkpoints ship in generation_config.json.
+QWEN3_SAMPLING = {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
+
 
 def build_workload(args: argparse.Namespace, max_token_id: int) -> tuple[Workload, dict]:
     w3_shaped = args.workload == "w3"
@@ -138,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
         settings = {"hf_paged": {}}
         if args.temperature and args.workload != "w4":  # W4: one line per size
             settings["greedy"] = {"sampling": {"temperature": 0.0}}
+            # What every Qwen3 checkpoint's generation_config.json asks for.
+            settings["qwen3_sampling"] = {"sampling": dict(QWEN3_SAMPLING)}
         if args.repetition_penalty != 1.0:
             penalty = {**sampling, "repetition_penalty": args.repetition_penalty}
             settings["repetition_penalty"] = {"sampling": penalty}

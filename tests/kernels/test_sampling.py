@@ -81,6 +81,16 @@ def test_greedy_rows_exact_and_sampled_rows_kept():
     assert out[5] == logits[5].argmax()  # top_k = 1
 
 
+def test_ties_at_the_kth_logit_are_all_kept():
+    """More tokens tie at the k-th logit than the one-pass top-k path holds: every one stays
+    drawable, as transformers' top-k keeps ties."""
+    row = torch.zeros(100, device=DEVICE)
+    row[:2] = 1.0
+    tokens = draw(sample, row, 1.0, 3, 1.0, DRAWS, 5)
+    tied = tokens[tokens >= 2]
+    assert tied.numel() > DRAWS // 3 and tied.unique().numel() > 10
+
+
 def test_generator_makes_draws_reproducible():
     row = torch.randn(40, device=DEVICE)
     first, second = (draw(sample, row, 1.0, 0, 0.9, 8, seed=3) for _ in range(2))
