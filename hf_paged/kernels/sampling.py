@@ -13,9 +13,12 @@ reference's sort keeps an arbitrary subset of them). The draw is an exponential 
 ``softmax(x / T)_i`` over the kept set.
 
 With a small ``top_k`` (at most ``KMAX``, as every Qwen3 checkpoint's ``top_k=20``) one pass
-over the row instead keeps its ``KMAX`` largest (key, index) pairs (a top-k of each tile merged
-into the running ones); the k-th largest key is the top-k threshold, and top-p and the race
-run over those candidates in registers: one read of the row instead of two dozen.
+over the row instead keeps each lane's maximum over the row's tiles. The ``k`` largest logits
+lie in the ``k`` lanes of largest maximum (a lane holding one of them has a maximum at least
+as large, and fewer than ``k`` lanes can hold a larger one), so gathering the ``KMAX`` best
+lanes' columns and taking their ``KMAX`` largest (key, index) pairs gives the row's: the k-th
+is the top-k threshold, and top-p and the race run over those candidates in registers. One
+read of the row, and two register sorts, instead of two dozen reads.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from hf_paged.kernels.launch import launch
 _TILE = (4096, 8, 16)
 # Candidates kept by the one-pass top-k path: top_k up to this takes it.
 KMAX = 64
-_NO_CANDIDATE = -(2**63)
+_NO_CANDIDATE = tl.constexpr(-(2**63))
 
 
 @triton.jit
@@ -77,7 +80,7 @@ def _threshold(row_ptr, vocab, lo, hi, floor, row_max, log2e_over_t, bound,
                                             "seed_ptr"])
 def _sample_kernel(
     logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, out_ptr, vocab, stride,
-    BLOCK_V: tl.constexpr, PROBES: tl.constexpr, K: tl.constexpr,
+    BLOCK_V: tl.constexpr, PROBES: tl.constexpr, K: tl.constexpr, NT: tl.constexpr,
 ):
     row = tl.program_id(0)
     temperature = tl.load(temperature_ptr + row)
@@ -90,7 +93,7 @@ def _sample_kernel(
     done = (top_k > 0) & (top_k <= K) & (top_k < vocab)
     if done:
         done = _sample_candidates(row_ptr, vocab, top_k, top_p, temperature, log2e_over_t,
-                                  seed_ptr, out_ptr, row, BLOCK_V, K)
+                                  seed_ptr, out_ptr, row, BLOCK_V, K, NT)
     if done:
         return
 
@@ -143,16 +146,25 @@ def _sample_kernel(
 
 @triton.jit
 def _sample_candidates(row_ptr, vocab, top_k, top_p, temperature, log2e_over_t, seed_ptr,
-                       out_ptr, row, BLOCK_V: tl.constexpr, K: tl.constexpr):
+                       out_ptr, row, BLOCK_V: tl.constexpr, K: tl.constexpr,
+                       NT: tl.constexpr):
     """Top-k, top-p and the draw over the row's ``K`` largest logits, found in one pass;
     False, storing nothing, when ties at the k-th logit may reach past the ``K`` kept (the
     searching path then serves the row)."""
-    cand = tl.full([K], _NO_CANDIDATE, tl.int64)
+    best = tl.full([BLOCK_V], -(2**31), tl.int32)  # each lane's largest key
     for start in range(0, vocab, BLOCK_V):
-        idx, ok, _, key = _tile(row_ptr, start, vocab, BLOCK_V)
-        packed = tl.where(ok, (key.to(tl.int64) << 32) | idx.to(tl.int64), _NO_CANDIDATE)
-        both = tl.reshape(tl.join(cand, tl.topk(packed, K)), [2 * K])
-        cand = tl.topk(both, K)  # descending: by key, then index
+        _, ok, _, key = _tile(row_ptr, start, vocab, BLOCK_V)
+        best = tl.maximum(best, tl.where(ok, key, -(2**31)))
+    lane_ids = tl.arange(0, BLOCK_V).to(tl.int64)
+    top_lanes = tl.topk((best.to(tl.int64) << 32) | lane_ids, K) & 0xFFFFFFFF
+    # The K best lanes' columns: NT tiles deep (a power of two covering the row's tiles).
+    idx = tl.arange(0, NT).to(tl.int64)[None, :] * BLOCK_V + top_lanes[:, None]
+    ok = idx < vocab
+    x = tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32)
+    bits = x.to(tl.int32, bitcast=True)
+    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    packed = tl.where(ok, (key.to(tl.int64) << 32) | idx, _NO_CANDIDATE)
+    cand = tl.topk(tl.reshape(packed, [K * NT]), K)  # descending: by key, then index
     lanes = tl.arange(0, K)
     valid = cand != _NO_CANDIDATE
     ckey = (cand >> 32).to(tl.int32)
@@ -209,6 +221,7 @@ def sample(
         launch(
             _sample_kernel, (rows,),
             logits, temperature, top_k, top_p, seed, out, vocab, logits.stride(0),
-            BLOCK_V=block_v, PROBES=probes, K=min(KMAX, block_v), num_warps=num_warps,
+            BLOCK_V=block_v, PROBES=probes, K=min(KMAX, block_v),
+            NT=triton.next_power_of_2(triton.cdiv(vocab, block_v)), num_warps=num_warps,
         )
     return out

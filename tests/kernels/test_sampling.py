@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hf_paged.kernels import reference
+from hf_paged.kernels import reference, sampling
 from hf_paged.kernels.sampling import sample
 from tests.kernels.conftest import DEVICE
 
@@ -89,6 +89,21 @@ def test_ties_at_the_kth_logit_are_all_kept():
     tokens = draw(sample, row, 1.0, 3, 1.0, DRAWS, 5)
     tied = tokens[tokens >= 2]
     assert tied.numel() > DRAWS // 3 and tied.unique().numel() > 10
+
+
+def test_top_k_over_several_tiles_of_lanes(monkeypatch):
+    """A row of several tiles (32 tokens here, to stay fast) whose largest logits share lanes:
+    the one-pass top-k still finds the row's k largest."""
+    monkeypatch.setattr(sampling, "_TILE", (32, 8, 4))
+    vocab = 200
+    row = torch.randn(vocab, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    for tile in range(7):  # the same lanes in every tile hold the largest logits
+        for lane in (3, 7):
+            if tile * 32 + lane < vocab:
+                row[tile * 32 + lane] = 6.0 + tile + lane / 32
+    for top_k, top_p in ((6, 1.0), (20, 0.8)):
+        probs = expected_probs(row, 0.8, top_k, top_p)
+        assert_follows(draw(sample, row, 0.8, top_k, top_p, DRAWS, top_k), probs)
 
 
 def test_generator_makes_draws_reproducible():
