@@ -1,12 +1,15 @@
-"""`hf-paged generate | make-checkpoint | run | bench`."""
+"""`hf-paged generate | make-checkpoint | run | serve | bench`."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import runpy
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 DEFAULT_MODEL = Path.home() / ".cache" / "hf_paged" / "random-qwen3-tiny"
@@ -40,18 +43,22 @@ def main(argv: list[str] | None = None) -> int:
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("out")
 
-    run = sub.add_parser("run", help="run a Python script unchanged, with transformers patched "
-                         "so that Qwen3 checkpoints load on hf_paged")
-    run.add_argument("script")
-    run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    # run and serve parse their own arguments (most belong to the script or to transformers):
+    # listed here for --help only.
+    sub.add_parser("run", help="run a Python script, module (-m) or console command unchanged, "
+                   "with transformers patched so that Qwen3 checkpoints load on hf_paged",
+                   add_help=False)
+    sub.add_parser("serve", help="transformers' own `transformers serve`, with Qwen3 "
+                   "checkpoints on hf_paged", add_help=False)
 
     bench = sub.add_parser("bench", help="run a benchmark script from benchmarks/")
     bench.add_argument("name", choices=["throughput", "latency"])
     bench.add_argument("args", nargs=argparse.REMAINDER)
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] in (["run"], ["serve"]):
+        return _front(argv[0], argv[1:])
     args = parser.parse_args(argv)
-    if args.command == "run":
-        return _run_script(args.script, args.args)
     try:
         if args.command == "make-checkpoint":
             from hf_paged.random_checkpoint import make_checkpoint
@@ -67,18 +74,83 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _run_script(script: str, args: list[str]) -> int:
-    """Run ``script`` as ``__main__`` with ``args``, as ``python script args`` would, after
-    ``patch_transformers()``. The script's own exceptions propagate as they would there."""
-    if not os.path.isfile(script):
-        print(f"error: run: no such script {script!r}", file=sys.stderr)
-        return 2
-    import hf_paged
+RUN_USAGE = """\
+usage: hf-paged run [--engine-option KEY=VALUE ...] SCRIPT [ARGS...]
+       hf-paged run [--engine-option KEY=VALUE ...] -m MODULE [ARGS...]
+       hf-paged run [--engine-option KEY=VALUE ...] COMMAND [ARGS...]
 
-    hf_paged.patch_transformers()
+Run a Python script, a module (as python -m does) or an installed console command (e.g.
+transformers, lm_eval) unchanged, with transformers patched so that Qwen3 checkpoints load on
+hf_paged. --engine-option sets an engine option for every model it loads (a Python literal
+value: max_model_len=4096, enforce_eager=True)."""
+
+
+def _front(command: str, argv: list[str]) -> int:
+    """``run`` and ``serve``: patch transformers, then hand over to the script or command. Bad
+    hf-paged arguments are one error line; the script's or command's own exceptions and exit
+    statuses propagate as they would without hf-paged."""
+    import hf_paged
+    from hf_paged.integrations import serve
+
+    try:
+        options, rest = serve.take_engine_options(argv, anywhere=command == "serve")
+        if command == "serve":
+            if any(a in ("-h", "--help") for a in rest):
+                print(serve.SERVE_HELP)
+            start = partial(serve.transformers_serve, rest)
+        elif not rest or rest[0] in ("-h", "--help"):
+            print(RUN_USAGE, file=sys.stdout if rest else sys.stderr)
+            return 0 if rest else 2
+        else:
+            start = _run_target(rest)
+        hf_paged.patch_transformers(**options)
+    except (ValueError, TypeError, LookupError) as error:
+        print(f"error: {command}: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
+    return start()
+
+
+def _run_target(argv: list[str]) -> Callable[[], int]:
+    """What runs ``SCRIPT``, ``-m MODULE`` or ``COMMAND`` with the arguments after it, as
+    ``__main__``, as ``python SCRIPT``, ``python -m MODULE`` or the command's executable
+    would."""
+    from hf_paged.integrations.serve import console_command, run_console_command
+
+    target, args = argv[0], argv[1:]
+    if target == "-m":
+        if not args:
+            raise ValueError("-m needs a module name")
+        if not _module_exists(args[0]):
+            raise LookupError(f"no module named {args[0]!r}")
+        return partial(_run_module, args[0], args[1:])
+    if os.path.isfile(target):
+        return partial(_run_script, target, args)
+    if console_command(target) is not None:
+        return partial(run_console_command, target, args)
+    raise LookupError(f"no such script or console command {target!r}")
+
+
+def _module_exists(name: str) -> bool:
+    sys.path.insert(0, os.getcwd())  # where python -m looks first
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a parent package is missing
+        return False
+    finally:
+        sys.path.pop(0)
+
+
+def _run_script(script: str, args: list[str]) -> int:
     sys.argv = [script, *args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")
+    return 0
+
+
+def _run_module(module: str, args: list[str]) -> int:
+    sys.argv = [module, *args]  # runpy puts the module's file in sys.argv[0], as python -m does
+    sys.path.insert(0, os.getcwd())
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
     return 0
 
 

@@ -19,6 +19,7 @@ import transformers
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from hf_paged.engine.engine import PagedEngine
+from hf_paged.integrations import continuous_batching
 from hf_paged.integrations.loading import load_engine
 from hf_paged.integrations.state_dict import transformers_state_dict
 
@@ -167,6 +168,16 @@ class Qwen3ForCausalLM(transformers.Qwen3ForCausalLM):
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):
         """transformers' ``generate`` (same arguments, same result), run by the engine."""
         return self.engine.generate(inputs, generation_config, **kwargs)
+
+    def init_continuous_batching(self, generation_config=None, continuous_batching_config=None,
+                                 workload_hints=None
+                                 ) -> continuous_batching.PagedContinuousBatchingManager:
+        """transformers' ``init_continuous_batching``: its ``ContinuousBatchingManager``
+        interface, the requests served by the engine (``integrations/continuous_batching.py``).
+        ``generate_batch`` and ``continuous_batching_context_manager``, transformers' own,
+        go through it."""
+        return continuous_batching.init_continuous_batching(
+            self, generation_config, continuous_batching_config, workload_hints)
 
     def forward(
         self,

@@ -20,8 +20,10 @@ from transformers.utils import logging
 from hf_paged.config import EngineConfig
 from hf_paged.engine.engine import PagedEngine
 
-# transformers' own hub keywords, passed to huggingface_hub to find a checkpoint by id.
-HUB_KEYWORDS = ("revision", "token", "cache_dir", "local_files_only", "force_download", "proxies")
+# transformers' own hub keywords, passed to huggingface_hub to find a checkpoint by id
+# (``tqdm_class``: the download bars' class, which ``transformers serve`` always passes).
+HUB_KEYWORDS = ("revision", "token", "cache_dir", "local_files_only", "force_download", "proxies",
+                "tqdm_class")
 # Accepted and left to the engine, which chooses its own attention and loads weights lazily;
 # no code runs from a checkpoint, so the revision of its code means nothing either.
 _IGNORED_KEYWORDS = ("attn_implementation", "low_cpu_mem_usage", "code_revision",

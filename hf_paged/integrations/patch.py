@@ -9,6 +9,7 @@ import warnings
 import transformers
 from transformers import AutoConfig, PretrainedConfig
 
+from hf_paged.config import EngineConfig
 from hf_paged.integrations.causal_lm import AutoModelForCausalLM
 
 # The loaders a script calls for a Qwen3 causal LM.
@@ -19,6 +20,9 @@ _CONFIG_KEYWORDS = ("revision", "token", "cache_dir", "local_files_only", "force
 _ABSENT = object()
 # class -> the ``from_pretrained`` entry of its own ``__dict__`` before patching (or _ABSENT).
 _saved: dict[type, object] = {}
+# Engine options of the latest patch_transformers() call: defaults for every hf_paged load under
+# the patch, for callers that cannot pass them (a server's own loader, an unchanged script).
+_engine_defaults: dict[str, object] = {}
 
 
 class TransformersPatch:
@@ -34,11 +38,16 @@ class TransformersPatch:
         unpatch_transformers()
 
 
-def patch_transformers() -> TransformersPatch:
+def patch_transformers(**engine_options: object) -> TransformersPatch:
     """Make ``transformers.AutoModelForCausalLM.from_pretrained`` and
     ``transformers.Qwen3ForCausalLM.from_pretrained`` return hf_paged's ``Qwen3ForCausalLM``
     for Qwen3 checkpoints; other checkpoints load with stock transformers, with a warning.
-    Patching twice is the same as once."""
+    ``engine_options`` (``EngineConfig`` fields, e.g. ``max_model_len=4096``) are defaults for
+    every hf_paged load under the patch; a ``from_pretrained`` call's own keywords win. Patching
+    twice is the same as once, with the second call's engine options."""
+    EngineConfig.from_options(**engine_options)  # unknown names and bad values raise here
+    _engine_defaults.clear()
+    _engine_defaults.update(engine_options)
     for name in PATCHED:
         cls = getattr(transformers, name)
         if cls in _saved:
@@ -51,6 +60,7 @@ def patch_transformers() -> TransformersPatch:
 
 def unpatch_transformers() -> None:
     """Give transformers back its own ``from_pretrained``."""
+    _engine_defaults.clear()
     for cls, original in list(_saved.items()):
         if original is _ABSENT:
             del cls.from_pretrained
@@ -68,7 +78,7 @@ def _loader(patched_cls: type, stock):
             model_type = _model_type(pretrained_model_name_or_path, kwargs)
             if model_type == "qwen3" and not model_args:
                 return AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path,
-                                                            **kwargs)
+                                                            **{**_engine_defaults, **kwargs})
             if model_type is not None:
                 why = ("hf_paged serves Qwen3 checkpoints only" if model_type != "qwen3" else
                        "hf_paged takes no positional model_args")

@@ -1,0 +1,97 @@
+"""``hf-paged serve``: transformers' own ``transformers serve``, with Qwen3 checkpoints on hf_paged.
+
+Nothing of the server is hf_paged's: the installed transformers' ``transformers`` console command
+runs in this process, unchanged (its typer CLI, FastAPI app, handlers and uvicorn), after
+``patch_transformers()``. Its model manager loads a checkpoint through
+``transformers.<Architecture>.from_pretrained``, which the patch serves with hf_paged for Qwen3
+checkpoints, so ``/v1/chat/completions``, ``/v1/completions`` and the rest call hf_paged's
+``generate`` (or, with ``--continuous-batching``, its ``init_continuous_batching``).
+
+transformers serve's flags set only transformers' loading keywords (``--dtype``, ``--device``,
+...), so engine options travel another way: hf-paged takes ``--engine-option KEY=VALUE`` out of
+the arguments before handing the rest over, and the patch applies them as defaults to every
+hf_paged load.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import sys
+
+ENGINE_OPTION = "--engine-option"
+SERVE_HELP = f"""\
+hf-paged serve: `transformers serve` with Qwen3 checkpoints loaded on hf_paged's engine.
+hf-paged's own option (repeatable, anywhere among the arguments):
+  {ENGINE_OPTION} KEY=VALUE   an engine option for every model the server loads, e.g.
+                             {ENGINE_OPTION} max_model_len=4096 {ENGINE_OPTION} num_kv_blocks=2048
+                             (VALUE is a Python literal: 128, 0.9, True, None; else a string)
+Every other argument is transformers serve's own:
+"""
+
+
+def parse_engine_option(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` -> ``(key, value)``; the value is a Python literal (``128``, ``0.5``,
+    ``True``, ``None``) or else the text itself (``sdpa``)."""
+    key, sep, raw = text.partition("=")
+    key = key.strip().replace("-", "_")
+    if not sep or not key:
+        raise ValueError(f"{ENGINE_OPTION} takes KEY=VALUE (e.g. max_model_len=4096), got {text!r}")
+    try:
+        value = ast.literal_eval(raw.strip())
+    except (ValueError, SyntaxError):
+        value = raw.strip()
+    return key, value
+
+
+def take_engine_options(argv: list[str], anywhere: bool) -> tuple[dict[str, object], list[str]]:
+    """Split ``--engine-option KEY=VALUE`` (or ``--engine-option=KEY=VALUE``) out of ``argv``:
+    everywhere when ``anywhere``, else only where they lead (what follows a script or command
+    is its own)."""
+    options: dict[str, object] = {}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == ENGINE_OPTION or arg.startswith(ENGINE_OPTION + "="):
+            if arg == ENGINE_OPTION:
+                if i + 1 == len(argv):
+                    raise ValueError(f"{ENGINE_OPTION} needs KEY=VALUE after it")
+                arg, i = argv[i + 1], i + 1
+            else:
+                arg = arg[len(ENGINE_OPTION) + 1:]
+            key, value = parse_engine_option(arg)
+            options[key] = value
+        elif anywhere:
+            rest.append(arg)
+        else:
+            return options, rest + argv[i:]
+        i += 1
+    return options, rest
+
+
+def console_command(name: str):
+    """The installed console command ``name``'s entry point (what its executable calls), or
+    None."""
+    for entry_point in importlib.metadata.entry_points(group="console_scripts", name=name):
+        return entry_point
+    return None
+
+
+def run_console_command(name: str, args: list[str], prog: str | None = None) -> int:
+    """Run the console command ``name`` in this process as its executable would: ``sys.argv``
+    is ``[prog or name, *args]`` and its entry point's return value is the exit status (a
+    ``SystemExit`` it raises propagates, as from the executable)."""
+    entry_point = console_command(name)
+    if entry_point is None:
+        raise LookupError(f"no console command {name!r} is installed")
+    main = entry_point.load()
+    sys.argv = [prog or name, *args]
+    status = main()
+    return 0 if status is None else status
+
+
+def transformers_serve(args: list[str]) -> int:
+    """``transformers serve ARGS``, as its console command runs it (under the name hf-paged, so
+    that its usage lines read ``hf-paged serve``). Patch transformers first."""
+    return run_console_command("transformers", ["serve", *args], prog="hf-paged")

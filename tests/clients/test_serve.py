@@ -1,0 +1,334 @@
+"""``hf-paged serve``: transformers' own ``transformers serve`` with the tiny Qwen3 checkpoint on
+hf_paged, driven by the official openai client and compared with stock ``transformers serve``
+on the same checkpoint (float32 on CPU; greedy, so the same tokens and the same text).
+
+Three servers run as subprocesses on 127.0.0.1, started together: stock ``transformers serve``,
+``python -m hf_paged serve`` (transformers' ``model.generate`` + streamer path) and ``python -m
+hf_paged serve --continuous-batching`` (transformers' continuous-batching path, which calls
+``model.init_continuous_batching``; tests of it carry ``continuous_batching`` in their ids). The
+load test runs transformers' server inside this process, so that it can read the engine's KV
+blocks afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from tokenizers.decoders import DecodeStream
+
+from hf_paged.cli import main
+from hf_paged.integrations.patch import unpatch_transformers
+from tests.clients.serve_helpers import (
+    MODEL,
+    REQUEST_TIMEOUT,
+    ServerProcess,
+    ask,
+    client,
+    hub_cache,
+    in_process_server,
+    server_env,
+)
+from tests.conftest import SMALL
+
+MODES = ("generate", "continuous_batching")
+HELLO = [{"role": "user", "content": "Hello there, how are you?"}]
+CONVERSATION = [
+    {"role": "system", "content": "You are a terse assistant."},
+    {"role": "user", "content": "Name a river."},
+    {"role": "assistant", "content": "The Nile."},
+    {"role": "user", "content": "And a mountain?"},
+]
+SAMPLING = json.dumps({"do_sample": True, "top_k": 20})  # a request's own generation_config
+# (endpoint, request): both servers get each one, streamed and not; stock's outcome is expected.
+CASES = {
+    "chat": ("chat", dict(messages=HELLO, max_tokens=12)),
+    "chat_conversation": ("chat", dict(messages=CONVERSATION, max_tokens=10)),
+    "chat_max_completion_tokens": ("chat", dict(messages=HELLO, max_completion_tokens=5)),
+    "completion": ("completion", dict(prompt="Once upon a time", max_tokens=12)),
+    "completion_suffix": ("completion", dict(prompt="The river", max_tokens=6, suffix=" END")),
+    # transformers serve samples only when the checkpoint's (or the request's own)
+    # generation_config says so: a temperature alone leaves greedy decoding, -1 included.
+    "chat_temperature_0": ("chat", dict(messages=HELLO, max_tokens=12, temperature=0)),
+    "chat_temperature_no_sampling": ("chat", dict(messages=HELLO, max_tokens=12,
+                                                  temperature=0.7, top_p=0.5)),
+    "chat_temperature_negative_no_sampling": ("chat", dict(messages=HELLO, max_tokens=8,
+                                                           temperature=-1)),
+    "chat_frequency_penalty": ("chat", dict(messages=HELLO, max_tokens=16,
+                                            frequency_penalty=0.5)),
+    "chat_logit_bias": ("chat", dict(messages=HELLO, max_tokens=6, logit_bias={"300": 50.0})),
+    # transformers serve ignores n (one choice, a warning in its log)
+    "chat_n": ("chat", dict(messages=HELLO, max_tokens=8, n=2)),
+    "completion_n": ("completion", dict(prompt="Once upon a time", max_tokens=8, n=2)),
+    # refused by transformers: hf_paged refuses them the same way
+    "chat_sampling_negative_temperature": ("chat", dict(
+        messages=HELLO, max_tokens=8, temperature=-1, extra_body={"generation_config": SAMPLING})),
+    "chat_zero_max_tokens": ("chat", dict(messages=HELLO, max_tokens=0)),
+    # transformers' sequence_bias takes float biases only: a JSON integer is refused
+    "chat_logit_bias_integer": ("chat", dict(messages=HELLO, max_tokens=6,
+                                             logit_bias={"300": 50})),
+    "chat_unknown_field": ("chat", dict(messages=HELLO, max_tokens=4, extra_body={"bogus": 1})),
+    "completion_unknown_field": ("completion", dict(prompt="Hi", extra_body={"bogus": 1})),
+}
+# What the continuous-batching path must match too: transformers' manager takes only the
+# prompt, max_new_tokens and EOS of a request (stop strings, penalties, per-request sampling
+# and their refusals are not passed on), so only these are the same request there.
+CORE = ("chat", "chat_conversation", "chat_max_completion_tokens", "completion",
+        "completion_suffix", "chat_temperature_0", "chat_temperature_no_sampling", "chat_n",
+        "completion_n", "chat_unknown_field")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory, tiny_checkpoint):
+    """name -> ServerProcess: "stock", and hf_paged's in each of ``MODES``."""
+    root = tmp_path_factory.mktemp("serve")
+    env = server_env(hub_cache(root / "hub", tiny_checkpoint))
+    common = [MODEL, "--device", "cpu", "--dtype", "float32", "--log-level", "warning"]
+    paged = [sys.executable, "-m", "hf_paged", "serve", *common,
+                *(f"--engine-option={k}={v}" for k, v in SMALL.items())]
+    argvs = {
+        "stock": [sys.executable, "-m", "transformers.cli.transformers", "serve", *common],
+        "generate": paged,
+        "continuous_batching": [*paged, "--continuous-batching"],
+    }
+    started = {name: ServerProcess(argv, env, root / f"{name}.log") for name, argv in argvs.items()}
+    yield started
+    for server in started.values():
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def stock(servers):
+    """Stock's outcome of a request, asked once."""
+    seen: dict[str, dict] = {}
+
+    def outcome(endpoint: str, stream: bool = False, **request) -> dict:
+        key = json.dumps([endpoint, stream, request], sort_keys=True)
+        if key not in seen:
+            seen[key] = ask(servers["stock"].url(), endpoint, stream, **request)
+        return seen[key]
+
+    return outcome
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("mode, case", [("generate", c) for c in CASES] +
+                         [("continuous_batching", c) for c in CORE])
+def test_same_response_as_stock(servers, stock, mode, case, stream):
+    endpoint, request = CASES[case]
+    expected = stock(endpoint, stream, **request)
+    assert ask(servers[mode].url(), endpoint, stream, **request) == expected
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("endpoint", ["chat", "completion"])
+def test_stop_strings(servers, stock, endpoint, stream):
+    """A stop string taken from the middle of stock's greedy text ends both there."""
+    request = dict(messages=HELLO) if endpoint == "chat" else dict(prompt="Once upon a time")
+    text = stock(endpoint, **request, max_tokens=16)["choices"][0][0]
+    stop = text[len(text) // 2:][:4]
+    expected = stock(endpoint, stream, **request, max_tokens=16, stop=[stop])
+    assert expected["choices"][0][-1] == "stop"
+    assert ask(servers["generate"].url(), endpoint, stream, **request, max_tokens=16,
+               stop=[stop]) == expected
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_sampling(servers, stream):
+    """A request's own generation_config turns sampling on: tokens are drawn (the random
+    stream is not stock's, so only their count is checked)."""
+    outcome = ask(servers["generate"].url(), "chat", stream, messages=HELLO, max_tokens=8,
+                  temperature=0.8, top_p=0.9, seed=1, extra_body={"generation_config": SAMPLING})
+    (content, _, finish), = outcome["choices"]
+    assert isinstance(content, str) and finish in ("length", "stop")
+    assert 1 <= outcome["usage"][1] <= 8
+
+
+def test_prompt_longer_than_max_model_len(servers, stock):
+    """hf_paged refuses what does not fit max_model_len (stock serves it), and transformers
+    serve reports the refusal as it reports any generate() error: a bare 500 for a whole
+    response, the message inside a stream."""
+    long = [{"role": "user", "content": "river " * 200}]
+    assert "choices" in stock("chat", messages=long, max_tokens=4)
+    paged = servers["generate"].url()
+    assert ask(paged, "chat", messages=long, max_tokens=4) == {
+        "status": 500, "error": "Internal Server Error"}
+    error = ask(paged, "chat", True, messages=long, max_tokens=4)["stream_error"]
+    assert "max_model_len (128 tokens" in error
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_models_endpoint(servers, mode):
+    with client(servers["stock"].url()) as c:
+        expected = [m.id for m in c.models.list()]
+    with client(servers[mode].url()) as c:
+        assert [m.id for m in c.models.list()] == expected
+    assert MODEL in expected
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cancelled_stream_then_server_answers(servers, stock, mode):
+    """A client closing a stream early stops its generation; the server goes on answering."""
+    url = servers[mode].url()
+    with client(url) as c:
+        chunks = c.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=100,
+                                           stream=True)
+        next(chunks), next(chunks)
+        chunks.close()
+    for endpoint, request in (CASES["chat"], CASES["completion"]):
+        assert ask(url, endpoint, **request) == stock(endpoint, **request)
+
+
+# ---- the load test: transformers' server in this process ---------------------------------
+
+NUM_REQUESTS, CONCURRENCY = 200, 32
+WORDS = "the river runs from a mountain to the sea past old towns and green fields".split()
+PROMPTS = [" ".join(WORDS[(i * 7) % len(WORDS):] + WORDS[:(i * 3) % 11])[:30 + 4 * i]
+           for i in range(40)]
+MAX_TOKENS = 8
+CANCEL_AFTER_CHUNKS = 2
+# Refused requests (a prompt longer than max_model_len=128, bad values): what transformers
+# serve answers on its generate() path, and the words that name the problem.
+INVALID = {
+    "too_long": (dict(prompt="river " * 200, max_tokens=4), "max_model_len"),
+    "bad_temperature": (dict(prompt="Hi", max_tokens=4, temperature=-1,
+                             extra_body={"generation_config": SAMPLING}), "temperature"),
+    "zero_max_tokens": (dict(prompt="Hi", max_tokens=0), "max_new_tokens"),
+    "unknown_field": (dict(prompt="Hi", max_tokens=4, extra_body={"bogus": 1}), "bogus"),
+}
+
+
+def plan(i: int) -> tuple[str, dict, bool]:
+    """Request ``i`` of the load: (kind, request, stream); 10% cancelled, 8 invalid."""
+    if i % 25 == 12:
+        name = list(INVALID)[(i // 25) % len(INVALID)]
+        return name, dict(INVALID[name][0]), i // 25 >= len(INVALID)
+    if i % 10 == 5:
+        return "cancel", dict(prompt=PROMPTS[i % len(PROMPTS)], max_tokens=40), True
+    return "valid", dict(prompt=PROMPTS[i % len(PROMPTS)], max_tokens=3 + i % 6), i % 2 == 0
+
+
+def send(url: str, model: str, kind: str, request: dict, stream: bool) -> dict:
+    if kind != "cancel":
+        return ask(url, "completion", stream, model=model, **request)
+    with client(url) as c:
+        chunks = c.completions.create(model=model, stream=True, **request)
+        for _ in range(CANCEL_AFTER_CHUNKS):
+            next(chunks)
+        chunks.close()
+    return {"cancelled": True}
+
+
+def expected_outcome(tokenizer, prompt_len: int, ids: list[int], max_tokens: int,
+                     stream: bool) -> dict:
+    """transformers serve's answer for greedy tokens ``ids``: decoded whole, or step by step as
+    its streamer decodes them."""
+    if stream:
+        decoder = DecodeStream([], skip_special_tokens=True)
+        text = "".join(filter(None, (decoder.step(tokenizer._tokenizer, t) for t in ids)))
+    else:
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+    finish = "length" if len(ids) >= max_tokens else "stop"
+    return {"choices": [(text, None, finish)], "usage": (prompt_len, len(ids))}
+
+
+@pytest.fixture(scope="module")
+def greedy(tokenizer, stock_model):
+    """prompt -> (prompt length, stock generate's greedy new tokens, MAX_TOKENS of them)."""
+    out = {}
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            new = stock_model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
+        out[prompt] = (ids.shape[1], new[0, ids.shape[1]:].tolist())
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_load(mode, tiny_checkpoint, tokenizer, greedy):
+    """200 completions, 32 at a time, 10% cancelled mid-stream, 8 invalid: every valid one
+    gets stock's greedy tokens, every invalid one is refused naming the problem, the server
+    answers afterwards and the engine holds no KV block."""
+    with in_process_server(tiny_checkpoint, mode == "continuous_batching", **SMALL) as (url,
+                                                                                      model):
+        requests = [plan(i) for i in range(NUM_REQUESTS)]
+        with ThreadPoolExecutor(CONCURRENCY) as pool:
+            futures = [pool.submit(send, url, tiny_checkpoint, *r) for r in requests]
+            outcomes = [f.result(timeout=REQUEST_TIMEOUT * 2) for f in futures]
+        for (kind, request, stream), outcome in zip(requests, outcomes):
+            if kind == "valid":
+                prompt_len, ids = greedy[request["prompt"]]
+                assert outcome == expected_outcome(tokenizer, prompt_len,
+                                                   ids[:request["max_tokens"]],
+                                                   request["max_tokens"], stream), request
+            elif kind in INVALID:
+                check_refused(mode, kind, outcome, stream)
+        last = dict(model=tiny_checkpoint, prompt=PROMPTS[0], max_tokens=MAX_TOKENS)
+        prompt_len, ids = greedy[PROMPTS[0]]
+        assert ask(url, "completion", **last) == expected_outcome(
+            tokenizer, prompt_len, ids, MAX_TOKENS, False)
+        stats = idle_stats(model)
+    assert stats["num_free_blocks"] == stats["num_blocks"], stats
+
+
+def check_refused(mode: str, kind: str, outcome: dict, stream: bool) -> None:
+    """transformers serve names an unknown field in a 422, reports a generation error inside a
+    stream, and answers a whole-response one with a bare 500 (its message only in the server's
+    log). Its continuous-batching manager passes a request's prompt, max_new_tokens and EOS
+    only: a bad temperature in the request's generation_config is never seen there."""
+    words = INVALID[kind][1]
+    if kind == "unknown_field":
+        assert outcome["status"] == 422 and words in outcome["error"]["detail"], outcome
+    elif kind == "bad_temperature" and mode == "continuous_batching":
+        assert outcome["choices"][0][-1] == "length", outcome
+    elif stream:
+        assert words in outcome["stream_error"], outcome
+    else:
+        assert outcome == {"status": 500, "error": "Internal Server Error"}, outcome
+
+
+def idle_stats(model, timeout: float = 10.0) -> dict:
+    """The engine's stats once nothing runs or waits (a cancelled stream's generation ends at
+    its next token)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = model.engine.stats()
+        if stats["num_running"] == stats["num_waiting"] == 0 or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+# ---- the command line ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, match", [
+    (["serve", "--engine-option", "bogus=1"], "unknown engine option(s) bogus"),
+    (["serve", "--engine-option=block_size=7"], "block_size must be a power of two"),
+    (["serve", "--engine-option", "max_model_len"], "takes KEY=VALUE"),
+    (["serve", "--engine-option"], "needs KEY=VALUE"),
+    (["run", "--engine-option", "max_num_seqs=0", "-m", "json.tool"], "max_num_seqs"),
+    (["run", "no-such-script-or-command"], "no such script or console command"),
+    (["run", "-m", "no_such_package.module"], "no module named 'no_such_package.module'"),
+])
+def test_front_errors_are_one_line(capsys, argv, match):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: {argv[0]}: "), err
+    assert match in err, err
+
+
+def test_run_module_with_engine_options(capsys, monkeypatch, tiny_checkpoint):
+    """``hf-paged run --engine-option ... -m MODULE ARGS``: the module runs as ``__main__``
+    with its arguments, and models it loads through transformers get the engine options."""
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    try:
+        assert main(["run", "--engine-option", "max_model_len=96", "-m",
+                     "tests.clients.print_engine", tiny_checkpoint]) == 0
+    finally:
+        unpatch_transformers()
+    assert capsys.readouterr().out.splitlines()[-1] == "Qwen3ForCausalLM max_model_len=96"
