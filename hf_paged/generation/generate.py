@@ -45,9 +45,7 @@ def generate(
     """``GenerationMixin.generate`` over the engine; returns what transformers returns."""
     if synced_gpus:
         raise ValueError("synced_gpus is not supported: hf_paged runs one engine per model")
-    if streamer is not None and not all(callable(getattr(streamer, m, None))
-                                        for m in ("put", "end")):
-        raise ValueError("streamer must have put() and end() methods (a transformers BaseStreamer)")
+    _check_streamer(streamer)
     progress_bar = kwargs.pop("progress_bar", None)
     kwargs.update(assistant_model=assistant_model, negative_prompt_ids=negative_prompt_ids,
                   negative_prompt_attention_mask=negative_prompt_attention_mask,
@@ -66,30 +64,17 @@ def generate(
             raise ValueError(f"attention_mask: row {empty[0] // config.num_beams} keeps no token; "
                              "hf_paged's beam search needs at least one unmasked prompt token")
         return beam_search(engine, resolved, prompts[:: config.num_beams], pad, progress_bar)
-    eos = config._eos_token_tensor
-    eos_ids = () if eos is None else tuple(eos.tolist())
     record_scores = bool(config.return_dict_in_generate and config.output_scores)
     record_logits = bool(config.return_dict_in_generate and config.output_logits)
     lockstep = record_scores or record_logits
     # Length and EOS are the engine's own checks, except in lockstep where EOS marks done.
     native = (MaxLengthCriteria,) if lockstep else (MaxLengthCriteria, EosTokenCriteria)
     criteria = StoppingCriteriaList(c for c in resolved.criteria if type(c) not in native)
-    padded = not bool(resolved.attention_mask.bool().all())
-    split = procs.split(resolved.processors, padded, keep_all=lockstep)
+    split = _split(resolved, lockstep)
     hooks = None
     if split.rest or criteria or lockstep:
         hooks = CallHooks(resolved, split.rest, criteria, pad, record_scores, record_logits)
-    max_new_tokens = resolved.max_new_tokens
-    params = SamplingParams(
-        max_new_tokens=max_new_tokens,
-        temperature=split.temperature if config.do_sample else 0.0,
-        top_k=split.top_k,
-        top_p=split.top_p,
-        repetition_penalty=split.repetition_penalty,
-        eos_token_ids=eos_ids,
-        ignore_eos=lockstep,
-        hooks=hooks,
-    )
+    params = _sampling_params(resolved, split, lockstep, hooks)
     feeder = StreamFeeder(streamer, pad) if streamer is not None else None
     if feeder:
         feeder.start(resolved.input_ids)
@@ -123,6 +108,57 @@ def generate(
         sequences,
         scores=per_step(hooks.scores, steps, engine.device) if record_scores else None,
         logits=per_step(hooks.logits, steps, engine.device) if record_logits else None,
+    )
+
+
+def check(engine, inputs: torch.Tensor | None = None, generation_config=None,
+          streamer=None, **kwargs) -> None:
+    """Raise the ValueError that ``generate`` would raise for this call (its settings, its
+    sampling values, a prompt or length the engine cannot fit), queueing nothing: a server
+    can then refuse a request before its response starts, rather than from inside it."""
+    _check_streamer(streamer)
+    if kwargs.pop("synced_gpus", None):
+        raise ValueError("synced_gpus is not supported: hf_paged runs one engine per model")
+    kwargs.pop("progress_bar", None)
+    resolved = resolve(engine.hf_config, engine.generation_config, inputs, generation_config,
+                       kwargs.pop("logits_processor", None), kwargs.pop("stopping_criteria", None),
+                       kwargs.pop("prefix_allowed_tokens_fn", None), kwargs)
+    config = resolved.config
+    prompts = _unpadded_rows(resolved.input_ids, resolved.attention_mask.bool())
+    if config.get_generation_mode() is GenerationMode.BEAM_SEARCH and streamer is not None:
+        raise ValueError("streamer cannot be used with beam search: set num_beams=1")
+    lockstep = bool(config.return_dict_in_generate
+                    and (config.output_scores or config.output_logits))
+    params = _sampling_params(resolved, _split(resolved, lockstep), lockstep, None)
+    for prompt in prompts:
+        if prompt:  # a fully masked row starts from transformers' first token instead
+            engine.validate_request(prompt, params)
+
+
+def _check_streamer(streamer) -> None:
+    if streamer is not None and not all(callable(getattr(streamer, m, None))
+                                        for m in ("put", "end")):
+        raise ValueError("streamer must have put() and end() methods (a transformers BaseStreamer)")
+
+
+def _split(resolved, lockstep: bool) -> procs.Split:
+    padded = not bool(resolved.attention_mask.bool().all())
+    return procs.split(resolved.processors, padded, keep_all=lockstep)
+
+
+def _sampling_params(resolved, split: procs.Split, lockstep: bool, hooks) -> SamplingParams:
+    """The engine's settings for each row of the call (SamplingParams validates them)."""
+    config = resolved.config
+    eos = config._eos_token_tensor
+    return SamplingParams(
+        max_new_tokens=resolved.max_new_tokens,
+        temperature=split.temperature if config.do_sample else 0.0,
+        top_k=split.top_k,
+        top_p=split.top_p,
+        repetition_penalty=split.repetition_penalty,
+        eos_token_ids=() if eos is None else tuple(eos.tolist()),
+        ignore_eos=lockstep,
+        hooks=hooks,
     )
 
 

@@ -129,6 +129,22 @@ class PagedContinuousBatchingManager(ContinuousBatchingManager):
         self._use_prefix_sharing = engine.config.enable_prefix_caching
         self.current_batch = 0
 
+    def validate_request(self, input_ids: list[int], max_new_tokens: int | None = None,
+                         eos_token_id: int | list[int] | None = None,
+                         **logit_processor_kwargs) -> None:
+        """Raise the error that ``add_request`` with these arguments would deliver as the
+        request's failure (a prompt or length the engine cannot fit, a bad per-request
+        value), queueing nothing: a server can refuse it before its response starts."""
+        state = RequestState(
+            request_id="validate_request", initial_tokens=list(input_ids),
+            max_new_tokens=(self.generation_config.max_new_tokens if max_new_tokens is None
+                            else max_new_tokens),
+            eos_token_id=(self.generation_config.eos_token_id if eos_token_id is None
+                          else eos_token_id),
+            logit_processor_kwargs=logit_processor_kwargs)
+        params, _ = self.settings.params(state)
+        self.engine.validate_request(state.initial_tokens, params)
+
     # ---- what transformers' manager does with its own model runner ------------------------
 
     def switch_to_cb_friendly_attn(self, *args, **kwargs) -> None:

@@ -7,6 +7,11 @@ runs in this process, unchanged (its typer CLI, FastAPI app, handlers and uvicor
 checkpoints, so ``/v1/chat/completions``, ``/v1/completions`` and the rest call hf_paged's
 ``generate`` (or, with ``--continuous-batching``, its ``init_continuous_batching``).
 
+One thing is added (``serve_errors``): a request the engine refuses (a prompt too long for
+``max_model_len`` or the KV cache, a bad sampling value) gets a 400 in OpenAI's error shape,
+naming the problem, before its response starts, where transformers would answer a bare 500 or
+an error event inside a 200 stream.
+
 transformers serve's flags set only transformers' loading keywords (``--dtype``, ``--device``,
 ...), so engine options travel another way: hf-paged takes ``--engine-option KEY=VALUE`` out of
 the arguments before handing the rest over, and the patch applies them as defaults to every
@@ -93,5 +98,12 @@ def run_console_command(name: str, args: list[str], prog: str | None = None) -> 
 
 def transformers_serve(args: list[str]) -> int:
     """``transformers serve ARGS``, as its console command runs it (under the name hf-paged, so
-    that its usage lines read ``hf-paged serve``). Patch transformers first."""
-    return run_console_command("transformers", ["serve", *args], prog="hf-paged")
+    that its usage lines read ``hf-paged serve``), its app refusing invalid requests with a 400
+    (``serve_errors``). Patch transformers first."""
+    from hf_paged.integrations import serve_errors
+
+    uninstall = serve_errors.install()
+    try:
+        return run_console_command("transformers", ["serve", *args], prog="hf-paged")
+    finally:
+        uninstall()

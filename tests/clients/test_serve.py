@@ -16,6 +16,7 @@ import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import openai
 import pytest
 import torch
 from tokenizers.decoders import DecodeStream
@@ -63,13 +64,6 @@ CASES = {
     # transformers serve ignores n (one choice, a warning in its log)
     "chat_n": ("chat", dict(messages=HELLO, max_tokens=8, n=2)),
     "completion_n": ("completion", dict(prompt="Once upon a time", max_tokens=8, n=2)),
-    # refused by transformers: hf_paged refuses them the same way
-    "chat_sampling_negative_temperature": ("chat", dict(
-        messages=HELLO, max_tokens=8, temperature=-1, extra_body={"generation_config": SAMPLING})),
-    "chat_zero_max_tokens": ("chat", dict(messages=HELLO, max_tokens=0)),
-    # transformers' sequence_bias takes float biases only: a JSON integer is refused
-    "chat_logit_bias_integer": ("chat", dict(messages=HELLO, max_tokens=6,
-                                             logit_bias={"300": 50})),
     "chat_unknown_field": ("chat", dict(messages=HELLO, max_tokens=4, extra_body={"bogus": 1})),
     "completion_unknown_field": ("completion", dict(prompt="Hi", extra_body={"bogus": 1})),
 }
@@ -147,17 +141,88 @@ def test_sampling(servers, stream):
     assert 1 <= outcome["usage"][1] <= 8
 
 
-def test_prompt_longer_than_max_model_len(servers, stock):
-    """hf_paged refuses what does not fit max_model_len (stock serves it), and transformers
-    serve reports the refusal as it reports any generate() error: a bare 500 for a whole
-    response, the message inside a stream."""
-    long = [{"role": "user", "content": "river " * 200}]
-    assert "choices" in stock("chat", messages=long, max_tokens=4)
-    paged = servers["generate"].url()
-    assert ask(paged, "chat", messages=long, max_tokens=4) == {
-        "status": 500, "error": "Internal Server Error"}
-    error = ask(paged, "chat", True, messages=long, max_tokens=4)["stream_error"]
-    assert "max_model_len (128 tokens" in error
+LONG = [{"role": "user", "content": "river " * 200}]
+# Requests hf_paged's engine refuses (max_model_len=128): (endpoint, request, the words its 400
+# names, whether the continuous-batching path sees the problem). transformers' manager passes
+# a request's prompt, max_new_tokens and EOS only: its sampling values are never seen there.
+REFUSED = {
+    "chat_too_long": ("chat", dict(messages=LONG, max_tokens=4),
+                      "max_model_len (128 tokens", True),
+    "completion_too_long": ("completion", dict(prompt="river " * 200, max_tokens=4),
+                            "max_model_len (128 tokens", True),
+    "chat_max_tokens_too_many": ("chat", dict(messages=HELLO, max_tokens=200),
+                                 "max_new_tokens (200)", True),
+    # no max_tokens: transformers serve's own default, 1024 new tokens
+    "completion_default_max_tokens": ("completion", dict(prompt="Hi"),
+                                      "max_new_tokens (1024)", True),
+    "chat_zero_max_tokens": ("chat", dict(messages=HELLO, max_tokens=0), "max_new_tokens", True),
+    "chat_sampling_negative_temperature": ("chat", dict(
+        messages=HELLO, max_tokens=8, temperature=-1,
+        extra_body={"generation_config": SAMPLING}), "temperature", False),
+    # (a top_p above 1 is no refusal: transformers then adds no top-p warper at all)
+    "chat_sampling_zero_top_p": ("chat", dict(
+        messages=HELLO, max_tokens=8, top_p=0, extra_body={"generation_config": SAMPLING}),
+        "top_p", False),
+    # transformers' sequence_bias takes float biases only: a JSON integer is refused
+    "chat_logit_bias_integer": ("chat", dict(messages=HELLO, max_tokens=6,
+                                             logit_bias={"300": 50}), "sequence_bias", False),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("mode", MODES)
+def test_refused_with_400(servers, stock, mode, stream):
+    """What the engine refuses is a 400 in OpenAI's error shape naming the problem (the openai
+    client raises BadRequestError with that message), streamed or not, before any response
+    starts (stock transformers serve answers a bare 500, or an error event inside a 200 stream,
+    when its own generate refuses a value; a prompt beyond max_model_len it serves); requests
+    around the refused ones get stock's answers."""
+    assert "choices" in stock("chat", messages=LONG, max_tokens=4)
+    url = servers[mode].url()
+    for name, (endpoint, request, words, seen_by_cb) in REFUSED.items():
+        outcome = ask(url, endpoint, stream, **request)
+        if mode == "continuous_batching" and not seen_by_cb:
+            assert outcome["choices"][0][-1] in ("length", "stop"), (name, outcome)
+            continue
+        assert outcome["status"] == 400, (name, outcome)
+        error = outcome["error"]
+        assert error["type"] == "invalid_request_error" and words in error["message"], (name,
+                                                                                          error)
+        valid = CASES["chat"][1]
+        assert ask(url, "chat", stream, **valid) == stock("chat", stream, **valid), name
+    with client(url) as c, pytest.raises(openai.BadRequestError, match="max_model_len"):
+        c.completions.create(model=MODEL, prompt="river " * 200, max_tokens=4, stream=stream)
+
+
+def test_value_error_backstop():
+    """A ValueError that hf_paged raises inside a request handler is a 400 with its message;
+    one raised elsewhere keeps Starlette's 500, as in transformers serve."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from hf_paged.integrations import serve_errors
+    from hf_paged.sampling_params import SamplingParams
+
+    class State:
+        def get_manager(self, model_id: str, use_cb: bool = False):
+            return None
+
+    app = FastAPI()
+    serve_errors.extend(app, State())
+
+    @app.post("/hf_paged")
+    def hf_paged_error():
+        SamplingParams(top_p=0.0)
+
+    @app.post("/other")
+    def other_error():
+        raise ValueError("not hf_paged's")
+
+    with TestClient(app, raise_server_exceptions=False) as http:
+        refused = http.post("/hf_paged")
+        assert refused.status_code == 400
+        assert refused.json() == serve_errors.error_body("top_p must be in (0, 1], got 0.0")
+        assert http.post("/other").status_code == 500
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -190,8 +255,8 @@ PROMPTS = [" ".join(WORDS[(i * 7) % len(WORDS):] + WORDS[:(i * 3) % 11])[:30 + 4
            for i in range(40)]
 MAX_TOKENS = 8
 CANCEL_AFTER_CHUNKS = 2
-# Refused requests (a prompt longer than max_model_len=128, bad values): what transformers
-# serve answers on its generate() path, and the words that name the problem.
+# Refused requests (a prompt longer than max_model_len=128, bad values, an unknown field) and
+# the words that name the problem in the answer.
 INVALID = {
     "too_long": (dict(prompt="river " * 200, max_tokens=4), "max_model_len"),
     "bad_temperature": (dict(prompt="Hi", max_tokens=4, temperature=-1,
@@ -275,19 +340,17 @@ def test_load(mode, tiny_checkpoint, tokenizer, greedy):
 
 
 def check_refused(mode: str, kind: str, outcome: dict, stream: bool) -> None:
-    """transformers serve names an unknown field in a 422, reports a generation error inside a
-    stream, and answers a whole-response one with a bare 500 (its message only in the server's
-    log). Its continuous-batching manager passes a request's prompt, max_new_tokens and EOS
-    only: a bad temperature in the request's generation_config is never seen there."""
+    """transformers serve names an unknown field in a 422; what the engine refuses is a 400
+    naming it, streamed or not. transformers' continuous-batching manager passes a request's
+    prompt, max_new_tokens and EOS only: a bad temperature in the request's
+    generation_config is never seen there."""
     words = INVALID[kind][1]
     if kind == "unknown_field":
         assert outcome["status"] == 422 and words in outcome["error"]["detail"], outcome
     elif kind == "bad_temperature" and mode == "continuous_batching":
         assert outcome["choices"][0][-1] == "length", outcome
-    elif stream:
-        assert words in outcome["stream_error"], outcome
     else:
-        assert outcome == {"status": 500, "error": "Internal Server Error"}, outcome
+        assert outcome["status"] == 400 and words in outcome["error"]["message"], outcome
 
 
 def idle_stats(model, timeout: float = 10.0) -> dict:
