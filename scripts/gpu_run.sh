@@ -2,7 +2,7 @@
 # The GPU tests and the benchmarks on a CUDA machine, in one call from the repository root:
 #
 #   scripts/gpu_run.sh [STEP...]      STEP: tests w1 w2 w3 preempt profile dropin w4 beam
-#                                     tp-tests startup lm-eval
+#                                     tp-tests startup lm-eval serving
 #                                     (default: the first four)
 #
 # Everything printed also goes to $OUT/run.log, and the result JSONs, README-table.md and
@@ -38,6 +38,9 @@
 #   startup: from_pretrained on an empty Triton cache, then warm (bench_startup); T_START=240
 #   lm-eval: lm-eval's generate_until through HFLM, stock against patched (bench_lm_eval; needs
 #       lm_eval importable, e.g. from wheels on PYTHONPATH); T_LMEVAL=420, LMEVAL_ARGS
+#   serving: Poisson arrivals through hf-paged serve and transformers serve, both with
+#       --continuous-batching (bench_serving; needs fastapi, uvicorn, openai); T_SERVE=560,
+#       SERVE_ARGS (default: --rates 1 4 16 --num-requests 32)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
@@ -102,6 +105,8 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
             --model "$CKPT" --results-dir "$RESULTS" ${PRE_ARGS:---num-requests 64 --num-kv-blocks 1000} ;;
       beam) bench beam "${T_BEAM:-240}" bench_beam_search "${BEAM_ARGS:-}" "${BASELINE_ARGS[@]}" ;;
       startup) bench startup "${T_START:-240}" bench_startup "" ;;
+      serving) step serving "${T_SERVE:-560}" python -m benchmarks.bench_serving --model "$CKPT" \
+            --results-dir "$RESULTS" ${SERVE_ARGS:---rates 1 4 16 --num-requests 32} ;;
       lm-eval) step lm-eval "${T_LMEVAL:-420}" python -m benchmarks.bench_lm_eval --model "$CKPT" \
             --results-dir "$RESULTS" ${LMEVAL_ARGS:-} ;;
       profile) step profile "${T_PROF:-120}" python -m benchmarks.profile_steps \
@@ -127,7 +132,7 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
             step "w4-prof$n" "${T_W4P:-150}" python -m benchmarks.profile_steps --model "$ckpt8b" \
               --results-dir "$RESULTS" --tensor-parallel-size "$n" --name "w4-profile-tp$n"
           done ;;
-      *) echo "unknown step $s (steps: tests w1 w2 w3 preempt profile dropin w4 beam tp-tests startup lm-eval)"
+      *) echo "unknown step $s (steps: tests w1 w2 w3 preempt profile dropin w4 beam tp-tests startup lm-eval serving)"
          STATUS+=("$s unknown") ;;
     esac
   done
