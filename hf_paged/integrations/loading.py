@@ -19,6 +19,7 @@ from transformers.utils import logging
 
 from hf_paged.config import EngineConfig
 from hf_paged.engine.engine import PagedEngine
+from hf_paged.engine.resolution import resolve_checkpoint
 
 # transformers' own hub keywords, passed to huggingface_hub to find a checkpoint by id
 # (``tqdm_class``: the download bars' class, which ``transformers serve`` always passes).
@@ -109,22 +110,6 @@ def model_config(path: str, config: PretrainedConfig | str | None,
                          "supported by hf_paged: the paged kernels never materialise attention "
                          "weights or per-layer hidden states")
     return config
-
-
-def resolve_checkpoint(path_or_id: str, hub: dict) -> str:
-    """A local folder as is; a hub id through huggingface_hub with transformers' keywords."""
-    if os.path.isdir(path_or_id):
-        return path_or_id
-    from huggingface_hub import snapshot_download
-
-    try:
-        return snapshot_download(
-            path_or_id, allow_patterns=["*.json", "*.safetensors", "*.txt"], **hub
-        )
-    except Exception as error:
-        raise OSError(
-            f"{path_or_id!r} is not a local folder and could not be fetched from the hub: {error}"
-        ) from error
 
 
 def resolve_device_map(device_map) -> torch.device | None:

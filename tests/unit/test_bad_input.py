@@ -12,7 +12,7 @@ import torch
 from transformers import GenerationConfig, PretrainedConfig
 
 import hf_paged
-from hf_paged.engine.engine import resolve_backend, resolve_dtype
+from hf_paged.engine.resolution import resolve_backend, resolve_dtype
 from hf_paged.sampling_params import SamplingParams
 
 IDS = torch.tensor([[5, 6, 7, 8]])
