@@ -113,9 +113,18 @@ class Qwen3ForCausalLM(transformers.Qwen3ForCausalLM):
     def enable_input_require_grads(self) -> None:
         raise RuntimeError(f"{_INFERENCE_ONLY}; enable_input_require_grads() is refused")
 
-    def resize_token_embeddings(self, *args, **kwargs):
-        raise RuntimeError("resize_token_embeddings() is refused: the engine's embedding, LM head "
-                           "and compiled kernels are sized for the checkpoint's vocabulary")
+    def resize_token_embeddings(self, new_num_tokens: int | None = None,
+                                pad_to_multiple_of: int | None = None, mean_resizing: bool = True):
+        """To the size the embedding has (scripts call it with ``len(tokenizer)`` as a matter of
+        course), transformers' answer: the embedding. Any other size raises."""
+        size = self.config.vocab_size if new_num_tokens is None else new_num_tokens
+        if pad_to_multiple_of:
+            size = -(-size // pad_to_multiple_of) * pad_to_multiple_of
+        if size == self.config.vocab_size:
+            return self.get_input_embeddings()
+        raise RuntimeError(f"resize_token_embeddings({new_num_tokens}) is refused: the engine's "
+                           f"embedding, LM head and compiled kernels are sized for the "
+                           f"checkpoint's {self.config.vocab_size} tokens")
 
     def set_input_embeddings(self, value) -> None:
         raise RuntimeError("set_input_embeddings() is refused: the engine serves the loaded "

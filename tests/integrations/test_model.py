@@ -299,6 +299,12 @@ def test_what_the_engine_cannot_do_is_named(model, call, match):
     assert not model.is_gradient_checkpointing
 
 
+def test_resizing_to_the_same_size_is_harmless(model):
+    assert model.resize_token_embeddings(1024) is model.get_input_embeddings()
+    assert model.resize_token_embeddings(1000, pad_to_multiple_of=512) is model.model.embed_tokens
+    assert model.resize_token_embeddings() is model.get_input_embeddings()
+
+
 def test_state_dict_and_save_pretrained_in_transformers_layout(model, stock_model, tmp_path):
     assert model.state_dict().keys() == stock_model.state_dict().keys()
     model.save_pretrained(tmp_path)
