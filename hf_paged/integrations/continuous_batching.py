@@ -173,7 +173,9 @@ class PagedContinuousBatchingManager(ContinuousBatchingManager):
 
     # ---- the background thread ------------------------------------------------------------
 
-    def _run_generation_loop(self) -> None:
+    def _run_generation_loop(self, **_ignored) -> None:
+        # The engine chooses its own grad and inference modes: whatever the installed
+        # transformers' start() passes its loop about them (5.24: use_inference_mode) is moot.
         status = self.background_thread_status
         loop = self.batch_processor or self._create_batch_processor()
         try:
