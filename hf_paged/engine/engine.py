@@ -129,17 +129,14 @@ class PagedEngine:
         count against ``max_new_tokens``; the prompt may then be empty)."""
         tokens = [*prompt_token_ids, *output_token_ids]
         self.validate_request(tokens, params)
-        if not output_token_ids:
-            return self._enqueue(tokens, params, request_id)
         seq = Sequence(tokens, params, request_id)
         seq.num_prompt_tokens = len(prompt_token_ids)
-        last = output_token_ids[-1]
-        if not params.ignore_eos and last in params.eos_token_ids:
-            seq.status, seq.finish_reason = Status.FINISHED, "stop"
-        elif len(output_token_ids) >= params.max_new_tokens:
-            seq.status, seq.finish_reason = Status.FINISHED, "length"
-        else:
+        # Tokens it continues from may already end it (an EOS, its length): then it never runs.
+        reason = self.scheduler.finish_reason(seq) if output_token_ids else None
+        if reason is None:
             self.scheduler.add(seq)
+        else:
+            seq.status, seq.finish_reason = Status.FINISHED, reason
         return seq
 
     def _enqueue(self, prompt_token_ids, params, request_id=None) -> Sequence:

@@ -203,15 +203,17 @@ class Scheduler:
             return False
         seq.num_pending -= 1
         seq.token_ids.append(token)
-        params = seq.params
-        if not params.ignore_eos and token in params.eos_token_ids:
-            seq.finish_reason = "stop"
-        elif self._length_reached(seq, len(seq.token_ids)):
-            seq.finish_reason = "length"
-        else:
-            return True
-        self._finish(seq, finished)
+        seq.finish_reason = self.finish_reason(seq)
+        if seq.finish_reason is not None:
+            self._finish(seq, finished)
         return True
+
+    def finish_reason(self, seq: Sequence) -> str | None:
+        """Why ``seq`` ends at its newest token ("stop": an EOS; "length"), or None."""
+        params = seq.params
+        if not params.ignore_eos and seq.token_ids[-1] in params.eos_token_ids:
+            return "stop"
+        return "length" if self._length_reached(seq, len(seq.token_ids)) else None
 
     def _run_hooks(self, appended: list[Sequence], finished: list[Sequence]) -> None:
         """Each hooks object sees its requests that got a token this step, once; the

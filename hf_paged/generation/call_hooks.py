@@ -181,7 +181,7 @@ class CallHooks(RequestHooks):
                 self.score_steps.append(step.to(self.caller_device))
                 scores = tuple(self.score_steps)
             done |= self.device_criteria(ids.to(self.caller_device), scores).cpu()
-        newly = [r for r in range(len(self.done)) if done[r] and not self.done[r]]
+        newly = [r for r, stop in enumerate(done.tolist()) if stop and not self.done[r]]
         for r in newly:
             self.done[r] = True
         if self.lockstep:

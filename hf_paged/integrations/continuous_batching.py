@@ -38,7 +38,8 @@ from transformers.generation.continuous_batching.requests import (
 )
 
 from hf_paged.engine.engine import PagedEngine
-from hf_paged.integrations.continuous_batching_engine import EngineLoop, RequestSettings
+from hf_paged.integrations.continuous_batching_engine import EngineLoop
+from hf_paged.integrations.continuous_batching_requests import RequestSettings
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,81 @@
+"""What the model call shares with transformers' inner model: the checks of a forward's
+inputs, and ``Qwen3Model``, transformers' inner model (``model.model``) whose forward the
+engine serves."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+
+class Qwen3Model(transformers.Qwen3Model):
+    """transformers' inner Qwen3 model (``model.model``) whose forward the engine serves: the
+    last hidden state, as transformers' own computes it, on a scratch cache."""
+
+    def forward(self, input_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, past_key_values=None,
+                inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
+                return_dict: bool | None = None, **kwargs) -> BaseModelOutputWithPast | tuple:
+        refuse_forward_options(past_key_values, inputs_embeds, use_cache, kwargs, ())
+        engine = self.engine_ref()
+        if engine is None:
+            raise RuntimeError("the hf_paged model this module belongs to was freed")
+        inputs = forward_inputs(input_ids, attention_mask, position_ids, self.config.vocab_size)
+        hidden = engine.hidden_states(*inputs).to(inputs[0].device)
+        output = BaseModelOutputWithPast(last_hidden_state=hidden)
+        if return_dict is None:
+            return_dict = self.config.return_dict
+        return output if return_dict else output.to_tuple()
+
+
+def forward_inputs(input_ids, attention_mask, position_ids, vocab_size: int) -> tuple:
+    """The checked ``input_ids``, mask and positions of a forward call (transformers'
+    defaults: every token kept, positions counted from 0)."""
+    input_ids = _check_input_ids(input_ids, vocab_size)
+    attention_mask = _attention_mask(attention_mask, input_ids)
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+    if position_ids.shape[-1] != input_ids.shape[1] or position_ids.dim() > 2:
+        raise ValueError(f"position_ids must have shape [batch, {input_ids.shape[1]}], "
+                         f"got {tuple(position_ids.shape)}")
+    return input_ids, attention_mask, position_ids
+
+
+def _check_input_ids(input_ids, vocab_size: int) -> torch.Tensor:
+    """Raise ValueError naming ``input_ids`` unless it is a 2-D tensor of in-vocabulary ids."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else None
+        raise ValueError(f"input_ids must be a 2-D tensor [batch, seq_len], got "
+                         f"{type(input_ids).__name__} of shape {shape}")
+    if input_ids.dtype not in (torch.int16, torch.int32, torch.int64):
+        raise ValueError(f"input_ids must hold token ids as int16, int32 or int64, got "
+                         f"{input_ids.dtype} (8-bit types cannot hold a vocabulary's ids)")
+    if input_ids.numel() and (input_ids.min() < 0 or input_ids.max() >= vocab_size):
+        raise ValueError(f"input_ids: token ids must lie in [0, {vocab_size})")
+    return input_ids
+
+
+def _attention_mask(mask, input_ids: torch.Tensor) -> torch.Tensor:
+    if mask is None:
+        return torch.ones_like(input_ids)
+    if not isinstance(mask, torch.Tensor) or mask.shape != input_ids.shape:
+        shape = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"attention_mask must have the shape of input_ids "
+                         f"{tuple(input_ids.shape)}, got {shape}")
+    return mask
+
+
+def refuse_forward_options(past_key_values, inputs_embeds, use_cache, kwargs,
+                            allowed: tuple[str, ...]) -> None:
+    if past_key_values is not None or use_cache:
+        raise ValueError("past_key_values/use_cache: hf_paged's forward keeps no KV cache; pass "
+                         "whole sequences, or decode with generate()")
+    if inputs_embeds is not None:
+        raise ValueError("inputs_embeds is not supported by hf_paged's forward; pass input_ids")
+    refused = sorted(n for n, v in kwargs.items()
+                     if n not in allowed and v is not None and v is not False)
+    if refused:
+        raise ValueError(f"forward() got argument(s) hf_paged does not support: "
+                         f"{', '.join(refused)}")
