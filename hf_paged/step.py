@@ -1,0 +1,141 @@
+"""The step contract: the plain data that crosses between the engine (host side: requests,
+scheduling, blocks) and the worker (device side: model, KV cache, graphs, sampling).
+
+These are the only types the two sides share. The engine builds a ``StepPlan`` from each
+scheduled batch and hands it to the executor; rank 0's worker turns it into ``StepInputs``
+(which travel to the other ranks of a tensor-parallel group) and answers with a
+``StepResult``. ``WorkerSpec`` says what a rank builds. Nothing here holds a tensor, a module
+or an engine object: lists, ints, floats and the caller's opaque hooks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig
+
+    from hf_paged.config import EngineConfig
+
+
+class LogitsHooks(Protocol):
+    """A caller's callbacks that the worker runs on rank 0 over the rows of the requests that
+    share them (``SamplingParams.hooks``). ``requests`` are the ``RowSampling.request``
+    handles of those rows, in row order."""
+
+    def process(self, requests: list, logits: torch.Tensor) -> torch.Tensor:
+        """Scores to sample from, given the float32 logits rows of ``requests``."""
+
+    def record(self, requests: list, tokens: torch.Tensor) -> None:
+        """The tokens just drawn for ``requests`` (on the device)."""
+
+
+@dataclass(frozen=True)
+class CandidateRows:
+    """A beam-search member's row: instead of sampling, the worker reports its best
+    candidates (log-softmax scores after ``scorer``)."""
+
+    num_candidates: int  # (score, token) pairs reported, best first
+    keep_rows: bool  # also send the whole score and logit rows to the host
+    # ``scorer.process(requests, log_probs)`` turns the log-softmax rows of the members that
+    # share it into the scores ranked; None ranks the log-softmax as it is.
+    scorer: object | None
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """How the worker draws one request's tokens; the engine builds it once per sequence."""
+
+    seq_id: int  # the worker's key for per-request state (pending row, repetition mask)
+    temperature: float  # 0: greedy (argmax)
+    top_k: int  # 0: off
+    top_p: float  # 1.0: off
+    repetition_penalty: float  # 1.0: off; transformers' rule over ``history``
+    # The request's tokens so far (the engine's list, read, never written): the repetition
+    # penalty's seen set is filled from it the first time the request is penalized.
+    history: list[int]
+    hooks: LogitsHooks | None  # rank 0 callbacks over this row's logits and tokens
+    request: object  # the engine's handle of the request, handed back to hooks and scorers
+    candidates: CandidateRows | None = None  # set on beam-search members: report, not sample
+
+    @property
+    def processed(self) -> bool:
+        """Whether the row's logits go through penalties or hooks before sampling."""
+        return self.repetition_penalty != 1.0 or self.hooks is not None
+
+
+@dataclass
+class StepPlan:
+    """One scheduled step, from the engine: sequence ``i`` computes ``num_tokens[i]`` tokens
+    from position ``starts[i]``. Lists are by sequence, in batch order."""
+
+    seq_ids: list[int]
+    starts: list[int]
+    num_tokens: list[int]
+    # Each sequence's tokens known to the host (the engine's lists, read, never written). A
+    # position at or past the end is a token still pending on the device: the one the last
+    # step sampled for this sequence.
+    token_ids: list[list[int]]
+    block_tables: list[list[int]]  # each sequence's cache blocks (the engine's lists, read)
+    sample: list[bool]  # whether the chunk reaches the sequence's end: a token is drawn
+    sampling: list[RowSampling]  # each sequence's settings (read for the sampled ones)
+    # Followers forked by this step: each draws its own token from the logits row of batch
+    # entry ``index``, with its own settings.
+    sample_copies: list[tuple[int, RowSampling]]
+    block_copies: list[tuple[int, int]]  # copy-on-write (source, destination), in order
+    is_decode: bool  # every sequence computes exactly its newest token, and samples it
+
+
+@dataclass
+class StepInputs:
+    """A step's inputs as host data, from rank 0's plan: what every rank needs to run the
+    same forward (the tensor-parallel wire carries exactly this).
+
+    Per token: ``ids`` (0 where pending), ``src`` (its row in the last step's samples, or -1),
+    ``positions``, ``slots``. Per sequence: ``cu_seqlens`` (B+1), ``seq_lens``, ``tables``
+    (block-table rows). ``logits_rows``: the token rows whose logits are sampled. ``graph_bs``:
+    the decode graph to replay (0: eager); ``shared``: cascade prefix tokens (0: none).
+    """
+
+    ids: list[int]
+    src: list[int]
+    positions: list[int]
+    slots: list[int]
+    cu_seqlens: list[int]
+    seq_lens: list[int]
+    tables: np.ndarray
+    logits_rows: list[int]
+    max_query_len: int
+    graph_bs: int
+    shared: int
+    block_copies: list[tuple[int, int]]  # made before the forward, in order
+    # Tokens the step draws: sampled rows of no group, then one per follower forked by it.
+    num_drawn: int
+
+
+@dataclass
+class StepResult:
+    """A step's answer, once collected."""
+
+    # One token per sampled row that belongs to no beam group, in batch order, then one per
+    # follower in ``StepPlan.sample_copies`` order.
+    tokens: list[int]
+    # One per beam-group member's sampled row, in batch order: (top scores, their token ids,
+    # the whole score row or None, the whole logit row or None), host tensors.
+    candidates: list[tuple]
+
+
+@dataclass
+class WorkerSpec:
+    """What a rank needs to build its model shard and worker (pickled to spawned ranks)."""
+
+    hf_config: PretrainedConfig
+    checkpoint: str  # a local folder
+    dtype: torch.dtype
+    device: torch.device  # rank 0's; rank r of a spawned group takes the r-th GPU after it
+    config: EngineConfig
+    max_model_len: int
