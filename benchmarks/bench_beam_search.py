@@ -70,7 +70,7 @@ def run_hf_paged(args, ids, warmup, device, dtype) -> tuple[dict, torch.Tensor]:
 
     engine.step = counted_step
     out, seconds = common.timed(lambda: engine.generate(ids.to(device), **kwargs), device)
-    block_bytes = engine.runner._block_bytes()
+    block_bytes = engine.executor.runner.kv.block_bytes()
     figures = {
         "wall_s": seconds,
         "returned_tokens_per_s": ids.shape[0] * args.new_tokens / seconds,

@@ -28,7 +28,8 @@ from triton.backends.nvidia.driver import CudaDriver  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 
 import hf_paged  # noqa: E402
-from hf_paged.engine import engine as engine_module  # noqa: E402
+from hf_paged.worker import executor as executor_module  # noqa: E402
+from hf_paged.worker.startup import Startup  # noqa: E402
 
 
 class AbsentGPU(CudaDriver):
@@ -75,16 +76,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     args = parser.parse_args(argv)
     # The Triton attention on CPU tensors too (the engine refuses it off CUDA).
-    engine_module.resolve_backend = lambda backend, device, block_size: "triton"
+    executor_module.resolve_backend = lambda backend, device, block_size: "triton"
     engine = hf_paged.from_pretrained(
         args.model, device="cpu", dtype=torch.bfloat16, attention_backend="triton",
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         num_kv_blocks=2048)
-    runner = engine.runner
-    runner.decode_graphs, runner.prefill_graphs = runner._new_graphs()  # as on a GPU
+    runner = engine.executor.runner
+    graphs = [runner.new_decode_graphs(args.max_num_seqs),  # as on a GPU
+              runner.new_prefill_graphs(min(2048, args.max_num_batched_tokens),
+                                        min(8, args.max_num_seqs))]
+    startup = Startup(runner.model, runner.kv, runner.sampler, runner.config,
+                      runner.max_model_len, runner.tp, graphs)
     driver.set_active(AbsentGPU())
     start = time.perf_counter()
-    runner._compile_ahead(workers=args.workers)
+    startup._compile_ahead(workers=args.workers)
     seconds = time.perf_counter() - start
     engine.close()
     found = variants()

@@ -91,12 +91,13 @@ class PagedSystem:
         return timer.seconds
 
     def describe(self) -> dict[str, Any]:
+        runner = self.engine.executor.runner  # start-up's choices, measured on this device
         return {
             "engine_config": dataclasses.asdict(self.engine.config),
             "sampling": self.sampling,
             "startup_seconds": self.engine.startup_seconds,
-            "projection_timings": self.engine.runner.projection_timings,
-            "all_reduce_choices": getattr(self.engine.runner.tp.fast_all_reduce, "choices", None),
+            "projection_timings": runner.projection_timings,
+            "all_reduce_choices": getattr(runner.tp.fast_all_reduce, "choices", None),
             "last_run_counters": self.last_run,
             "stats": self.engine.stats(),
         }

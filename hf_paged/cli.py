@@ -206,7 +206,7 @@ def _generate(args: argparse.Namespace) -> int:
     if args.check:
         from transformers import AutoModelForCausalLM
 
-        ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=engine.runner.dtype)
+        ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=engine.dtype)
         ref = ref_model.to(engine.device).generate(input_ids.to(engine.device),
                                                    attention_mask=mask.to(engine.device),
                                                    **kwargs).cpu()

@@ -1,4 +1,9 @@
-"""PagedEngine: add_request / step / run-until-done, progress and stats."""
+"""The engine core: requests in, continuous-batching steps through the executor, tokens out.
+
+It schedules on the host (``scheduler``, ``block_manager``) and talks to the device side only
+through the executor, in plain data (``hf_paged.step``). The transformers-shaped ``generate``
+lives one floor up, on ``hf_paged.PagedEngine``.
+"""
 
 from __future__ import annotations
 
@@ -10,34 +15,22 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from hf_paged.config import EngineConfig
+from hf_paged.engine import followers
 from hf_paged.engine.block_manager import BlockManager
-from hf_paged.engine.resolution import resolve_backend, resolve_checkpoint, resolve_dtype
-from hf_paged.engine.scheduler import Scheduler
+from hf_paged.engine.resolution import resolve_checkpoint, resolve_device, resolve_dtype
+from hf_paged.engine.scheduler import ScheduledBatch, Scheduler
 from hf_paged.engine.sequence import Sequence, Status
-from hf_paged.modeling.full_forward import full_forward
-from hf_paged.modeling.swap import check_shardable, check_supported
+from hf_paged.engine.validation import check_request
 from hf_paged.sampling_params import SamplingParams
-from hf_paged.worker.executor import Executor, create_executor, resolve_device
-from hf_paged.worker.model_runner import LaunchedStep
-from hf_paged.worker.parallel import RunnerSpec
+from hf_paged.step import WorkerSpec
+from hf_paged.worker.executor import Executor, check_spec, create_executor
 
 
-def _shared_hooks(seqs: list[Sequence]) -> list:
-    """The distinct hooks objects of ``seqs`` that carry state to other ranks, in order."""
-    found = {}
-    for seq in seqs:
-        hooks = seq.params.hooks
-        if hooks is not None and hasattr(hooks, "shared_state"):
-            found.setdefault(id(hooks), hooks)
-    return list(found.values())
+class EngineCore:
+    """A model served by continuous batching over a paged KV cache.
 
-
-class PagedEngine:
-    """A Qwen3 model served by continuous batching over a paged KV cache.
-
-    Build it with ``hf_paged.from_pretrained``. ``generate`` mirrors transformers'
-    ``GenerationMixin.generate``; ``generate_tokens`` takes token-id lists with per-request
-    ``SamplingParams``; ``add_request``/``step`` drive the engine by hand.
+    ``generate_tokens`` takes token-id lists with per-request ``SamplingParams``;
+    ``add_request``/``add_requests``/``step`` drive the engine by hand.
 
     Under torchrun with ``tensor_parallel_size > 1`` every rank holds an engine and makes the
     same calls; rank 0's schedules and samples, the others follow its steps inside ``run``
@@ -53,8 +46,7 @@ class PagedEngine:
         tokenizer=None,
     ):
         self.executor = executor
-        self.runner = executor.runner  # this rank's
-        self.model = self.runner.model
+        self.model = executor.model  # the swapped model, whose modules the drop-in class adopts
         self.hf_config: PretrainedConfig = self.model.config
         self.config = config
         self.generation_config = generation_config
@@ -63,18 +55,35 @@ class PagedEngine:
         # Start-up phases: weights loaded, KV cache sized and allocated, decode graphs captured.
         self.startup_seconds = dict(executor.startup_seconds)
         self.block_manager = BlockManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+            executor.num_blocks, config.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, max_model_len
         )
-        self.in_flight: LaunchedStep | None = None  # launched, tokens not collected yet
+        # The step launched whose tokens are not collected yet: its batch and the executor's
+        # handle of it.
+        self.in_flight: tuple[ScheduledBatch, object] | None = None
         self._last_batch = None
         self.closed = False
 
     @property
     def device(self) -> torch.device:
-        return self.runner.device
+        return self.executor.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.executor.dtype
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this rank schedules (rank 0 of a tensor-parallel group; always in one
+        process)."""
+        return self.executor.is_leader
+
+    @property
+    def broken(self) -> str | None:
+        """Why a rank can no longer run steps, once one cannot (None while all is well)."""
+        return self.executor.broken
 
     @classmethod
     def from_pretrained(
@@ -85,8 +94,8 @@ class PagedEngine:
         device: torch.device | str | None = None,
         hf_config: PretrainedConfig | None = None,
         **engine_options,
-    ) -> PagedEngine:
-        """Load a Qwen3 checkpoint (a folder or a hub id) into a new engine.
+    ) -> EngineCore:
+        """Load a checkpoint (a folder or a hub id) into a new engine.
 
         ``dtype`` defaults to the checkpoint's own (float32 when it names none), ``device``
         to CUDA when available (under torchrun, the local rank's GPU). ``hf_config`` replaces
@@ -96,27 +105,22 @@ class PagedEngine:
         config = EngineConfig.from_options(**engine_options)
         path = resolve_checkpoint(path_or_id)
         hf_config = hf_config if hf_config is not None else AutoConfig.from_pretrained(path)
-        check_supported(hf_config)
-        check_shardable(hf_config, config.tensor_parallel_size)
         device = resolve_device(device)
-        dtype = resolve_dtype(dtype, hf_config)
         max_positions = hf_config.max_position_embeddings
         max_model_len = config.max_model_len or max_positions
+        spec = WorkerSpec(hf_config, path, None, device, config, max_model_len)
+        check_spec(spec)  # the model and tensor_parallel_size first: they decide the rest
+        spec.dtype = resolve_dtype(dtype, hf_config)
         if max_model_len > max_positions:
             raise ValueError(
                 f"max_model_len ({max_model_len}) exceeds the checkpoint's "
                 f"max_position_embeddings ({max_positions})"
             )
-        config.attention_backend = resolve_backend(
-            config.attention_backend, device, config.block_size
-        )
         try:
             generation_config = GenerationConfig.from_pretrained(path)
         except OSError:
             generation_config = GenerationConfig.from_model_config(hf_config)
-        executor = create_executor(
-            RunnerSpec(hf_config, path, dtype, device, config, max_model_len))
-        return cls(executor, config, generation_config, max_model_len)
+        return cls(create_executor(spec), config, generation_config, max_model_len)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -139,10 +143,19 @@ class PagedEngine:
             seq.status, seq.finish_reason = Status.FINISHED, reason
         return seq
 
-    def _enqueue(self, prompt_token_ids, params, request_id=None) -> Sequence:
-        seq = Sequence(prompt_token_ids, params, request_id)
-        self.scheduler.add(seq)
-        return seq
+    def add_requests(self, prompts: list[list[int]],
+                     params: SamplingParams | list[SamplingParams]) -> list[Sequence]:
+        """Queue one request per prompt (``params``: one for all, or one each), all checked
+        before any is queued; they start at the next ``step``."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("params: one SamplingParams per prompt, or a single one for all")
+        for prompt, p in zip(prompts, params_list):
+            self.validate_request(prompt, p)
+        seqs = [Sequence(prompt, p) for prompt, p in zip(prompts, params_list)]
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return seqs
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       position_ids: torch.Tensor) -> torch.Tensor:
@@ -154,8 +167,7 @@ class PagedEngine:
         if self.config.tensor_parallel_size > 1:  # the other ranks only follow steps
             raise ValueError("the model call (forward) runs in one process: it is not available "
                              "with tensor_parallel_size > 1; generate() is")
-        return full_forward(self.model, input_ids, attention_mask, position_ids,
-                            self.config.block_size)
+        return self.executor.hidden_states(input_ids, attention_mask, position_ids)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 position_ids: torch.Tensor, logits_to_keep: int | torch.Tensor = 0
@@ -167,54 +179,15 @@ class PagedEngine:
             hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
         else:
             hidden = hidden[:, logits_to_keep.to(hidden.device)]
-        with torch.no_grad():
-            return self.model.lm_head(hidden)
+        return self.executor.logits(hidden)
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError, naming the argument, for a request the engine cannot serve."""
         if self.closed:
             raise RuntimeError("this engine was closed; load the model again to generate")
-        if len(prompt_token_ids) == 0:
-            raise ValueError("input_ids: the prompt is empty (no unpadded tokens)")
-        vocab = self.hf_config.vocab_size
-        low, high = min(prompt_token_ids), max(prompt_token_ids)
-        if low < 0 or high >= vocab:
-            bad = low if low < 0 else high
-            raise ValueError(f"input_ids: token id {bad} is outside the vocabulary [0, {vocab})")
-        self._check_fits(len(prompt_token_ids), params.max_new_tokens)
-
-    def _check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
-        """Blame the prompt when it leaves no room for even one new token (no value of
-        max_new_tokens could help), and max_new_tokens only when the prompt alone fits."""
-        bm = self.block_manager
         memory = "gpu_memory_utilization" if self.device.type == "cuda" else "cpu_kv_cache_gib"
-        if prompt_len >= self.max_model_len:
-            raise ValueError(
-                f"input_ids: the prompt of {prompt_len} tokens leaves no room for a new token "
-                f"within max_model_len ({self.max_model_len} tokens, prompt plus new tokens); "
-                "shorten the prompt or raise max_model_len"
-            )
-        if bm.blocks_needed(prompt_len + 1) > bm.num_blocks:
-            raise ValueError(
-                f"input_ids: the prompt of {prompt_len} tokens (plus one new token) needs "
-                f"{bm.blocks_needed(prompt_len + 1)} KV blocks but the whole cache has "
-                f"{bm.num_blocks} ({bm.num_blocks * bm.block_size} tokens); shorten the prompt "
-                f"or raise num_kv_blocks or {memory}"
-            )
-        total = prompt_len + max_new_tokens
-        room = min(self.max_model_len, bm.num_blocks * bm.block_size) - prompt_len
-        if total > self.max_model_len:
-            raise ValueError(
-                f"max_new_tokens: prompt ({prompt_len} tokens) + max_new_tokens "
-                f"({max_new_tokens}) = {total} exceeds max_model_len ({self.max_model_len}); "
-                f"at most {room} new tokens fit after this prompt"
-            )
-        if bm.blocks_needed(total) > bm.num_blocks:
-            raise ValueError(
-                f"max_new_tokens: the request needs {bm.blocks_needed(total)} KV blocks but the "
-                f"whole cache has {bm.num_blocks}; at most {room} new tokens fit after this "
-                f"prompt: lower max_new_tokens or raise num_kv_blocks or {memory}"
-            )
+        check_request(prompt_token_ids, params.max_new_tokens, self.hf_config.vocab_size,
+                      self.max_model_len, self.block_manager, memory)
 
     def add_forked_requests(
         self, prompt_token_ids: list[int], params: SamplingParams, n: int
@@ -238,7 +211,7 @@ class PagedEngine:
         it; return the requests that finished. A request's last token therefore arrives one
         ``step`` after the step that computed it. A step holding beam-search rows is collected
         before the next is scheduled instead: the host's choice of beams is that step's input."""
-        if not self.executor.is_leader:
+        if not self.is_leader:
             raise RuntimeError(
                 "under torchrun only rank 0 of a tensor-parallel group steps the engine; call "
                 "generate() or generate_tokens() on every rank instead"
@@ -247,21 +220,21 @@ class PagedEngine:
         batch = None
         finished: list[Sequence] = []
         try:
-            if previous is not None and (previous.has_group_rows
-                                         or self._needs_history(previous.batch)):
+            if previous is not None and (previous[0].has_group_rows
+                                         or self._needs_history(previous[0])):
                 # Hooks read each request's whole history, and a beam group's choice is the
                 # next step's input: that step is collected before the next is scheduled.
                 finished = self._collect(previous)
                 previous = None
             batch = self.scheduler.schedule()
             if batch.seqs:
-                self.in_flight = self.executor.launch(batch)
+                self.in_flight = batch, self.executor.launch(batch.plan())
                 self._last_batch = batch
             if previous is not None:
                 finished = self._collect(previous)
         except BaseException:
             # These steps' results are lost: drop every request they touched.
-            for touched in (previous.batch if previous else None, batch):
+            for touched in (previous[0] if previous else None, batch):
                 for seq in touched.seqs if touched else ():
                     if not seq.is_finished:
                         self.abort(seq)
@@ -269,11 +242,15 @@ class PagedEngine:
             raise
         return finished
 
-    def _collect(self, step: LaunchedStep) -> list[Sequence]:
-        tokens, candidates = self.executor.collect(step)
-        finished = self.scheduler.postprocess(step.batch, tokens, candidates)
-        self.executor.release(finished + self.scheduler.take_dropped())
+    def _collect(self, launched: tuple[ScheduledBatch, object]) -> list[Sequence]:
+        batch, handle = launched
+        result = self.executor.collect(handle)
+        finished = self.scheduler.postprocess(batch, result.tokens, result.candidates)
+        self._release(finished + self.scheduler.take_dropped())
         return finished
+
+    def _release(self, seqs: list[Sequence]) -> None:
+        self.executor.release([s.seq_id for s in seqs])
 
     @staticmethod
     def _needs_history(batch) -> bool:
@@ -282,7 +259,7 @@ class PagedEngine:
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)
         root = seq.group.root if seq.group is not None else seq
-        self.executor.release([seq, root, *self.scheduler.take_dropped()])
+        self._release([seq, root, *self.scheduler.take_dropped()])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work() or self.in_flight is not None
@@ -294,7 +271,7 @@ class PagedEngine:
         progress_bar: bool | None = None,
     ) -> list[list[int]]:
         """Generate for each prompt; returns the new token ids of each, in input order."""
-        seqs = self.run(self._add_all(prompts, params), progress_bar)
+        seqs = self.run(self.add_requests(prompts, params), progress_bar)
         return [s.output_token_ids for s in seqs]
 
     def stream(
@@ -302,7 +279,7 @@ class PagedEngine:
     ) -> Iterator[tuple[int, list[int]]]:
         """Generate for each prompt, yielding ``(prompt index, new token ids)`` as the engine
         collects them. Requests still running when the iterator is closed are aborted."""
-        seqs = self._add_all(prompts, params)
+        seqs = self.add_requests(prompts, params)
         sent = [0] * len(seqs)
         try:
             while not all(s.is_finished for s in seqs):
@@ -316,14 +293,6 @@ class PagedEngine:
                 if not seq.is_finished:
                     self.abort(seq)
 
-    def _add_all(self, prompts, params) -> list[Sequence]:
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        if len(params_list) != len(prompts):
-            raise ValueError("params: one SamplingParams per prompt, or a single one for all")
-        for prompt, p in zip(prompts, params_list):  # all checked before any is queued
-            self.validate_request(prompt, p)
-        return [self._enqueue(prompt, p) for prompt, p in zip(prompts, params_list)]
-
     def run(
         self, seqs: list[Sequence], progress_bar: bool | None = None, on_step=None
     ) -> list[Sequence]:
@@ -331,8 +300,8 @@ class PagedEngine:
         step. If anything fails, the requests are dropped so that the engine stays usable.
         Under torchrun, ranks other than 0 follow rank 0's steps instead and take its results
         at the end (``on_step`` runs once then)."""
-        if not self.executor.is_leader:
-            self._follow(seqs)
+        if not self.is_leader:
+            followers.adopt(seqs, self.executor.follow_run(), self.scheduler)
             if on_step is not None:
                 on_step(seqs)
             return seqs
@@ -341,26 +310,8 @@ class PagedEngine:
         except BaseException as e:
             self.executor.finish_run(f"{type(e).__name__}: {e}")
             raise
-        self.executor.finish_run((
-            [(s.output_token_ids, s.finish_reason) for s in seqs],
-            [hooks.shared_state() for hooks in _shared_hooks(seqs)],
-        ))
+        self.executor.finish_run(followers.outcome(seqs))
         return seqs
-
-    def _follow(self, seqs: list[Sequence]) -> None:
-        """Rank 0's outputs (and its hooks' state: e.g. per-step scores) into ``seqs``."""
-        results, hook_states = self.executor.follow_run()
-        if len(results) != len(seqs):
-            raise RuntimeError(
-                f"rank 0 ran {len(results)} requests where this rank queued {len(seqs)}: every "
-                "rank must make the same generate() calls"
-            )
-        for seq, (tokens, reason) in zip(seqs, results):
-            self.scheduler.abort(seq)  # queued here only to be validated: rank 0 schedules
-            seq.token_ids.extend(tokens)
-            seq.finish_reason = reason
-        for hooks, state in zip(_shared_hooks(seqs), hook_states):
-            hooks.load_shared_state(state)
 
     def _run(self, seqs: list[Sequence], progress_bar: bool | None, on_step) -> None:
         # Off unless asked for (per call or by the engine option): transformers' generate()
@@ -406,29 +357,12 @@ class PagedEngine:
         self.closed = True
         self.in_flight = self._last_batch = None
         self.executor.close()
-        # After a rank's death a kernel may wait on it forever (the symmetric-memory
-        # all-reduce cannot be aborted): then nothing waits for the device, and the memory
-        # stays in torch's cache for this process.
-        wait = not self.executor.broken
-        self.runner.close(synchronize=wait)
-        self.model.hf_model.to_empty(device="meta")  # frees the weights whoever holds them
-        if self.device.type == "cuda" and wait:
-            torch.cuda.empty_cache()
 
-    def __enter__(self) -> PagedEngine:
+    def __enter__(self) -> EngineCore:
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.close()
-
-    # ---- transformers-shaped entry point --------------------------------------------------
-
-    def generate(self, inputs=None, generation_config=None, **kwargs):
-        """``GenerationMixin.generate`` on the engine: the same arguments and return values;
-        see ``hf_paged.generation``."""
-        from hf_paged.generation import generate
-
-        return generate(self, inputs, generation_config, **kwargs)
 
     def stats(self) -> dict[str, int]:
         s, bm = self.scheduler, self.block_manager

@@ -1,14 +1,11 @@
-"""What a checkpoint, a dtype and an attention backend named by the user resolve to."""
+"""What a checkpoint, a dtype and a device named by the user resolve to."""
 
 from __future__ import annotations
 
-import importlib
 import os
 
 import torch
 from transformers import PretrainedConfig
-
-from hf_paged.kernels.flash_attn import PAGE_MULTIPLE
 
 
 def resolve_checkpoint(path_or_id: str, hub: dict | None = None) -> str:
@@ -68,27 +65,13 @@ def _as_dtype(dtype: object) -> torch.dtype | None:
     return dtype if isinstance(dtype, torch.dtype) and dtype in _DTYPES.values() else None
 
 
-def resolve_backend(backend: str | None, device: torch.device, block_size: int) -> str:
-    if backend is None:
-        return "triton" if device.type == "cuda" and _importable("triton") else "sdpa"
-    if backend == "triton" and (device.type != "cuda" or not _importable("triton")):
-        raise ValueError("attention_backend 'triton' needs a CUDA device and the triton package")
-    if backend == "flash_attn":
-        if device.type != "cuda" or not _importable("flash_attn"):
-            raise ValueError(
-                "attention_backend 'flash_attn' needs a CUDA device and the flash-attn package"
-            )
-        if block_size % PAGE_MULTIPLE:
-            raise ValueError(
-                f"attention_backend 'flash_attn' needs block_size {PAGE_MULTIPLE} (flash-attn's "
-                f"paged cache takes pages of a multiple of {PAGE_MULTIPLE}), got {block_size}"
-            )
-    return backend
-
-
-def _importable(package: str) -> bool:
-    try:
-        importlib.import_module(package)
-    except ImportError:
-        return False
-    return True
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """CUDA when available; under a launcher the GPU of the local rank."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r}: CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is None:
+        local = os.environ.get("LOCAL_RANK")
+        index = int(local) % torch.cuda.device_count() if local else torch.cuda.current_device()
+        device = torch.device("cuda", index)
+    return device

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from hf_paged.engine.block_manager import BlockManager
 from hf_paged.engine.sequence import Sequence, SequenceGroup, Status
+from hf_paged.step import StepPlan
 
 
 @dataclass
@@ -51,6 +52,22 @@ class ScheduledBatch:
     def is_decode(self) -> bool:
         """Every sequence computes exactly its one newest token."""
         return len(self.seqs) == sum(self.num_tokens) and all(self.sample)
+
+    def plan(self) -> StepPlan:
+        """The step as the worker reads it: plain data, the sequences' lists shared, not
+        copied."""
+        seqs = self.seqs
+        return StepPlan(
+            [s.seq_id for s in seqs], self.starts, self.num_tokens,
+            [s.token_ids for s in seqs], [s.block_table for s in seqs], self.sample,
+            [s.sampling for s in seqs], [(i, f.sampling) for i, f in self.sample_copies],
+            self.block_copies, self.is_decode,
+        )
+
+    @property
+    def has_group_rows(self) -> bool:
+        """A beam group's member samples: its host's choice is the next step's input."""
+        return any(s.group is not None for s, m in zip(self.seqs, self.sample) if m)
 
     @property
     def num_prefill_tokens(self) -> int:

@@ -6,6 +6,7 @@ import enum
 import itertools
 
 from hf_paged.sampling_params import SamplingParams
+from hf_paged.step import CandidateRows, RowSampling
 
 _ids = itertools.count()
 
@@ -46,6 +47,20 @@ class Sequence:
         self.followers: list[Sequence] = []
         self.leader: Sequence | None = None  # set on a follower until it is forked
         self.group: SequenceGroup | None = None  # beam search: whose host picks next tokens
+        self._sampling: RowSampling | None = None
+
+    @property
+    def sampling(self) -> RowSampling:
+        """How the worker draws this sequence's tokens (built at its first step, once its
+        group, if any, is set)."""
+        if self._sampling is None:
+            p, group = self.params, self.group
+            self._sampling = RowSampling(
+                self.seq_id, p.temperature, p.top_k, p.top_p, p.repetition_penalty,
+                self.token_ids, p.hooks, self,
+                None if group is None else CandidateRows(group.num_candidates, group.keep_rows,
+                                                         group.scorer))
+        return self._sampling
 
     def fork(self) -> Sequence:
         """A new sequence with this one's tokens and progress (the caller shares the blocks)."""

@@ -25,10 +25,10 @@ import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
 
+from hf_paged.device_copy import to_device
 from hf_paged.engine.sequence import Sequence, SequenceGroup
 from hf_paged.generation.settings import Resolved
 from hf_paged.sampling_params import RequestHooks, SamplingParams
-from hf_paged.worker.model_runner import to_device
 
 _MASK = -1.0e9  # transformers' score of a beam that may not be chosen
 

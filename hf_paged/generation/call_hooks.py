@@ -23,10 +23,10 @@ from transformers.generation.stopping_criteria import (
     StopStringCriteria,
 )
 
+from hf_paged.device_copy import to_device
 from hf_paged.engine.sequence import Sequence
 from hf_paged.generation.settings import Resolved
 from hf_paged.sampling_params import RequestHooks
-from hf_paged.worker.model_runner import to_device
 
 # transformers' own criteria that read neither ``scores`` nor the device of ``input_ids``:
 # they run on the host copy of the batch, with no device round trip.

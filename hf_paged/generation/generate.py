@@ -173,7 +173,7 @@ def _add_requests(engine, prompts: list[list[int]], params: SamplingParams, copi
         return [engine.add_request(prompt, params, output_token_ids=[first[row]] if not prompt
                                    else ()) for row, prompt in enumerate(prompts)]
     if copies == 1 or copies > engine.config.max_num_seqs:
-        return engine._add_all(prompts, params)
+        return engine.add_requests(prompts, params)
     for prompt in prompts[::copies]:  # all checked before any is queued
         engine.validate_request(prompt, params)
     return [seq for prompt in prompts[::copies]

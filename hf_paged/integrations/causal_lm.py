@@ -18,7 +18,7 @@ import torch
 import transformers
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from hf_paged.engine.engine import PagedEngine
+from hf_paged.generation.paged_engine import PagedEngine
 from hf_paged.integrations import continuous_batching
 from hf_paged.integrations.loading import load_engine
 from hf_paged.integrations.model_call import Qwen3Model, forward_inputs, refuse_forward_options
@@ -78,7 +78,7 @@ class Qwen3ForCausalLM(transformers.Qwen3ForCausalLM):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.engine.runner.dtype
+        return self.engine.dtype
 
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         """transformers' count: each parameter once (tied ones too), the input embedding left

@@ -37,7 +37,7 @@ from transformers.generation.continuous_batching.requests import (
     RequestState,
 )
 
-from hf_paged.engine.engine import PagedEngine
+from hf_paged.generation.paged_engine import PagedEngine
 from hf_paged.integrations.continuous_batching_engine import EngineLoop
 from hf_paged.integrations.continuous_batching_requests import RequestSettings
 
@@ -97,7 +97,7 @@ class PagedContinuousBatchingManager(ContinuousBatchingManager):
         # attention, sizes transformers' KV cache and builds a tensor-parallel helper; the
         # engine has all three. Set here is what the inherited methods read.
         engine: PagedEngine = model.engine
-        if not engine.executor.is_leader:
+        if not engine.is_leader:
             raise RuntimeError("continuous batching runs on rank 0 of a tensor-parallel group "
                                "only: under torchrun the other ranks follow its steps")
         self.engine = engine

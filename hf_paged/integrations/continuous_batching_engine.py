@@ -16,8 +16,8 @@ from transformers.generation.continuous_batching.requests import (
     RequestStatus,
 )
 
-from hf_paged.engine.engine import PagedEngine
 from hf_paged.engine.sequence import Sequence, Status
+from hf_paged.generation.paged_engine import PagedEngine
 from hf_paged.integrations.continuous_batching_requests import RequestSettings
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class EngineLoop:
         try:
             self.engine.step()
         except Exception as failure:
-            if self.engine.closed or self.engine.executor.broken:
+            if self.engine.closed or self.engine.broken:
                 raise  # nothing more can run: the manager's fatal error
             logger.warning("An engine step failed: %s", failure)
             error = failure

@@ -7,6 +7,7 @@ never required); flash-attn 2 takes pages of a multiple of 256 tokens, so the en
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,15 @@ def _varlen_func():
     from flash_attn import flash_attn_varlen_func
 
     return flash_attn_varlen_func
+
+
+def flash_attn_available() -> bool:
+    """Whether the flash-attn package imports (an install may be broken)."""
+    try:
+        importlib.import_module("flash_attn")
+    except ImportError:
+        return False
+    return True
 
 
 def paged_attention(

@@ -20,19 +20,18 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from hf_paged import kernels
 from hf_paged.cuda_graphs import capture_graphs, graph_buffers
 from hf_paged.modeling.attention import AttentionMetadata
-from hf_paged.sampling_params import SamplingParams
+from hf_paged.step import StepInputs
 
-if TYPE_CHECKING:
-    from hf_paged.engine.scheduler import ScheduledBatch
-    from hf_paged.worker.model_runner import ModelRunner, StepInputs
+# (ids, src, positions, metadata, temperature, top-k, top-p) -> the graph's outputs
+DecodeStep = Callable[..., tuple[torch.Tensor, ...]]
+# (the graph's outputs, rows used) -> (float32 logits on rank 0 or None, drawn tokens or None)
+DecodeOutputs = Callable[[tuple, int], tuple]
 
 _FIELDS = 8  # per row: ids, src, positions, slots, context lengths, temperature, top-k, top-p
 _ONE_BITS = int(np.array(1.0, np.float32).view(np.int32))  # top_p = 1.0 as int32 bits
@@ -44,22 +43,23 @@ class DecodeGraphs:
     """The decode graphs of one runner: ``batch_size`` picks a batch's graph (0: none fits),
     ``run`` replays it."""
 
-    def __init__(self, runner: ModelRunner, max_bs: int, cascade_min_seqs: int):
-        self.runner = runner
+    def __init__(self, step: DecodeStep, outputs: DecodeOutputs, samples: bool, max_bs: int,
+                 width: int, device: torch.device, cascade_min_seqs: int):
+        self.forward, self.outputs = step, outputs
+        self.samples = samples  # the step draws tokens (one rank): the rows' settings go in
         self.sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 16))
         self.sizes.append(max_bs)
         self.cascade_min_seqs = cascade_min_seqs
-        self.width = runner.max_blocks_per_seq
-        device = runner.device
+        self.width = width
         self.inputs, self.host_inputs = graph_buffers(1 + max_bs * (_FIELDS + self.width), device)
         # Every tensor a graph reads must live as long as the graph: kept here.
         self.cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self.graphs: dict[tuple[int, bool], tuple] = {}  # -> (graph, *its outputs)
 
-    def batch_size(self, batch: ScheduledBatch) -> int:
-        if not batch.is_decode:
+    def batch_size(self, is_decode: bool, num_seqs: int) -> int:
+        if not is_decode:
             return 0
-        i = bisect.bisect_left(self.sizes, len(batch.seqs))
+        i = bisect.bisect_left(self.sizes, num_seqs)
         return self.sizes[i] if i < len(self.sizes) else 0
 
     def keys(self) -> list[tuple[int, bool]]:
@@ -68,8 +68,7 @@ class DecodeGraphs:
                 for cascade in ((False, True) if bs >= self.cascade_min_seqs else (False,))]
 
     def step(self, bs: int, cascade: bool) -> tuple[torch.Tensor, ...]:
-        """The decode step over the buffer laid out for ``bs`` rows: logits and drawn tokens
-        (one rank), or this rank's logits slice. Captured once per key."""
+        """The decode step over the buffer laid out for ``bs`` rows. Captured once per key."""
         ids, src, positions, slots, seq_lens, temperature, top_k, top_p = (
             self.inputs[1 : 1 + _FIELDS * bs].view(_FIELDS, bs))
         meta = AttentionMetadata(
@@ -81,14 +80,8 @@ class DecodeGraphs:
             max_query_len=1,
             shared_prefix=self.inputs[:1] if cascade else None,
         )
-        runner = self.runner
-        hidden = runner.model.forward(runner._take_pending(ids, src), positions, meta)
-        if runner.tp.size > 1:
-            return (runner.model.lm_head(hidden),)
-        logits = runner.model.compute_logits(hidden)
-        drawn = kernels.sample(logits, temperature.view(torch.float32), top_k,
-                               top_p.view(torch.float32))  # greedy rows: the argmax
-        return logits, drawn
+        return self.forward(ids, src, positions, meta, temperature.view(torch.float32), top_k,
+                            top_p.view(torch.float32))
 
     def clear(self, bs: int) -> None:
         """Lay out a batch of padding rows only for ``bs``: what a capture runs on."""
@@ -107,10 +100,10 @@ class DecodeGraphs:
     def capture(self) -> None:
         self.graphs = capture_graphs(self.steps())
 
-    def run(self, inputs: StepInputs, params: list[SamplingParams] | None, flip: int):
-        """Logits and tokens drawn with ``params`` for the batch's rows of graph
-        ``inputs.graph_bs`` (the cascade one when ``inputs.shared`` is set); under tensor
-        parallelism the gathered logits (rank 0; None elsewhere) and no tokens."""
+    def run(self, inputs: StepInputs, settings: tuple | None, flip: int):
+        """Replay graph ``inputs.graph_bs`` (the cascade one when ``inputs.shared`` is set)
+        over the batch's rows, each drawing with its ``settings`` (the sampler's
+        ``kernel_settings``) when the graph samples; return ``outputs``' answer."""
         n, bs, width = len(inputs.ids), inputs.graph_bs, self.width
         # This twin's last copy belonged to the step before last, whose tokens were collected.
         host_inputs = self.host_inputs[flip]
@@ -118,11 +111,11 @@ class DecodeGraphs:
         host[0] = inputs.shared
         head = host[1 : 1 + _FIELDS * bs].reshape(_FIELDS, bs)
         head[:5, :n] = (inputs.ids, inputs.src, inputs.positions, inputs.slots, inputs.seq_lens)
-        tp = self.runner.tp.size
-        if tp == 1:  # the graph samples
-            head[5, :n] = np.array([p.temperature for p in params], np.float32).view(np.int32)
-            head[6, :n] = [p.top_k for p in params]
-            head[7, :n] = np.array([p.top_p for p in params], np.float32).view(np.int32)
+        if self.samples:
+            temperature, top_k, top_p = settings
+            head[5, :n] = temperature.view(np.int32)
+            head[6, :n] = top_k
+            head[7, :n] = top_p.view(np.int32)
         head[:, n:] = _PADDING
         tables = inputs.tables
         tail = host[1 + _FIELDS * bs : 1 + _FIELDS * bs + n * width]
@@ -131,7 +124,4 @@ class DecodeGraphs:
         self.inputs[:used].copy_(host_inputs[:used], non_blocking=True)
         graph, *outputs = self.graphs[bs, bool(inputs.shared)]
         graph.replay()
-        if tp > 1:
-            return self.runner.model.gather_logits(outputs[0][:n]), None
-        logits, drawn = outputs
-        return logits[:n], drawn[:n]
+        return self.outputs(tuple(outputs), n)

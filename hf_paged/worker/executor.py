@@ -9,55 +9,84 @@ until rank 0 sends the results, so that every rank returns the same outputs.
 
 from __future__ import annotations
 
-import os
 import time
 import weakref
 
 import torch
 
-from hf_paged.engine.scheduler import ScheduledBatch
-from hf_paged.engine.sequence import Sequence
+from hf_paged.modeling.full_forward import full_forward
+from hf_paged.modeling.swap import check_shardable, check_supported
 from hf_paged.modeling.tp import SINGLE
-from hf_paged.worker.model_runner import LaunchedStep, ModelRunner
+from hf_paged.step import StepPlan, StepResult, WorkerSpec
+from hf_paged.worker.backend import resolve_backend
 from hf_paged.worker.parallel import (
     RESULTS,
     STEP,
     Ranks,
-    RunnerSpec,
     join_launched_ranks,
     launched_world,
     serve,
     spawn_ranks,
 )
+from hf_paged.worker.runner import LaunchedStep, ModelRunner
 
 _LIVENESS_CHECK_S = 0.05  # how often a wait on the device looks for dead workers
 
 
 class Executor:
-    """One process: the engine's steps go straight to its model runner."""
+    """One process: the engine's steps go straight to its model runner.
+
+    What the engine may use: ``launch``/``collect`` a step, ``release`` sequences, the
+    transformers-style ``hidden_states``/``logits`` of the model call, ``close``, and the
+    facts ``num_blocks``, ``device``, ``dtype``, ``startup_seconds``; ``model`` is the swapped
+    model, for the drop-in class to adopt its modules."""
 
     is_leader = True  # schedules, samples and returns results
     broken: str | None = None  # why a rank can no longer run steps (the device may hang)
 
     def __init__(self, runner: ModelRunner, load_seconds: float):
         self.runner = runner
+        self.model = runner.model
+        self.num_blocks = runner.num_blocks
+        self.device, self.dtype = runner.device, runner.dtype
         self.startup_seconds = {"load": load_seconds, **runner.startup_seconds}
 
-    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
-        return self.runner.launch(batch)
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Enqueue a step; the engine holds what this returns until it ``collect``s it."""
+        return self.runner.launch(plan)
 
-    def collect(self, step: LaunchedStep) -> tuple[list[int], list[tuple]]:
+    def collect(self, step: LaunchedStep) -> StepResult:
         return self.runner.collect(step)
 
-    def release(self, seqs: list[Sequence]) -> None:
-        self.runner.release(seqs)
+    def release(self, seq_ids: list[int]) -> None:
+        self.runner.release(seq_ids)
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      position_ids: torch.Tensor) -> torch.Tensor:
+        """transformers' model forward over padded ``[batch, seq_len]`` rows: the final
+        hidden states, on a scratch KV cache (the engine's is left alone)."""
+        return full_forward(self.model, input_ids, attention_mask, position_ids,
+                            self.runner.config.block_size)
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head over ``hidden``, in the model dtype."""
+        return self.model.lm_head(hidden)
 
     def finish_run(self, outcome: object) -> None:
         """End of ``engine.run`` on the leader (its results, or its error as a string):
         nothing to tell in one process."""
 
     def close(self) -> None:
-        """Nothing to stop in one process."""
+        """Free the graphs, the KV cache and the weights (whoever else holds them). After a
+        rank's death a kernel may wait on it forever (the symmetric-memory all-reduce cannot
+        be aborted): then nothing waits for the device, and the memory stays in torch's cache
+        for this process."""
+        wait = not self.broken
+        self.runner.close(synchronize=wait)
+        self.model.hf_model.to_empty(device="meta")
+        if self.device.type == "cuda" and wait:
+            torch.cuda.empty_cache()
 
 
 class ParallelExecutor(Executor):
@@ -71,16 +100,16 @@ class ParallelExecutor(Executor):
         # Workers stop when the engine is closed, collected, or the interpreter exits.
         self._finalizer = weakref.finalize(self, _teardown, runner, ranks)
 
-    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
+    def launch(self, plan: StepPlan) -> LaunchedStep:
         self._check()
-        inputs = self.runner.prepare(batch)
+        inputs = self.runner.prepare(plan)
         try:
             self.ranks.channel.send(STEP, inputs)
-            return self.runner.run(batch, inputs)
+            return self.runner.run(plan, inputs)
         except BaseException as e:
             raise self._failure(e) from e
 
-    def collect(self, step: LaunchedStep) -> tuple[list[int], list[tuple]]:
+    def collect(self, step: LaunchedStep) -> StepResult:
         # On CUDA, a collective waiting for a dead rank never ends: poll, looking for one.
         next_check = time.monotonic() + _LIVENESS_CHECK_S
         while step.done is not None and not step.done.query():
@@ -112,6 +141,7 @@ class ParallelExecutor(Executor):
         self._finalizer()
         if self.ranks.broken and not self.broken:  # found only by the teardown
             self.broken = "a rank failed before the engine was closed"
+        super().close()
 
     def _check(self) -> None:
         if not self._finalizer.alive:
@@ -150,20 +180,21 @@ def _teardown(runner: ModelRunner, ranks: Ranks) -> None:
     ranks.close()
 
 
-def resolve_device(device: torch.device | str | None) -> torch.device:
-    """CUDA when available; under a launcher the GPU of the local rank."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {str(device)!r}: CUDA is not available on this machine")
-    if device.type == "cuda" and device.index is None:
-        local = os.environ.get("LOCAL_RANK")
-        index = int(local) % torch.cuda.device_count() if local else torch.cuda.current_device()
-        device = torch.device("cuda", index)
-    return device
+def check_spec(spec: WorkerSpec) -> None:
+    """Raise ValueError, naming the setting, for a model or configuration no rank can serve;
+    resolve the attention backend (in ``spec.config``) for the device."""
+    check_supported(spec.hf_config)
+    check_shardable(spec.hf_config, spec.config.tensor_parallel_size)
+    spec.config.attention_backend = resolve_backend(
+        spec.config.attention_backend, spec.device, spec.config.block_size)
 
 
-def create_executor(spec: RunnerSpec) -> Executor:
-    """Build this process's shard and runner, with the other ranks when there are any."""
+def create_executor(spec: WorkerSpec) -> Executor:
+    """Build this process's shard and runner, with the other ranks when there are any.
+    ``spec`` has passed ``check_spec``."""
+    from hf_paged.worker.parallel import RunnerSpec  # TEMP until the parallel split lands
+    spec = RunnerSpec(spec.hf_config, spec.checkpoint, spec.dtype, spec.device, spec.config,
+                      spec.max_model_len)
     size = spec.config.tensor_parallel_size
     start = time.perf_counter()
     if size == 1:

@@ -39,7 +39,8 @@ from hf_paged.kernels.launch import hash_triton_in_background
 from hf_paged.modeling.all_reduce import SymmetricAllReduce
 from hf_paged.modeling.swap import build_model
 from hf_paged.modeling.tp import TensorParallel
-from hf_paged.worker.model_runner import ModelRunner, StepInputs
+from hf_paged.step import StepInputs
+from hf_paged.worker.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 STEP, RESULTS, STOP = 1, 2, 3  # message kinds

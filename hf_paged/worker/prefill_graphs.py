@@ -19,16 +19,16 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from hf_paged.cuda_graphs import capture_graphs, graph_buffers
 from hf_paged.modeling.attention import AttentionMetadata
+from hf_paged.step import StepInputs
 
-if TYPE_CHECKING:
-    from hf_paged.worker.model_runner import ModelRunner, StepInputs
+# (ids, src, positions, metadata, logits rows) -> (this rank's logits slice of those rows,)
+PrefillStep = Callable[..., tuple[torch.Tensor]]
 
 _MIN_TOKENS = 32
 _TOKEN_FIELDS = 4  # ids, src, positions, slots
@@ -49,13 +49,14 @@ class PrefillGraphs:
     """The prefill graphs of one runner: ``bucket`` picks the graph of a step (0: none fits),
     ``run`` replays it."""
 
-    def __init__(self, runner: ModelRunner, max_tokens: int, max_seqs: int):
-        self.runner = runner
+    def __init__(self, step: PrefillStep, gather: Callable[[torch.Tensor], torch.Tensor | None],
+                 max_tokens: int, max_seqs: int, width: int, device: torch.device):
+        self.forward, self.gather = step, gather
         self.max_seqs = max_seqs
-        self.width = runner.max_blocks_per_seq
+        self.width = width
         self.buckets = token_buckets(max_tokens)
         self.inputs, self.host_inputs = graph_buffers(self._layout(self.buckets[-1])[-1],
-                                                      runner.device)
+                                                      device)
         self.graphs: dict[int, tuple] = {}  # bucket -> (graph, its logits slice)
 
     def _layout(self, bucket: int) -> tuple[int, int, int]:
@@ -85,9 +86,7 @@ class PrefillGraphs:
             max_query_len=bucket,  # not 1: the general attention kernel
             shared_prefix=None,
         )
-        model = self.runner.model
-        hidden = model.forward(self.runner._take_pending(ids, src), positions, meta)
-        return (model.lm_head(hidden.index_select(0, fields[2 * s + 1 :])),)
+        return self.forward(ids, src, positions, meta, fields[2 * s + 1 :])
 
     def steps(self) -> Iterator[tuple[int, Callable[[], tuple]]]:
         """Each bucket and its step, largest first, its inputs laid out for the capture as
@@ -116,7 +115,7 @@ class PrefillGraphs:
         graph, logits = self.graphs[bucket]
         graph.replay()
         rows = len(inputs.logits_rows)
-        return self.runner.model.gather_logits(logits[:rows]) if rows else None
+        return self.gather(logits[:rows]) if rows else None
 
     def _fill(self, host, bucket, ids, src, positions, slots, cu_seqlens, seq_lens,
               logits_rows, tables) -> int:

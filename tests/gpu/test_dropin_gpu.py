@@ -29,7 +29,7 @@ def test_unmodified_script_bf16(bf16_checkpoint):
 
 def test_two_models_one_after_another(bf16_checkpoint):
     first = hf_paged.AutoModelForCausalLM.from_pretrained(bf16_checkpoint)
-    runner = first.engine.runner
+    runner = first.engine.executor.runner
     # A small model's default cache: what max_num_seqs full-length sequences could use.
     assert runner.num_blocks == first.engine.config.max_num_seqs * runner.max_blocks_per_seq
     free, total = torch.cuda.mem_get_info()

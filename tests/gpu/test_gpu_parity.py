@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_paged
 from hf_paged.random_checkpoint import make_checkpoint
-from hf_paged.worker import model_runner
+from hf_paged.worker import inputs, runner
 
 pytestmark = pytest.mark.gpu
 
@@ -184,11 +184,12 @@ def test_cascade_attention_over_a_shared_prompt(checkpoint, hf_model, monkeypatc
     prefix = torch.randint(0, 10000, (520,), generator=gen)
     shared = left_padded([torch.cat([prefix, torch.randint(0, 10000, (n,), generator=gen)])
                           for n in (5, 40, 77, 130)])
-    monkeypatch.setattr(model_runner, "_CASCADE_MIN_TOKENS", 1)
-    monkeypatch.setattr(model_runner, "_CASCADE_MIN_SEQS", 4)
+    monkeypatch.setattr(inputs, "CASCADE_MIN_TOKENS", 1)
+    for module in (inputs, runner):  # the choice per step, and the graphs with a cascade twin
+        monkeypatch.setattr(module, "CASCADE_MIN_SEQS", 4)
     seen = []
-    measure = model_runner.ModelRunner._shared_prefix_len
-    monkeypatch.setattr(model_runner.ModelRunner, "_shared_prefix_len",
+    measure = inputs.StepPreparer._shared_prefix_len
+    monkeypatch.setattr(inputs.StepPreparer, "_shared_prefix_len",
                         lambda self, *args: seen.append(measure(self, *args)) or seen[-1])
     tokens, stats = run(checkpoint, shared, enforce_eager=enforce_eager)
     assert seen.count(512) >= NEW - 1 and stats["prefix_cache_hits"] == 3 * 512
@@ -239,7 +240,7 @@ def test_no_compilation_after_startup(checkpoint, enforce_eager, caplog, monkeyp
     missing from its in-memory cache)."""
     import triton
 
-    from hf_paged.worker.model_runner import ModelRunner
+    from hf_paged.worker.startup import Startup
 
     knobs = getattr(triton, "knobs", None)
     if knobs is None or not hasattr(knobs.runtime, "jit_cache_hook"):
@@ -252,13 +253,13 @@ def test_no_compilation_after_startup(checkpoint, enforce_eager, caplog, monkeyp
             compiled.append(getattr(fn, "name", repr(fn)))
         return False
 
-    compile_ahead = ModelRunner._compile_ahead
+    compile_ahead = Startup._compile_ahead
 
     def then_count(*args, **kwargs):
         compile_ahead(*args, **kwargs)
         counting.append(True)
 
-    monkeypatch.setattr(ModelRunner, "_compile_ahead", then_count)
+    monkeypatch.setattr(Startup, "_compile_ahead", then_count)
     previous, knobs.runtime.jit_cache_hook = knobs.runtime.jit_cache_hook, hook
     engine = None
     try:
@@ -268,7 +269,7 @@ def test_no_compilation_after_startup(checkpoint, enforce_eager, caplog, monkeyp
                                               enforce_eager=enforce_eager)
         assert "one at a time" not in caplog.text  # the parallel compile pass worked
         assert "stay on cuBLAS" not in caplog.text  # and so did timing the projections
-        assert engine.runner.projection_timings  # every projection shape measured
+        assert engine.executor.runner.projection_timings  # every projection shape measured
         assert compiled == [], f"compiled after the compile pass: {sorted(set(compiled))}"
         gen = torch.Generator().manual_seed(3)
         greedy = hf_paged.SamplingParams(max_new_tokens=3)

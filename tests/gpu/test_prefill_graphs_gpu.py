@@ -36,7 +36,7 @@ def test_prefill_graphs_replay_and_match_transformers(tmp_path):
     model.save_pretrained(tmp_path)
     engine = hf_paged.from_pretrained(str(tmp_path), device="cuda", block_size=16,
                                       gpu_memory_utilization=0.3)
-    graphs = engine.runner.prefill_graphs
+    graphs = engine.executor.runner.prefill_graphs
     assert sorted(graphs.graphs) == graphs.buckets
     counted = {b: CountedGraph(g) for b, (g, _) in graphs.graphs.items()}
     graphs.graphs = {b: (counted[b], out) for b, (_, out) in graphs.graphs.items()}

@@ -23,7 +23,7 @@ def test_decode_through_the_kernels_gives_the_reference_tokens(checkpoints, monk
         monkeypatch.setattr(kernels, "_TRITON_ON_CPU", through_triton)
         with hf_paged.from_pretrained(checkpoints[name], device="cpu",
                                       dtype=torch.float16) as engine:
-            for module in engine.runner.model.layers.modules():  # as start-up may choose on a GPU
+            for module in engine.model.layers.modules():  # as start-up may choose on a GPU
                 if isinstance(module, _ParallelLinear):
                     module.small_m_rows = MAX_ROWS
             return engine.generate(ids, attention_mask=mask, max_new_tokens=6)

@@ -72,7 +72,7 @@ def interrupt(engine, call: dict) -> dict:
     """Ctrl-C (SIGINT to this process) in the fifth step, after rank 0 has sent the step to
     its worker and before it runs it (the worst moment): whether the call was interrupted,
     and close()'s cleanup."""
-    workers, run, calls = engine.executor.ranks.workers, engine.runner.run, []
+    workers, run, calls = engine.executor.ranks.workers, engine.executor.runner.run, []
     # Ctrl-C raises KeyboardInterrupt even where this process was started with SIGINT ignored
     # (a background job of a non-interactive shell).
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -83,7 +83,7 @@ def interrupt(engine, call: dict) -> dict:
             os.kill(os.getpid(), signal.SIGINT)
         return run(batch, inputs)
 
-    engine.runner.run = run_then_interrupt
+    engine.executor.runner.run = run_then_interrupt
     try:
         generate(engine, call)
         interrupted = False

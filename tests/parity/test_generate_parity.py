@@ -81,8 +81,8 @@ def test_second_call_prefills_only_the_uncached_tail(checkpoints, hf_models, cap
     engine = engine_for(checkpoints, "gqa_tied")
     assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=4), ref)
     assert engine.stats()["prefix_cache_hits"] == 0
-    computed, launch = [], engine.runner.launch
-    engine.runner.launch = lambda batch: computed.append(batch.num_tokens) or launch(batch)
+    computed, launch = [], engine.executor.launch
+    engine.executor.launch = lambda plan: computed.append(plan.num_tokens) or launch(plan)
     second = engine.generate(ids, attention_mask=mask, max_new_tokens=4, progress_bar=True)
     assert torch.equal(second, ref)
     stats = engine.stats()
@@ -137,11 +137,11 @@ def test_a_failed_step_drops_only_its_requests_and_the_engine_goes_on(checkpoint
     seqs = [engine.add_request(p, hf_paged.SamplingParams(max_new_tokens=10))
             for p in ([3, 4, 5], [6, 7, 8, 9])]
     engine.step()  # launched, not collected
-    launch = engine.runner.launch
-    engine.runner.launch = lambda batch: (_ for _ in ()).throw(RuntimeError("device lost"))
+    launch = engine.executor.launch
+    engine.executor.launch = lambda plan: (_ for _ in ()).throw(RuntimeError("device lost"))
     with pytest.raises(RuntimeError, match="device lost"):
         engine.step()
-    engine.runner.launch = launch
+    engine.executor.launch = launch
     assert all(s.finish_reason == "abort" for s in seqs) and engine.in_flight is None
     assert not engine.has_unfinished_requests()
     assert engine.stats()["num_free_blocks"] == engine.stats()["num_blocks"]

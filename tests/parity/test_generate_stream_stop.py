@@ -150,19 +150,19 @@ def test_num_return_sequences_prefill_each_prompt_once(pair):
     engine, _ = pair
     ids, mask = left_padded([21, 30], VOCAB, seed=7)
     before = engine.stats()
-    forward = engine.runner.model.forward
+    forward = engine.model.forward
     computed = []
 
     def counting(tokens, *args, **kwargs):
         computed.append(len(tokens))
         return forward(tokens, *args, **kwargs)
 
-    engine.runner.model.forward = counting
+    engine.model.forward = counting
     try:
         out = engine.generate(ids, attention_mask=mask, do_sample=True, num_return_sequences=5,
                               max_new_tokens=4)
     finally:
-        engine.runner.model.forward = forward
+        engine.model.forward = forward
     assert out.shape == (10, ids.shape[1] + 4)
     # 21 + 30 prompt tokens once, then at most 5 x 2 rows a decode step (cache hits aside).
     assert 21 + 30 <= sum(computed) <= 21 + 30 + 3 * 10

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import hf_paged
-from hf_paged.worker.decode_graphs import DecodeGraphs
-from hf_paged.worker.prefill_graphs import PrefillGraphs, token_buckets
+from hf_paged.worker.prefill_graphs import token_buckets
 from tests.conftest import TINY_CONFIGS, left_padded
 
 
@@ -38,25 +37,26 @@ def stand_ins(graphs, keys: list[tuple]) -> dict:
 
 
 def with_eager_prefill_graphs(engine, max_tokens: int, max_seqs: int) -> list[EagerReplay]:
-    graphs = PrefillGraphs(engine.runner, max_tokens, max_seqs)
+    runner = engine.executor.runner
+    graphs = runner.new_prefill_graphs(max_tokens, max_seqs)
     replays = stand_ins(graphs, [(b,) for b in graphs.buckets])
     graphs.graphs = {key[0]: (r, *r.outputs) for key, r in replays.items()}
-    engine.runner.prefill_graphs = graphs
+    runner.prefill_graphs = graphs
     return list(replays.values())
 
 
 def with_eager_decode_graphs(engine, max_bs: int) -> list[EagerReplay]:
-    graphs = DecodeGraphs(engine.runner, max_bs, cascade_min_seqs=16)
+    runner = engine.executor.runner
+    graphs = runner.new_decode_graphs(max_bs)
     replays = stand_ins(graphs, graphs.keys())
     graphs.graphs = {key: (r, *r.outputs) for key, r in replays.items()}
-    runner = engine.runner
     runner.decode_graphs = graphs
     run = runner.run
 
-    def run_and_copy(batch, inputs):
+    def run_and_copy(plan, inputs):
         """The drawn tokens are a view of the graph's outputs: a GPU copies them to the host
         before the next replay (same stream); on CPU the next replay would come first."""
-        step = run(batch, inputs)
+        step = run(plan, inputs)
         if step.tokens is not None:
             step.tokens = step.tokens.clone()
         return step

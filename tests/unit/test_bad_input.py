@@ -12,8 +12,9 @@ import torch
 from transformers import GenerationConfig, PretrainedConfig
 
 import hf_paged
-from hf_paged.engine.resolution import resolve_backend, resolve_dtype
+from hf_paged.engine.resolution import resolve_dtype
 from hf_paged.sampling_params import SamplingParams
+from hf_paged.worker.backend import resolve_backend
 
 IDS = torch.tensor([[5, 6, 7, 8]])
 

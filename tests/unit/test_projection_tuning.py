@@ -22,7 +22,7 @@ def test_projections_off_cuda_keep_cublas(checkpoints):
 
     with hf_paged.from_pretrained(checkpoints["gqa_tied"], device="cpu",
                                   dtype=torch.bfloat16) as engine:
-        assert tune_projections(engine.runner.model.layers) == {}
+        assert tune_projections(engine.model.layers) == {}
         assert engine.startup_seconds.get("projections") is None
 
 

@@ -1,0 +1,264 @@
+"""A step's plan -> inputs -> forward (a CUDA graph's replay where one fits) -> sampled tokens.
+
+``launch`` only enqueues a step: its sampled tokens stay on the device (the next step reads
+its pending input tokens from there) and reach the host through a pinned buffer that
+``collect`` waits for, so the host prepares step N+1 while the device runs step N. Host
+buffers that a copy may still be reading alternate between two twins.
+
+Under tensor parallelism every rank holds a runner: rank 0 ``prepare``s a step's inputs on the
+host (the executor sends them to the other ranks), every rank runs the same ``forward`` (graph
+replay included), rank 0 alone receives the gathered logits and samples, and the sampled
+tokens are broadcast back so that every rank reads the same pending tokens next step.
+
+The parts, one job each: ``inputs.StepPreparer`` (plan -> inputs), ``kv_cache.KVCache``,
+``sampler.Sampler``, the graphs (``decode_graphs``, ``prefill_graphs``) and ``startup``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hf_paged import kernels
+from hf_paged.config import EngineConfig
+from hf_paged.device_copy import to_device
+from hf_paged.modeling.attention import AttentionMetadata
+from hf_paged.modeling.paged_model import PagedModel
+from hf_paged.modeling.tp import SINGLE, TensorParallel
+from hf_paged.step import StepInputs, StepPlan, StepResult
+from hf_paged.worker.decode_graphs import DecodeGraphs
+from hf_paged.worker.inputs import CASCADE_MIN_SEQS, StepPreparer
+from hf_paged.worker.kv_cache import KVCache
+from hf_paged.worker.prefill_graphs import PrefillGraphs
+from hf_paged.worker.sampler import Sampler, kernel_settings
+from hf_paged.worker.startup import Startup
+
+# Prefill steps of at most this many tokens and sequences replay a graph.
+_PREFILL_GRAPH_TOKENS, _PREFILL_GRAPH_SEQS = 2048, 8
+
+
+@dataclass
+class LaunchedStep:
+    """A step enqueued on the device; ``tokens`` (one per sampled row) is valid once ``done``
+    has passed."""
+
+    tokens: torch.Tensor | None
+    done: torch.cuda.Event | None
+    # Group members' rows: (top scores, their token ids, whole score rows, whole logit rows).
+    candidates: tuple | None = None
+
+
+class ModelRunner:
+    def __init__(self, model: PagedModel, config: EngineConfig, max_model_len: int,
+                 tp: TensorParallel = SINGLE):
+        self.model = model
+        self.tp = tp
+        self.config = config
+        self.max_model_len = max_model_len
+        self.device = model.embed_tokens.weight.device
+        self.dtype = model.embed_tokens.weight.dtype
+        self.width = -(-max_model_len // config.block_size)  # blocks of the longest sequence
+        self.kv = KVCache(model.attention_layers, config.block_size, self.dtype, self.device)
+        self.preparer = StepPreparer(config.block_size, self.width,
+                                     cascade=config.attention_backend == "triton")
+        self.sampler = Sampler(model.config.vocab_size, self.device)
+        # The last step's sampled tokens, on the device: the next step's pending inputs.
+        self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.long, device=self.device)
+        self.flip = 0  # which twin of each double-buffered host buffer this step uses
+        if self.device.type == "cuda":
+            self.host_tokens = [
+                torch.zeros(config.max_num_seqs, dtype=torch.long).pin_memory() for _ in "ab"
+            ]
+        self.decode_graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
+        if (self.device.type == "cuda" and config.attention_backend == "triton"
+                and not config.enforce_eager):
+            self.decode_graphs = self.new_decode_graphs(
+                config.max_graph_batch_size or min(config.max_num_seqs, 512))
+            self.prefill_graphs = self.new_prefill_graphs(
+                min(_PREFILL_GRAPH_TOKENS, config.max_num_batched_tokens),
+                min(_PREFILL_GRAPH_SEQS, config.max_num_seqs))
+        startup = Startup(model, self.kv, self.sampler, config, max_model_len, tp,
+                          [g for g in (self.decode_graphs, self.prefill_graphs) if g])
+        startup.run()
+        self.startup_seconds = startup.seconds
+        self.projection_timings = startup.projection_timings
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.num_blocks
+
+    # ---- the graphs and the steps they capture -----------------------------------------------
+
+    def new_decode_graphs(self, max_bs: int) -> DecodeGraphs:
+        """Decode graphs up to ``max_bs`` rows over this runner's steps (not captured yet)."""
+        return DecodeGraphs(self._decode_step, self._decode_outputs, self.tp.size == 1, max_bs,
+                            self.width, self.device, CASCADE_MIN_SEQS)
+
+    def new_prefill_graphs(self, max_tokens: int, max_seqs: int) -> PrefillGraphs:
+        """Prefill graphs up to ``max_tokens`` tokens of ``max_seqs`` sequences (not captured
+        yet)."""
+        return PrefillGraphs(self._prefill_step, self.model.gather_logits, max_tokens, max_seqs,
+                             self.width, self.device)
+
+    def _forward_pending(self, ids, src, positions, meta: AttentionMetadata) -> torch.Tensor:
+        """The model's hidden states, each pending token (``src >= 0``) read from the last
+        step's samples."""
+        ids = torch.where(src >= 0, self.last_tokens[src.clamp(min=0)], ids)
+        return self.model.forward(ids, positions, meta)
+
+    def _decode_step(self, ids, src, positions, meta, temperature, top_k, top_p) -> tuple:
+        """Logits and the tokens drawn from them (one rank), or this rank's logits slice."""
+        hidden = self._forward_pending(ids, src, positions, meta)
+        if self.tp.size > 1:
+            return (self.model.lm_head(hidden),)
+        logits = self.model.compute_logits(hidden)
+        return logits, kernels.sample(logits, temperature, top_k, top_p)  # greedy: the argmax
+
+    def _decode_outputs(self, outputs: tuple, n: int) -> tuple:
+        """A decode graph's outputs for its first ``n`` rows: (logits, drawn tokens), or the
+        gathered logits (rank 0; None elsewhere) and no tokens."""
+        if self.tp.size > 1:
+            return self.model.gather_logits(outputs[0][:n]), None
+        logits, drawn = outputs
+        return logits[:n], drawn[:n]
+
+    def _prefill_step(self, ids, src, positions, meta, logits_rows) -> tuple[torch.Tensor]:
+        hidden = self._forward_pending(ids, src, positions, meta)
+        return (self.model.lm_head(hidden.index_select(0, logits_rows)),)
+
+    # ---- running --------------------------------------------------------------------------
+
+    def prepare(self, plan: StepPlan) -> StepInputs:
+        graph_bs = (self.decode_graphs.batch_size(plan.is_decode, len(plan.seq_ids))
+                    if self.decode_graphs else 0)
+        return self.preparer.prepare(plan, graph_bs)
+
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Enqueue the step's forward and sampling on the device without waiting for it."""
+        return self.run(plan, self.prepare(plan))
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan, inputs: StepInputs) -> LaunchedStep:
+        """Rank 0: the forward of prepared ``inputs``, then sampling."""
+        rows = [row for row, sample in zip(plan.sampling, plan.sample) if sample]
+        settings = kernel_settings(rows) if inputs.graph_bs and self.tp.size == 1 else None
+        logits, drawn = self.forward(inputs, settings)
+        if logits is None:  # only partial prefill chunks: nothing to sample yet
+            return LaunchedStep(None, None)
+        tokens = candidates = None
+        try:
+            if plan.sample_copies or any(r.candidates is not None for r in rows):
+                logits, drawn, rows, candidates = self.sampler.split_rows(plan, logits, drawn,
+                                                                          rows)
+            tokens = self.sampler.sample(logits, rows, drawn)
+        finally:  # the other ranks wait for this step's tokens even if sampling failed
+            if inputs.num_drawn:
+                self._share_tokens(tokens, inputs.num_drawn)
+        self.preparer.sampled([r.seq_id for r in rows])
+        if self.device.type != "cuda":
+            return LaunchedStep(tokens, None, candidates)
+        host = self.host_tokens[self.flip][: len(tokens)]
+        host.copy_(tokens, non_blocking=True)
+        if candidates is not None:
+            candidates = tuple(None if t is None else _to_host(t) for t in candidates)
+        done = torch.cuda.Event()
+        done.record()
+        return LaunchedStep(host, done, candidates)
+
+    @torch.inference_mode()
+    def follow(self, inputs: StepInputs) -> None:
+        """Ranks other than 0: the same forward as rank 0, then rank 0's sampled tokens."""
+        self.forward(inputs)
+        if inputs.logits_rows and inputs.num_drawn:
+            self._share_tokens(None, inputs.num_drawn)
+
+    def forward(self, inputs: StepInputs, settings: tuple | None = None
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Logits of the sampled rows (on rank 0; None elsewhere or when no row is sampled),
+        and the tokens a decode graph drew from them with ``settings`` (rank 0's)."""
+        if inputs.block_copies:
+            self.kv.copy_blocks(inputs.block_copies)
+        self.flip ^= 1
+        if inputs.graph_bs:
+            return self.decode_graphs.run(inputs, settings, self.flip)
+        bucket = self.prefill_graphs.bucket(inputs) if self.prefill_graphs else 0
+        if bucket:
+            return self.prefill_graphs.run(inputs, bucket, self.flip), None
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=to_device(inputs.slots, dev),
+            cu_seqlens_q=to_device(inputs.cu_seqlens, dev, torch.int32),
+            seq_lens=to_device(inputs.seq_lens, dev, torch.int32),
+            block_tables=torch.from_numpy(inputs.tables).to(dev, non_blocking=True),
+            max_query_len=inputs.max_query_len,
+            shared_prefix=to_device([inputs.shared], dev, torch.int32) if inputs.shared else None,
+        )
+        input_ids = to_device(inputs.ids, dev)
+        positions = to_device(inputs.positions, dev)
+        if max(inputs.src) >= 0:
+            hidden = self._forward_pending(input_ids, to_device(inputs.src, dev), positions, meta)
+        else:
+            hidden = self.model.forward(input_ids, positions, meta)
+        rows = inputs.logits_rows
+        if not rows:
+            return None, None
+        if len(rows) != hidden.shape[0]:
+            hidden = hidden[to_device(rows, dev)]
+        return self.model.compute_logits(hidden), None
+
+    def _share_tokens(self, tokens: torch.Tensor | None, n: int) -> None:
+        """Keep the sampled tokens on the device as the next step's pending inputs; under
+        tensor parallelism rank 0 broadcasts them (zeros if its sampling failed)."""
+        if tokens is not None:
+            self.last_tokens[:n].copy_(tokens)
+        elif self.tp.rank == 0:
+            self.last_tokens[:n].zero_()
+        self.tp.broadcast_from_first(self.last_tokens[:n])
+
+    @staticmethod
+    def collect(step: LaunchedStep) -> StepResult:
+        """Wait for a launched step; return its sampled tokens and group members' candidates."""
+        if step.tokens is None:
+            return StepResult([], [])
+        if step.done is not None:
+            step.done.synchronize()
+        if step.candidates is None:
+            return StepResult(step.tokens.tolist(), [])
+        top, ids, scores, logits = step.candidates
+        rows = [(None, None)] * len(top) if scores is None else list(zip(scores, logits))
+        return StepResult(step.tokens.tolist(),
+                          [(t, i, *r) for t, i, r in zip(top, ids, rows)])
+
+    def release(self, seq_ids: list[int]) -> None:
+        """Forget finished or aborted sequences."""
+        self.preparer.release(seq_ids)
+        self.sampler.release(seq_ids)
+
+    # ---- lifecycle ------------------------------------------------------------------------
+
+    def drop_graphs(self) -> None:
+        """Destroy the CUDA graphs (and free their memory pool and input buffers) now: NCCL
+        frees or aborts a communicator only once no graph holds collectives of it. No device
+        synchronisation: a replay still running (on a broken group, waiting for a dead rank)
+        is freed when it ends."""
+        for graphs in (self.decode_graphs, self.prefill_graphs):
+            for graph, *_ in graphs.graphs.values() if graphs else ():
+                graph.reset()
+        self.decode_graphs = self.prefill_graphs = None
+
+    def close(self, synchronize: bool = True) -> None:
+        """Drop the graphs, the KV cache and the other device buffers (after the device's
+        work, when ``synchronize``)."""
+        if self.device.type == "cuda" and synchronize:
+            torch.cuda.synchronize(self.device)
+        self.drop_graphs()
+        self.last_tokens = None
+        self.sampler.close()
+        self.kv.close()
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
