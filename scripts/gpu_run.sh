@@ -70,7 +70,7 @@ step() {  # step NAME LIMIT COMMAND...: run COMMAND under a time limit, record h
   echo "=== $name (limit ${limit}s): $*"
   timeout --kill-after=20 "$limit" "$@" || rc=$?
   # A step cut short can leave tensor-parallel ranks behind, spinning on the GPUs.
-  pkill -9 -f "[h]f_paged.worker.parallel|[t]ests.parallel.run_engine" || true
+  pkill -9 -f "[h]f_paged.worker.follower|[t]ests.parallel.run_engine" || true
   local how="ok"
   [[ $rc -eq 0 ]] || how="exit $rc"
   [[ $rc -ne 124 ]] || how="timed out"

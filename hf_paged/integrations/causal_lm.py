@@ -1,27 +1,35 @@
-"""The model object a transformers script expects: transformers' own ``Qwen3ForCausalLM``.
+"""The model object a transformers script expects: transformers' own class of the checkpoint's
+family (``Qwen3ForCausalLM``, ...).
 
-``hf_paged.Qwen3ForCausalLM`` subclasses transformers' class, so ``isinstance`` checks hold
-and every attribute a client reads (``loss_type``, ``tie_weights``, ``get_decoder``,
-``prepare_inputs_for_generation``, ``is_gradient_checkpointing``, ...) is transformers' own by
-inheritance. An instance is built by transformers' constructor on the meta device, then its
-``model`` and ``lm_head`` children are replaced by the engine's swapped modules: the weights
-exist once, in the engine. ``generate`` runs on the engine; the forward computes transformers'
-outputs through the same modules; what the engine cannot do (training, resizing, moving) raises.
+``hf_paged.Qwen3ForCausalLM`` subclasses transformers' class (``PagedCausalLM`` in front, see
+``family_classes``), so ``isinstance`` checks hold and every attribute a client reads
+(``loss_type``, ``tie_weights``, ``get_decoder``, ``prepare_inputs_for_generation``,
+``is_gradient_checkpointing``, ...) is transformers' own by inheritance. An instance is built
+by transformers' constructor on the meta device, then its ``model`` and ``lm_head`` children
+are replaced by the engine's swapped modules: the weights exist once, in the engine.
+``generate`` runs on the engine; the forward computes transformers' outputs through the same
+modules; what the engine cannot do (training, resizing, moving) raises.
 """
 
 from __future__ import annotations
 
 import os
 import weakref
+from types import ModuleType
 
 import torch
-import transformers
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from hf_paged import families
 from hf_paged.generation.paged_engine import PagedEngine
 from hf_paged.integrations import continuous_batching
+from hf_paged.integrations.family_classes import class_by_name, family_class
 from hf_paged.integrations.loading import load_engine
-from hf_paged.integrations.model_call import Qwen3Model, forward_inputs, refuse_forward_options
+from hf_paged.integrations.model_call import (
+    forward_inputs,
+    inner_model_class,
+    refuse_forward_options,
+)
 from hf_paged.integrations.state_dict import transformers_state_dict
 
 # Keywords of transformers' loss function, passed on with ``labels``.
@@ -29,20 +37,21 @@ _LOSS_KEYWORDS = ("num_items_in_batch", "ignore_index", "shift_labels")
 _INFERENCE_ONLY = "hf_paged models are for inference only"
 
 
-class Qwen3ForCausalLM(transformers.Qwen3ForCausalLM):
-    """transformers' Qwen3 causal LM with hf_paged's modules swapped in, served by a
-    ``PagedEngine`` (``model.engine``). It keeps transformers' class name because pipelines
-    check models by that name."""
+class PagedCausalLM:
+    """transformers' causal LM with hf_paged's modules swapped in, served by a ``PagedEngine``
+    (``model.engine``). It keeps transformers' class name because pipelines check models by
+    that name."""
 
     @classmethod
-    def from_engine(cls, engine: PagedEngine) -> Qwen3ForCausalLM:
+    def from_engine(cls, engine: PagedEngine) -> PagedCausalLM:
         """transformers' constructor on the meta device (nothing allocated), then the engine's
         modules as its children."""
         with torch.device("meta"):
             model = cls(engine.hf_config)
         model.engine = engine  # first: the generation_config property reads it
         inner = engine.model.hf_model.model
-        inner.__class__ = Qwen3Model  # transformers' inner model, its forward the engine's
+        # transformers' inner model, its forward the engine's
+        inner.__class__ = inner_model_class(families.family_for(engine.hf_config))
         inner.engine_ref = weakref.ref(engine)  # not a strong one: the engine holds ``inner``
         model.model = inner
         model.lm_head = engine.model.hf_model.lm_head
@@ -51,7 +60,7 @@ class Qwen3ForCausalLM(transformers.Qwen3ForCausalLM):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *model_args,
-                        **kwargs) -> Qwen3ForCausalLM:
+                        **kwargs) -> PagedCausalLM:
         """See ``AutoModelForCausalLM.from_pretrained``."""
         return AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path, *model_args,
                                                     **kwargs)
@@ -98,12 +107,12 @@ class Qwen3ForCausalLM(transformers.Qwen3ForCausalLM):
 
     # ---- inference only, on the device it was loaded on -----------------------------------
 
-    def train(self, mode: bool = True) -> Qwen3ForCausalLM:
+    def train(self, mode: bool = True) -> PagedCausalLM:
         if mode:
             raise RuntimeError(f"{_INFERENCE_ONLY}; train(True) is refused")
         return super().train(False)
 
-    def requires_grad_(self, requires_grad: bool = True) -> Qwen3ForCausalLM:
+    def requires_grad_(self, requires_grad: bool = True) -> PagedCausalLM:
         if requires_grad:
             raise RuntimeError(f"{_INFERENCE_ONLY}; requires_grad_(True) is refused")
         return self
@@ -135,12 +144,12 @@ class Qwen3ForCausalLM(transformers.Qwen3ForCausalLM):
         raise RuntimeError("set_output_embeddings() is refused: the engine serves the loaded "
                            "modules; load another checkpoint instead")
 
-    def __deepcopy__(self, memo) -> Qwen3ForCausalLM:
+    def __deepcopy__(self, memo) -> PagedCausalLM:
         raise RuntimeError("copy.deepcopy() is refused: an hf_paged model is an engine (KV cache, "
                            "CUDA graphs, worker processes); load the checkpoint again for a "
                            "second one")
 
-    def to(self, *args, **kwargs) -> Qwen3ForCausalLM:
+    def to(self, *args, **kwargs) -> PagedCausalLM:
         """A no-op to the device and dtype the model has; anything else is an error (load the
         model again with ``device_map=``/``dtype=`` instead)."""
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
@@ -156,20 +165,20 @@ class Qwen3ForCausalLM(transformers.Qwen3ForCausalLM):
             )
         return self
 
-    def cuda(self, device=None) -> Qwen3ForCausalLM:
+    def cuda(self, device=None) -> PagedCausalLM:
         return self.to(torch.device("cuda") if device is None else torch.device("cuda", device)
                        if isinstance(device, int) else device)
 
-    def cpu(self) -> Qwen3ForCausalLM:
+    def cpu(self) -> PagedCausalLM:
         return self.to("cpu")
 
-    def half(self) -> Qwen3ForCausalLM:
+    def half(self) -> PagedCausalLM:
         return self.to(torch.float16)
 
-    def bfloat16(self) -> Qwen3ForCausalLM:
+    def bfloat16(self) -> PagedCausalLM:
         return self.to(torch.bfloat16)
 
-    def float(self) -> Qwen3ForCausalLM:
+    def float(self) -> PagedCausalLM:
         return self.to(torch.float32)
 
     # ---- generation and scoring -----------------------------------------------------------
@@ -202,7 +211,7 @@ class Qwen3ForCausalLM(transformers.Qwen3ForCausalLM):
         return_dict: bool | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast | tuple:
-        """transformers' ``Qwen3ForCausalLM.forward`` (SDPA attention) over whole sequences,
+        """transformers' causal LM forward (SDPA attention) over whole sequences,
         on a scratch cache. It keeps no KV cache: ``past_key_values`` is None; decode with
         ``generate``."""
         refuse_forward_options(past_key_values, inputs_embeds, use_cache, kwargs, _LOSS_KEYWORDS)
@@ -226,20 +235,31 @@ class Qwen3ForCausalLM(transformers.Qwen3ForCausalLM):
         """Free the weights, KV cache and CUDA graphs; see ``PagedEngine.close``."""
         self.engine.close()
 
-    def __enter__(self) -> Qwen3ForCausalLM:
+    def __enter__(self) -> PagedCausalLM:
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.close()
 
 
+def causal_lm_class(family: ModuleType) -> type[PagedCausalLM]:
+    """The family's drop-in class (``hf_paged.families``)."""
+    return family_class(PagedCausalLM, family.ARCHITECTURE, __name__)
+
+
+def __getattr__(name: str) -> type:
+    return class_by_name(PagedCausalLM, name, __name__, "ARCHITECTURE")
+
+
 class AutoModelForCausalLM:
-    """``transformers.AutoModelForCausalLM`` for Qwen3 checkpoints, served by hf_paged."""
+    """``transformers.AutoModelForCausalLM`` for the checkpoints hf_paged supports
+    (``hf_paged.families``), served by hf_paged: the drop-in class of the checkpoint's
+    family."""
 
     @classmethod
     def from_pretrained(
         cls, pretrained_model_name_or_path: str | os.PathLike, *model_args, **kwargs
-    ) -> Qwen3ForCausalLM:
+    ) -> PagedCausalLM:
         """Load like ``transformers.AutoModelForCausalLM.from_pretrained``.
 
         Accepts transformers' ``dtype``/``torch_dtype`` (a dtype, its name or ``"auto"``,
@@ -257,7 +277,7 @@ class AutoModelForCausalLM:
         if model_args:
             raise TypeError("from_pretrained() takes the checkpoint and keyword arguments only")
         engine = load_engine(os.fspath(pretrained_model_name_or_path), kwargs)
-        return Qwen3ForCausalLM.from_engine(engine)
+        return causal_lm_class(families.family_for(engine.hf_config)).from_engine(engine)
 
 
 def _same_device(wanted: torch.device, actual: torch.device) -> bool:

@@ -1,17 +1,20 @@
 """What the model call shares with transformers' inner model: the checks of a forward's
-inputs, and ``Qwen3Model``, transformers' inner model (``model.model``) whose forward the
-engine serves."""
+inputs, and each family's inner model class (``model.model``: ``Qwen3Model``, ...), whose
+forward the engine serves."""
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
-import transformers
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from hf_paged.integrations.family_classes import class_by_name, family_class
 
-class Qwen3Model(transformers.Qwen3Model):
-    """transformers' inner Qwen3 model (``model.model``) whose forward the engine serves: the
-    last hidden state, as transformers' own computes it, on a scratch cache."""
+
+class PagedInnerModel:
+    """transformers' inner model (``model.model``) whose forward the engine serves: the last
+    hidden state, as transformers' own computes it, on a scratch cache."""
 
     def forward(self, input_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None,
@@ -28,6 +31,15 @@ class Qwen3Model(transformers.Qwen3Model):
         if return_dict is None:
             return_dict = self.config.return_dict
         return output if return_dict else output.to_tuple()
+
+
+def inner_model_class(family: ModuleType) -> type[PagedInnerModel]:
+    """The family's inner model class, served by the engine (``hf_paged.families``)."""
+    return family_class(PagedInnerModel, family.INNER_MODEL, __name__)
+
+
+def __getattr__(name: str) -> type:
+    return class_by_name(PagedInnerModel, name, __name__, "INNER_MODEL")
 
 
 def forward_inputs(input_ids, attention_mask, position_ids, vocab_size: int) -> tuple:

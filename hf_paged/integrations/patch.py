@@ -1,5 +1,6 @@
-"""``patch_transformers()``: transformers' ``from_pretrained`` returns hf_paged models for
-Qwen3 checkpoints, so existing scripts run on the engine unchanged."""
+"""``patch_transformers()``: transformers' ``from_pretrained`` returns hf_paged models for the
+checkpoints hf_paged supports (``hf_paged.families``), so existing scripts run on the engine
+unchanged."""
 
 from __future__ import annotations
 
@@ -9,11 +10,10 @@ import warnings
 import transformers
 from transformers import AutoConfig, PretrainedConfig
 
+from hf_paged import families
 from hf_paged.config import EngineConfig
 from hf_paged.integrations.causal_lm import AutoModelForCausalLM
 
-# The loaders a script calls for a Qwen3 causal LM.
-PATCHED = ("AutoModelForCausalLM", "Qwen3ForCausalLM")
 # Keywords that help read a checkpoint's config.json from the hub.
 _CONFIG_KEYWORDS = ("revision", "token", "cache_dir", "local_files_only", "force_download",
                     "proxies")
@@ -39,16 +39,17 @@ class TransformersPatch:
 
 
 def patch_transformers(**engine_options: object) -> TransformersPatch:
-    """Make ``transformers.AutoModelForCausalLM.from_pretrained`` and
-    ``transformers.Qwen3ForCausalLM.from_pretrained`` return hf_paged's ``Qwen3ForCausalLM``
-    for Qwen3 checkpoints; other checkpoints load with stock transformers, with a warning.
+    """Make ``transformers.AutoModelForCausalLM.from_pretrained`` and the ``from_pretrained`` of
+    every supported family's class (``transformers.Qwen3ForCausalLM``, ...) return hf_paged's
+    drop-in class for the checkpoints hf_paged supports (``hf_paged.Qwen3ForCausalLM``, ...);
+    other checkpoints load with stock transformers, with a warning.
     ``engine_options`` (``EngineConfig`` fields, e.g. ``max_model_len=4096``) are defaults for
     every hf_paged load under the patch; a ``from_pretrained`` call's own keywords win. Patching
     twice is the same as once, with the second call's engine options."""
     EngineConfig.from_options(**engine_options)  # unknown names and bad values raise here
     _engine_defaults.clear()
     _engine_defaults.update(engine_options)
-    for name in PATCHED:
+    for name in patched_names():
         cls = getattr(transformers, name)
         if cls in _saved:
             continue
@@ -56,6 +57,12 @@ def patch_transformers(**engine_options: object) -> TransformersPatch:
         stock = inspect.getattr_static(cls, "from_pretrained")  # the classmethod, maybe inherited
         cls.from_pretrained = classmethod(_loader(cls, stock))
     return TransformersPatch()
+
+
+def patched_names() -> tuple[str, ...]:
+    """The loaders a script calls for a causal LM hf_paged serves, by their names in
+    ``transformers``."""
+    return ("AutoModelForCausalLM", *(family.ARCHITECTURE for family in families.all_families()))
 
 
 def unpatch_transformers() -> None:
@@ -70,24 +77,25 @@ def unpatch_transformers() -> None:
 
 
 def _loader(patched_cls: type, stock):
-    """A ``from_pretrained`` that serves Qwen3 checkpoints with hf_paged and hands the rest
+    """A ``from_pretrained`` that serves supported checkpoints with hf_paged and hands the rest
     (and subclasses of the patched class) to ``stock``, the original classmethod."""
 
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         if cls is patched_cls:
             model_type = _model_type(pretrained_model_name_or_path, kwargs)
-            if model_type == "qwen3" and not model_args:
+            supported = model_type in families.supported_model_types()
+            if supported and not model_args:
                 return AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path,
                                                             **{**_engine_defaults, **kwargs})
             if model_type is not None:
-                why = ("hf_paged serves Qwen3 checkpoints only" if model_type != "qwen3" else
-                       "hf_paged takes no positional model_args")
+                why = ("hf_paged takes no positional model_args" if supported else
+                       f"hf_paged serves {families.supported_description()} only")
                 warnings.warn(f"{why}; {pretrained_model_name_or_path!r} (model_type "
                               f"{model_type!r}) loads with stock transformers", stacklevel=2)
         return stock.__get__(None, cls)(pretrained_model_name_or_path, *model_args, **kwargs)
 
     from_pretrained.__doc__ = (f"{patched_cls.__name__}.from_pretrained, patched by hf_paged: "
-                               "Qwen3 checkpoints load on hf_paged's engine.")
+                               "supported checkpoints load on hf_paged's engine.")
     return from_pretrained
 
 

@@ -125,9 +125,9 @@ def refuse_invalid(manager, model, processor, inputs, gen_config, streaming: boo
     """Raise ``RefusedRequest`` naming the problem when hf_paged's engine would refuse this
     generation; models that are not hf_paged's pass unchecked. The arguments are those
     transformers' handler gives the manager, which passes them on as they are."""
-    from hf_paged.integrations.causal_lm import Qwen3ForCausalLM
+    from hf_paged.integrations.causal_lm import PagedCausalLM
 
-    if not isinstance(model, Qwen3ForCausalLM):
+    if not isinstance(model, PagedCausalLM):
         return
     try:
         cb = getattr(manager, "_cb", None)  # transformers' CBGenerateManager: the CB manager

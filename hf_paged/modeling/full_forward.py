@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from hf_paged.modeling.attention import AttentionMetadata
-from hf_paged.modeling.swap import PagedQwen3
+from hf_paged.modeling.paged_model import PagedModel
 
 
 @torch.no_grad()
 def full_forward(
-    model: PagedQwen3,
+    model: PagedModel,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
@@ -70,7 +70,7 @@ def full_forward(
 
 
 @contextlib.contextmanager
-def _scratch_cache(model: PagedQwen3, num_blocks: int, block_size: int):
+def _scratch_cache(model: PagedModel, num_blocks: int, block_size: int):
     """Point every attention layer at one fresh, zeroed cache, then back at the engine's."""
     layers = model.attention_layers
     weight = model.embed_tokens.weight

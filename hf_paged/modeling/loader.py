@@ -22,16 +22,11 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-# Checkpoint projection -> (merged module, shard id) in the swapped model.
-PACKED_MODULES = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
+# Checkpoint projection -> (merged module, shard id) in the swapped model: a family's fused
+# weight groups (Qwen3's: q/k/v -> qkv_proj, gate/up -> gate_up_proj).
+PackedModules = dict[str, tuple[str, object]]
 LM_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
-# Qwen3ForCausalLM.base_model_prefix: keys saved from a bare Qwen3Model lack it.
+# The causal LMs' base_model_prefix: keys saved from a bare inner model (Qwen3Model) lack it.
 PREFIX = "model."
 # Besides the class's own list, transformers drops these unexpected keys without a word (old
 # checkpoints stored the RoPE buffers).
@@ -83,10 +78,12 @@ class Checkpoint:
 @dataclass(frozen=True)
 class ExpectedKeys:
     """The keys transformers' model loads from a checkpoint, with their full (unsharded)
-    shapes, and the unexpected keys it ignores silently."""
+    shapes, and the unexpected keys it ignores silently; ``architecture`` names the model in
+    errors."""
 
     shapes: dict[str, tuple[int, ...]]
     ignored: re.Pattern
+    architecture: str
 
     @classmethod
     def of(cls, skeleton: nn.Module) -> ExpectedKeys:
@@ -94,7 +91,7 @@ class ExpectedKeys:
         patterns = [*(getattr(skeleton, "_keys_to_ignore_on_load_unexpected", None) or ()),
                     *ALWAYS_IGNORED]
         return cls({k: tuple(v.shape) for k, v in skeleton.state_dict().items()},
-                   re.compile("|".join(f"({p})" for p in patterns)))
+                   re.compile("|".join(f"({p})" for p in patterns)), type(skeleton).__name__)
 
 
 def ties_embeddings(checkpoint: Checkpoint, tie_word_embeddings: bool, log: bool = True) -> bool:
@@ -130,11 +127,11 @@ class KeyReport:
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]]  # key, found, expected
     unexpected: list[str]
 
-    def error(self, path: str) -> str | None:
+    def error(self, path: str, architecture: str) -> str | None:
         """The message of the loading error, or None when every expected key is there."""
         if not self.missing and not self.mismatched:
             return None
-        lines = [f"checkpoint {path} does not fit Qwen3ForCausalLM as its config.json "
+        lines = [f"checkpoint {path} does not fit {architecture} as its config.json "
                  "describes it; nothing was loaded"]
         if self.missing:
             lines += _listed("missing", self.missing)
@@ -156,7 +153,7 @@ def match_keys(
     if tied:
         del shapes[LM_HEAD]  # the embedding matrix serves as the LM head
     sources = {k: k for k in shapes if k in checkpoint.shapes}
-    for name in checkpoint.shapes:  # a bare Qwen3Model's keys: transformers adds the prefix
+    for name in checkpoint.shapes:  # a bare inner model's keys: transformers adds the prefix
         if PREFIX + name in shapes:
             sources.setdefault(PREFIX + name, name)
     if tied and EMBEDDING not in sources and LM_HEAD in checkpoint.shapes:
@@ -172,30 +169,32 @@ def match_keys(
         unexpected=sorted((n for n in checkpoint.shapes
                            if n not in used and not expected.ignored.search(n)), key=_natural),
     )
-    error = report.error(checkpoint.path)
+    error = report.error(checkpoint.path, expected.architecture)
     if error:
         raise ValueError(error)
     if report.unexpected and log:
         logger.warning("\n".join([
-            f"checkpoint {checkpoint.path}: Qwen3ForCausalLM does not use these tensors, which are "
-            "ignored (fine for a checkpoint saved from another task or architecture; not if it "
-            "should be exactly this model)", *_listed("unexpected", report.unexpected)]))
+            f"checkpoint {checkpoint.path}: {expected.architecture} does not use these tensors, "
+            "which are ignored (fine for a checkpoint saved from another task or architecture; "
+            "not if it should be exactly this model)", *_listed("unexpected", report.unexpected)]))
     return sources
 
 
-def target_of(name: str) -> tuple[str, object]:
+def target_of(name: str, packed_modules: PackedModules) -> tuple[str, object]:
     """Parameter name in the swapped model and shard id for a checkpoint tensor name."""
-    for ckpt, (merged, shard_id) in PACKED_MODULES.items():
+    for ckpt, (merged, shard_id) in packed_modules.items():
         if f".{ckpt}." in name:
             return name.replace(f".{ckpt}.", f".{merged}."), shard_id
     return name, None
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, checkpoint: Checkpoint, sources: dict[str, str]) -> None:
-    """Copy each checkpoint tensor (``match_keys``' choice) into its (shard of a) parameter."""
+def load_weights(model: nn.Module, checkpoint: Checkpoint, sources: dict[str, str],
+                 packed_modules: PackedModules) -> None:
+    """Copy each checkpoint tensor (``match_keys``' choice) into its (shard of a) parameter,
+    the parts of a fused group (``packed_modules``) into their shards of the merged one."""
     params = dict(model.named_parameters())
-    targets = {key: target_of(key) for key in sources}
+    targets = {key: target_of(key, packed_modules) for key in sources}
     # A guard against a swapped module that transformers' keys do not describe: every
     # parameter must be filled, and by keys that name it.
     named = {target for target, _ in targets.values()}

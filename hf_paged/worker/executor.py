@@ -14,21 +14,16 @@ import weakref
 
 import torch
 
+from hf_paged.families import check_model
 from hf_paged.modeling.full_forward import full_forward
-from hf_paged.modeling.swap import check_shardable, check_supported
 from hf_paged.modeling.tp import SINGLE
 from hf_paged.step import StepPlan, StepResult, WorkerSpec
 from hf_paged.worker.backend import resolve_backend
-from hf_paged.worker.parallel import (
-    RESULTS,
-    STEP,
-    Ranks,
-    join_launched_ranks,
-    launched_world,
-    serve,
-    spawn_ranks,
-)
+from hf_paged.worker.channel import RESULTS, STEP
+from hf_paged.worker.follower import serve
+from hf_paged.worker.ranks import Ranks, join_launched_ranks, launched_world, spawn_ranks
 from hf_paged.worker.runner import LaunchedStep, ModelRunner
+from hf_paged.worker.shard import build_shard
 
 _LIVENESS_CHECK_S = 0.05  # how often a wait on the device looks for dead workers
 
@@ -183,8 +178,7 @@ def _teardown(runner: ModelRunner, ranks: Ranks) -> None:
 def check_spec(spec: WorkerSpec) -> None:
     """Raise ValueError, naming the setting, for a model or configuration no rank can serve;
     resolve the attention backend (in ``spec.config``) for the device."""
-    check_supported(spec.hf_config)
-    check_shardable(spec.hf_config, spec.config.tensor_parallel_size)
+    check_model(spec.hf_config, spec.config.tensor_parallel_size)
     spec.config.attention_backend = resolve_backend(
         spec.config.attention_backend, spec.device, spec.config.block_size)
 
@@ -192,20 +186,17 @@ def check_spec(spec: WorkerSpec) -> None:
 def create_executor(spec: WorkerSpec) -> Executor:
     """Build this process's shard and runner, with the other ranks when there are any.
     ``spec`` has passed ``check_spec``."""
-    from hf_paged.worker.parallel import RunnerSpec  # TEMP until the parallel split lands
-    spec = RunnerSpec(spec.hf_config, spec.checkpoint, spec.dtype, spec.device, spec.config,
-                      spec.max_model_len)
     size = spec.config.tensor_parallel_size
     start = time.perf_counter()
     if size == 1:
-        model = spec.build(SINGLE, spec.device)
+        model = build_shard(spec, SINGLE, spec.device)
         load_seconds = time.perf_counter() - start
         return Executor(ModelRunner(model, spec.config, spec.max_model_len), load_seconds)
     if spec.device.type == "cuda":
         torch.cuda.set_device(spec.device)
     ranks = join_launched_ranks(size, spec.device) if launched_world() else spawn_ranks(size, spec)
     try:
-        model = spec.build(ranks.tp, spec.device)
+        model = build_shard(spec, ranks.tp, spec.device)
         ranks.wait_for_workers("loaded")
         load_seconds = time.perf_counter() - start
         runner = ModelRunner(model, spec.config, spec.max_model_len, ranks.tp)

@@ -15,7 +15,8 @@ from transformers import Qwen3Config
 from hf_paged.config import EngineConfig
 from hf_paged.modeling import all_reduce
 from hf_paged.modeling.tp import TensorParallel
-from hf_paged.worker import parallel
+from hf_paged.step import WorkerSpec
+from hf_paged.worker import shard
 from tests.conftest import TINY_CONFIGS
 
 
@@ -59,20 +60,20 @@ class _Failing(_Summing):
         raise RuntimeError("no symmetric memory here")
 
 
-def _spec() -> parallel.RunnerSpec:
-    return parallel.RunnerSpec(Qwen3Config(**TINY_CONFIGS["gqa_tied"]), "", torch.float32,
-                               torch.device("cpu"), EngineConfig(max_num_batched_tokens=64), 64)
+def _spec() -> WorkerSpec:
+    return WorkerSpec(Qwen3Config(**TINY_CONFIGS["gqa_tied"]), "", torch.float32,
+                      torch.device("cpu"), EngineConfig(max_num_batched_tokens=64), 64)
 
 
 @pytest.mark.parametrize("stand_in,taken", [(_Summing, True), (_Wrong, False),
                                             (_Failing, False)])
 def test_symmetric_all_reduce_is_used_only_once_it_sums_right(monkeypatch, caplog, stand_in,
                                                               taken):
-    monkeypatch.setattr(parallel, "SymmetricAllReduce", stand_in)
+    monkeypatch.setattr(shard, "SymmetricAllReduce", stand_in)
     spec = _spec()
     tp = TensorParallel(0, 1)
     with caplog.at_level(logging.WARNING, logger="hf_paged"):
-        out = spec._with_symmetric_all_reduce(tp, torch.device("cpu"))
+        out = shard._with_symmetric_all_reduce(spec, tp, torch.device("cpu"))
     assert (out.fast_all_reduce is not None) == taken
     if taken:
         assert out.fast_all_reduce.numel == 64 * spec.hf_config.hidden_size
@@ -87,10 +88,10 @@ def test_a_group_name_set_up_before_in_this_process_keeps_nccl(monkeypatch, capl
     spec, cpu = _spec(), torch.device("cpu")
     tp = TensorParallel(0, 1, SimpleNamespace(group_name="0"))
     with caplog.at_level(logging.INFO, logger="hf_paged"):
-        assert spec._with_symmetric_all_reduce(tp, cpu) is tp  # no symmetric memory on CPU
+        assert shard._with_symmetric_all_reduce(spec, tp, cpu) is tp  # no symmetric memory on CPU
         assert "does not support device type cpu" in caplog.text
         caplog.clear()
-        assert spec._with_symmetric_all_reduce(tp, cpu) is tp
+        assert shard._with_symmetric_all_reduce(spec, tp, cpu) is tp
     assert "earlier group of the same name" in caplog.text
     other = TensorParallel(0, 1, SimpleNamespace(group_name="1"))
     assert not all_reduce.SymmetricAllReduce.set_up_before(other.group)

@@ -9,13 +9,13 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
+from hf_paged.families import build_model, check_model
 from hf_paged.modeling.embedding import VocabParallelEmbedding
 from hf_paged.modeling.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
 )
-from hf_paged.modeling.swap import build_model, check_shardable
 from hf_paged.modeling.tp import TensorParallel
 from tests.conftest import TINY_CONFIGS
 
@@ -68,7 +68,7 @@ def test_unsplittable_shapes_name_both_numbers(heads, kv, inter, size, message):
     config = Qwen3Config(num_attention_heads=heads, num_key_value_heads=kv,
                          intermediate_size=inter, head_dim=8)
     with pytest.raises(ValueError, match=message):
-        check_shardable(config, size)
+        check_model(config, size)
 
 
 def test_gate_up_and_row_parallel():

@@ -1,0 +1,51 @@
+"""A checkpoint -> its family's paged model on a device, one tensor-parallel rank's shard."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+from transformers import PretrainedConfig
+
+# The module, not its names: its __init__ imports this file before defining them.
+from hf_paged import families
+from hf_paged.modeling.loader import (
+    Checkpoint,
+    ExpectedKeys,
+    load_weights,
+    match_keys,
+    ties_embeddings,
+)
+from hf_paged.modeling.paged_model import PagedModel
+from hf_paged.modeling.tp import SINGLE, TensorParallel
+
+
+def build_model(
+    config: PretrainedConfig,
+    checkpoint: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    attention_backend: str,
+    max_positions: int,
+    tp: TensorParallel = SINGLE,
+) -> PagedModel:
+    """transformers' skeleton of the family on meta -> the keys it expects -> the family's
+    swap -> check the checkpoint's keys -> allocate on ``device`` -> load this rank's
+    weights. ``config`` has passed ``families.check_model``."""
+    family = families.family_for(config)
+    with torch.device("meta"):
+        hf = getattr(transformers, family.ARCHITECTURE)(config)
+        expected = ExpectedKeys.of(hf)  # transformers' names and full shapes, before the swap
+        family.swap_modules(hf, attention_backend, max_positions, tp)
+    # Every rank checks (and fails alike); rank 0 alone logs.
+    weights = Checkpoint.open(checkpoint)
+    tied = ties_embeddings(weights, bool(getattr(config, "tie_word_embeddings", False)),
+                           log=tp.rank == 0)
+    sources = match_keys(weights, expected, tied, log=tp.rank == 0)
+    if tied:
+        del hf.lm_head.weight
+    hf.to(dtype).to_empty(device=device).eval()
+    if tied:
+        hf.lm_head.weight = hf.model.embed_tokens.weight
+    hf.model.rotary_emb.build_cache(device)
+    load_weights(hf, weights, sources, family.PACKED_MODULES)
+    return PagedModel(hf)

@@ -1,0 +1,159 @@
+"""Qwen3 (model_type ``qwen3``): transformers' ``Qwen3ForCausalLM`` with paged modules.
+
+A family module is everything hf_paged knows of one architecture; ``hf_paged.families`` maps
+model_types to it and imports it on first use. The next family copies this shape:
+
+- ``NAME``, ``MODEL_TYPES``: how messages name the family, and the ``config.model_type``
+  values it claims (``families.REGISTRY`` points each of them here).
+- ``ARCHITECTURE``, ``INNER_MODEL``: the names, in ``transformers``, of its causal-LM class
+  (the skeleton the weights load into, and the base of the drop-in class, which keeps its
+  name: pipelines check models by it) and of the inner model class (``model.model``).
+- ``PACKED_MODULES``: its fused weight groups, checkpoint projection -> (merged module, shard
+  id), which the loader fills and ``state_dict()`` splits back; ``packed_sizes(config)``: each
+  merged module's part sizes, in checkpoint order.
+- ``check_config(config)`` and ``check_shardable(config, tp_size)``: a ValueError naming what
+  the modules cannot run, or what ``tp_size`` ranks cannot split (both numbers named).
+- ``swap_modules(model, attention_backend, max_positions, tp)``: on the meta device, replace
+  every module of transformers' model that ``PagedModel.forward`` runs by this rank's paged
+  one, as ``hf_paged.modeling.paged_model`` describes them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from hf_paged import kernels
+from hf_paged.modeling.attention import AttentionMetadata, attention_function
+from hf_paged.modeling.embedding import ParallelLMHead, VocabParallelEmbedding
+from hf_paged.modeling.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from hf_paged.modeling.norm import RMSNorm
+from hf_paged.modeling.rotary import RotaryEmbedding
+from hf_paged.modeling.tp import SINGLE, TensorParallel, kv_head_layout
+
+NAME = "Qwen3"
+MODEL_TYPES = ("qwen3",)
+ARCHITECTURE = "Qwen3ForCausalLM"
+INNER_MODEL = "Qwen3Model"
+PACKED_MODULES = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def _head_dim(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def packed_sizes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
+    """Rows of each checkpoint tensor in a merged projection, in ``PACKED_MODULES`` order."""
+    q = config.num_attention_heads * _head_dim(config)
+    kv = config.num_key_value_heads * _head_dim(config)
+    return {"qkv_proj": (q, kv, kv), "gate_up_proj": (config.intermediate_size,) * 2}
+
+
+def check_config(config: PretrainedConfig) -> None:
+    """Raise ValueError for a Qwen3 config these modules cannot run."""
+    if "sliding_attention" in (getattr(config, "layer_types", None) or []):
+        raise ValueError("sliding-window attention layers are not supported by hf_paged")
+    if config.hidden_act != "silu":
+        raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
+
+
+def check_shardable(config: PretrainedConfig, tp_size: int) -> None:
+    """Raise ValueError, naming both numbers, when ``tp_size`` ranks cannot split the model."""
+    kv_head_layout(config.num_attention_heads, config.num_key_value_heads, tp_size)
+    if config.intermediate_size % tp_size:
+        raise ValueError(
+            f"intermediate_size ({config.intermediate_size}) is not divisible by "
+            f"tensor_parallel_size ({tp_size})"
+        )
+
+
+def swap_modules(model: nn.Module, attention_backend: str, max_positions: int,
+                 tp: TensorParallel = SINGLE) -> None:
+    """transformers' ``Qwen3ForCausalLM`` (on meta) -> this rank's paged modules, in place."""
+    config, inner = model.config, model.model
+    eps = config.rms_norm_eps
+    for layer in inner.layers:
+        layer.self_attn = Qwen3PagedAttention(config, attention_backend, tp)
+        layer.mlp = Qwen3PagedMLP(config, tp)
+        layer.input_layernorm = RMSNorm(config.hidden_size, eps)
+        layer.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+    inner.norm = RMSNorm(config.hidden_size, eps)
+    inner.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+    inner.rotary_emb = RotaryEmbedding(inner.rotary_emb, max_positions)
+    model.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
+
+
+class Qwen3PagedAttention(nn.Module):
+    """Merged QKV projection, per-head q/k RMSNorm, RoPE, paged attention, output projection.
+
+    The caches ``k_cache``/``v_cache`` (``[num_blocks, block_size, kv_heads, head_dim]``) are
+    attached by the model runner once it has sized them.
+    """
+
+    def __init__(self, config: PretrainedConfig, backend: str, tp: TensorParallel = SINGLE):
+        super().__init__()
+        head_dim = _head_dim(config)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, head_dim, config.num_attention_heads,
+            config.num_key_value_heads, bias=config.attention_bias, tp=tp,
+        )
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * head_dim, config.hidden_size, bias=config.attention_bias,
+            tp=tp,
+        )
+        self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
+        self.attend = attention_function(backend)
+        self.k_cache = self.v_cache = torch.empty(0)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+        norm: nn.Module, meta: AttentionMetadata, rotary: RotaryEmbedding,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's output for ``norm(hidden, residual)``, and the new residual stream."""
+        qkv, residual = self.qkv_proj.normed(hidden, residual, norm)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, _ = kernels.norm_rope_store(
+            q.reshape(-1, self.num_heads, self.head_dim),
+            k.reshape(-1, self.num_kv_heads, self.head_dim),
+            v.reshape(-1, self.num_kv_heads, self.head_dim),
+            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+            positions, rotary.cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping,
+        )
+        out = self.attend(
+            q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+            self.scale, max_query_len=meta.max_query_len, shared_prefix=meta.shared_prefix,
+        )
+        return self.o_proj(out.reshape(-1, q_size)), residual
+
+
+class Qwen3PagedMLP(nn.Module):
+    """The SwiGLU feed-forward block with the gate and up projections merged."""
+
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel = SINGLE):
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], tp=tp)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, tp=tp)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's output for ``norm(x, residual)``, and the new residual stream."""
+        # gate_up's small_m_rows were measured for the gated kernel
+        act, residual = self.gate_up_proj.normed(x, residual, norm, gated=True)
+        return self.down_proj(act), residual

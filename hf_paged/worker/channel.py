@@ -1,0 +1,86 @@
+"""The wire between rank 0 and the other ranks of its tensor-parallel group: rank 0's messages,
+broadcast over a gloo group in host memory (so that they cross machines too).
+
+Every message starts with a header of ten int64:
+
+    0  kind: STEP, RESULTS or STOP
+    1  n: tokens in the step (``len(ids)``)
+    2  b: sequences in the step (``len(seq_lens)``)
+    3  r: sampled token rows (``len(logits_rows)``)
+    4  w: width of a block-table row (``tables.shape[1]``)
+    5  ``max_query_len``
+    6  ``graph_bs``
+    7  ``shared``
+    8  c: copy-on-write block copies (``len(block_copies)``)
+    9  ``num_drawn``
+
+Entries 1-9 are zero unless the kind is STEP. A STEP header is followed by one flat int64
+payload, in ``StepInputs`` field order: ``ids``, ``src``, ``positions``, ``slots`` (n each),
+``cu_seqlens`` (b + 1), ``seq_lens`` (b), ``logits_rows`` (r), ``tables`` (b * w, row-major),
+``block_copies`` (2c, pair by pair). Under torchrun a RESULTS header is followed by one pickled
+object (``send_object``): rank 0's outcome of ``engine.run``. STOP ends a spawned rank.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hf_paged.step import StepInputs
+
+STEP, RESULTS, STOP = 1, 2, 3  # message kinds
+_HEADER_LEN = 10
+
+
+class StepChannel:
+    """Rank 0's side sends, the other ranks' side receives, over ``cpu_group`` (gloo)."""
+
+    def __init__(self, cpu_group: dist.ProcessGroup):
+        self.group = cpu_group
+        self.header = torch.zeros(_HEADER_LEN, dtype=torch.long)
+
+    def send(self, kind: int, inputs: StepInputs | None = None) -> None:
+        """Rank 0: a message of ``kind``, with ``inputs`` when it is a STEP."""
+        self.header.zero_()
+        self.header[0] = kind
+        if inputs is not None:
+            t = inputs.tables
+            self.header[1:] = torch.tensor([
+                len(inputs.ids), len(inputs.seq_lens), len(inputs.logits_rows), t.shape[1],
+                inputs.max_query_len, inputs.graph_bs, inputs.shared, len(inputs.block_copies),
+                inputs.num_drawn])
+        self._broadcast(self.header)
+        if inputs is not None:
+            payload = np.concatenate([
+                inputs.ids, inputs.src, inputs.positions, inputs.slots, inputs.cu_seqlens,
+                inputs.seq_lens, inputs.logits_rows, inputs.tables.ravel(),
+                np.asarray(inputs.block_copies, dtype=np.int64).ravel()]).astype(np.int64)
+            self._broadcast(torch.from_numpy(payload))
+
+    def recv(self) -> tuple[int, StepInputs | None]:
+        """The other ranks: rank 0's next message kind, and the step's inputs for a STEP."""
+        self._broadcast(self.header)
+        kind, n, b, r, width, max_query_len, graph_bs, shared, c, drawn = self.header.tolist()
+        if kind != STEP:
+            return kind, None
+        payload = torch.empty(4 * n + 2 * b + 1 + r + b * width + 2 * c, dtype=torch.long)
+        self._broadcast(payload)
+        parts = np.split(payload.numpy(), np.cumsum([n, n, n, n, b + 1, b, r, b * width]))
+        lists = [p.tolist() for p in parts[:7]]
+        tables = parts[7].astype(np.int32).reshape(b, width)
+        copies = [tuple(pair) for pair in parts[8].reshape(c, 2).tolist()]
+        return kind, StepInputs(*lists[:6], tables, lists[6], max_query_len, graph_bs, shared,
+                                copies, drawn)
+
+    def send_object(self, obj: object) -> None:
+        """Rank 0: any picklable object, after a header that announces it."""
+        dist.broadcast_object_list([obj], group=self.group, group_src=0)
+
+    def recv_object(self) -> object:
+        box = [None]
+        dist.broadcast_object_list(box, group=self.group, group_src=0)
+        return box[0]
+
+    def _broadcast(self, x: torch.Tensor) -> None:
+        dist.broadcast(x, group=self.group, group_src=0)
