@@ -220,7 +220,7 @@ def _generate(args: argparse.Namespace) -> int:
 def _checkpoint_folder(model: str) -> str:
     """``--model`` as a local checkpoint folder (a hub id downloaded), or a one-line error
     naming ``--model``."""
-    from hf_paged.engine.resolution import resolve_checkpoint
+    from hf_paged.engine.loading import resolve_checkpoint
 
     try:
         path = resolve_checkpoint(model)

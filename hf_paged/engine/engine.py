@@ -7,23 +7,22 @@ lives one floor up, on ``hf_paged.PagedEngine``.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import torch
-from tqdm.auto import tqdm
-from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+from transformers import GenerationConfig, PretrainedConfig
 
 from hf_paged.config import EngineConfig
 from hf_paged.engine import followers
+from hf_paged.engine.batch import ScheduledBatch
 from hf_paged.engine.block_manager import BlockManager
-from hf_paged.engine.resolution import resolve_checkpoint, resolve_device, resolve_dtype
-from hf_paged.engine.scheduler import ScheduledBatch, Scheduler
+from hf_paged.engine.loading import load
+from hf_paged.engine.run_loop import step_until_finished
+from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.sequence import Sequence, Status
 from hf_paged.engine.validation import check_request
 from hf_paged.sampling_params import SamplingParams
-from hf_paged.step import WorkerSpec
-from hf_paged.worker.executor import Executor, check_spec, create_executor
+from hf_paged.worker.executor import Executor
 
 
 class EngineCore:
@@ -102,25 +101,7 @@ class EngineCore:
         the checkpoint's config.json (transformers' config overrides). Any ``EngineConfig``
         field may be passed by name.
         """
-        config = EngineConfig.from_options(**engine_options)
-        path = resolve_checkpoint(path_or_id)
-        hf_config = hf_config if hf_config is not None else AutoConfig.from_pretrained(path)
-        device = resolve_device(device)
-        max_positions = hf_config.max_position_embeddings
-        max_model_len = config.max_model_len or max_positions
-        spec = WorkerSpec(hf_config, path, None, device, config, max_model_len)
-        check_spec(spec)  # the model and tensor_parallel_size first: they decide the rest
-        spec.dtype = resolve_dtype(dtype, hf_config)
-        if max_model_len > max_positions:
-            raise ValueError(
-                f"max_model_len ({max_model_len}) exceeds the checkpoint's "
-                f"max_position_embeddings ({max_positions})"
-            )
-        try:
-            generation_config = GenerationConfig.from_pretrained(path)
-        except OSError:
-            generation_config = GenerationConfig.from_model_config(hf_config)
-        return cls(create_executor(spec), config, generation_config, max_model_len)
+        return cls(*load(path_or_id, dtype, device, hf_config, engine_options))
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -305,45 +286,25 @@ class EngineCore:
             if on_step is not None:
                 on_step(seqs)
             return seqs
+        # Off unless asked for (per call or by the engine option).
+        show = self.config.progress_bar if progress_bar is None else progress_bar
         try:
-            self._run(seqs, progress_bar, on_step)
+            step_until_finished(seqs, self.step, self.abort, on_step,
+                                self._progress if show else None)
         except BaseException as e:
             self.executor.finish_run(f"{type(e).__name__}: {e}")
             raise
         self.executor.finish_run(followers.outcome(seqs))
         return seqs
 
-    def _run(self, seqs: list[Sequence], progress_bar: bool | None, on_step) -> None:
-        # Off unless asked for (per call or by the engine option): transformers' generate()
-        # prints nothing, and a drop-in must not either.
-        show = self.config.progress_bar if progress_bar is None else progress_bar
-        bar = tqdm(total=len(seqs), desc="hf_paged", unit="req", disable=not show)
-        pending = {s.seq_id for s in seqs if not s.is_finished}
-        try:
-            while pending:
-                t0 = time.perf_counter()
-                finished = self.step()
-                pending.difference_update(s.seq_id for s in finished)
-                if on_step is not None:
-                    on_step(seqs)
-                if show:
-                    self._update_bar(bar, len(finished), time.perf_counter() - t0)
-        except BaseException:
-            for s in seqs:
-                if not s.is_finished:
-                    self.abort(s)
-            raise
-        finally:
-            bar.close()
-
-    def _update_bar(self, bar: tqdm, num_finished: int, seconds: float) -> None:
+    def _progress(self, seconds: float) -> str:
+        """The progress bar's text after a step of ``seconds``."""
         batch = self._last_batch
         kind = "decode" if batch.is_decode else "prefill"
         tokens = len(batch.seqs) if batch.is_decode else batch.num_prefill_tokens
         stats = self.stats()
         hit = stats["prefix_cache_hits"] / max(stats["prefix_cache_queries"], 1)
-        bar.set_postfix_str(f"{kind} {tokens / seconds:,.0f} tok/s, cache hit {hit:.0%}")
-        bar.update(num_finished)
+        return f"{kind} {tokens / seconds:,.0f} tok/s, cache hit {hit:.0%}"
 
     # ---- lifecycle ------------------------------------------------------------------------
 

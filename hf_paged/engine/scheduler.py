@@ -26,52 +26,10 @@ continue and frees the others. Admission reserves the most sequences a request m
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
+from hf_paged.engine.batch import ScheduledBatch
 from hf_paged.engine.block_manager import BlockManager
 from hf_paged.engine.sequence import Sequence, SequenceGroup, Status
-from hf_paged.step import StepPlan
-
-
-@dataclass
-class ScheduledBatch:
-    """One step's work: ``num_tokens[i]`` new tokens of ``seqs[i]`` from position
-    ``starts[i]``. ``sample[i]`` says whether that chunk reaches the end of the sequence, so
-    that a token is drawn from its last logits."""
-
-    seqs: list[Sequence] = field(default_factory=list)
-    starts: list[int] = field(default_factory=list)
-    num_tokens: list[int] = field(default_factory=list)
-    sample: list[bool] = field(default_factory=list)
-    # Followers forked by this step, each sampling the logits row of batch entry ``index``.
-    sample_copies: list[tuple[int, Sequence]] = field(default_factory=list)
-    # Copy-on-write block copies (source, destination) to make before the forward, in order.
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def is_decode(self) -> bool:
-        """Every sequence computes exactly its one newest token."""
-        return len(self.seqs) == sum(self.num_tokens) and all(self.sample)
-
-    def plan(self) -> StepPlan:
-        """The step as the worker reads it: plain data, the sequences' lists shared, not
-        copied."""
-        seqs = self.seqs
-        return StepPlan(
-            [s.seq_id for s in seqs], self.starts, self.num_tokens,
-            [s.token_ids for s in seqs], [s.block_table for s in seqs], self.sample,
-            [s.sampling for s in seqs], [(i, f.sampling) for i, f in self.sample_copies],
-            self.block_copies, self.is_decode,
-        )
-
-    @property
-    def has_group_rows(self) -> bool:
-        """A beam group's member samples: its host's choice is the next step's input."""
-        return any(s.group is not None for s, m in zip(self.seqs, self.sample) if m)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return 0 if self.is_decode else sum(n for n in self.num_tokens if n > 1)
 
 
 class Scheduler:

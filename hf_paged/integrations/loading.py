@@ -18,7 +18,7 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.utils import logging
 
 from hf_paged.config import EngineConfig
-from hf_paged.engine.resolution import resolve_checkpoint
+from hf_paged.engine.loading import resolve_checkpoint
 from hf_paged.generation.paged_engine import PagedEngine
 
 # transformers' own hub keywords, passed to huggingface_hub to find a checkpoint by id

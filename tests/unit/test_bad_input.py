@@ -12,7 +12,7 @@ import torch
 from transformers import GenerationConfig, PretrainedConfig
 
 import hf_paged
-from hf_paged.engine.resolution import resolve_dtype
+from hf_paged.engine.loading import resolve_dtype
 from hf_paged.sampling_params import SamplingParams
 from hf_paged.worker.backend import resolve_backend
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from hf_paged.engine.batch import ScheduledBatch
 from hf_paged.engine.block_manager import BlockManager
-from hf_paged.engine.scheduler import ScheduledBatch, Scheduler
+from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.sequence import Sequence, SequenceGroup, Status
 from hf_paged.sampling_params import SamplingParams
 

@@ -1,11 +1,16 @@
-"""What a checkpoint, a dtype and a device named by the user resolve to."""
+"""Loading: what a checkpoint, a dtype and a device named by the user resolve to, checked
+before anything is built, then the executor over the built ranks."""
 
 from __future__ import annotations
 
 import os
 
 import torch
-from transformers import PretrainedConfig
+from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+
+from hf_paged.config import EngineConfig
+from hf_paged.step import WorkerSpec
+from hf_paged.worker.executor import Executor, check_spec, create_executor
 
 
 def resolve_checkpoint(path_or_id: str, hub: dict | None = None) -> str:
@@ -75,3 +80,29 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
         index = int(local) % torch.cuda.device_count() if local else torch.cuda.current_device()
         device = torch.device("cuda", index)
     return device
+
+
+def load(path_or_id: str, dtype: torch.dtype | str | None, device: torch.device | str | None,
+         hf_config: PretrainedConfig | None, engine_options: dict
+         ) -> tuple[Executor, EngineConfig, GenerationConfig, int]:
+    """An engine's parts: its executor (the model built on every rank), its options, the
+    checkpoint's generation config and the longest sequence (see ``from_pretrained``)."""
+    config = EngineConfig.from_options(**engine_options)
+    path = resolve_checkpoint(path_or_id)
+    hf_config = hf_config if hf_config is not None else AutoConfig.from_pretrained(path)
+    device = resolve_device(device)
+    max_positions = hf_config.max_position_embeddings
+    max_model_len = config.max_model_len or max_positions
+    spec = WorkerSpec(hf_config, path, None, device, config, max_model_len)
+    check_spec(spec)  # the model and tensor_parallel_size first: they decide the rest
+    spec.dtype = resolve_dtype(dtype, hf_config)
+    if max_model_len > max_positions:
+        raise ValueError(
+            f"max_model_len ({max_model_len}) exceeds the checkpoint's "
+            f"max_position_embeddings ({max_positions})"
+        )
+    try:
+        generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:
+        generation_config = GenerationConfig.from_model_config(hf_config)
+    return create_executor(spec), config, generation_config, max_model_len

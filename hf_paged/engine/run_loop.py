@@ -1,0 +1,44 @@
+"""Stepping an engine until a set of its requests has finished, with tqdm's progress bar when
+asked for (off by default: transformers' generate() prints nothing, and a drop-in must not
+either)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from tqdm.auto import tqdm
+
+from hf_paged.engine.sequence import Sequence
+
+
+def step_until_finished(
+    seqs: list[Sequence],
+    step: Callable[[], list[Sequence]],
+    abort: Callable[[Sequence], None],
+    on_step: Callable[[list[Sequence]], None] | None = None,
+    progress: Callable[[float], str] | None = None,
+) -> None:
+    """``step()`` until every one of ``seqs`` has finished, calling ``on_step(seqs)`` after
+    each step; if anything fails, the unfinished ones are ``abort``ed (the engine stays usable)
+    and the error propagates. ``progress(seconds of the step)``: the bar's text (no bar when
+    None)."""
+    bar = tqdm(total=len(seqs), desc="hf_paged", unit="req", disable=progress is None)
+    pending = {s.seq_id for s in seqs if not s.is_finished}
+    try:
+        while pending:
+            t0 = time.perf_counter()
+            finished = step()
+            pending.difference_update(s.seq_id for s in finished)
+            if on_step is not None:
+                on_step(seqs)
+            if progress is not None:
+                bar.set_postfix_str(progress(time.perf_counter() - t0))
+                bar.update(len(finished))
+    except BaseException:
+        for s in seqs:
+            if not s.is_finished:
+                abort(s)
+        raise
+    finally:
+        bar.close()
