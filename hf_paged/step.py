@@ -4,8 +4,10 @@ scheduling, blocks) and the worker (device side: model, KV cache, graphs, sampli
 These are the only types the two sides share. The engine builds a ``StepPlan`` from each
 scheduled batch and hands it to the executor; rank 0's worker turns it into ``StepInputs``
 (which travel to the other ranks of a tensor-parallel group) and answers with a
-``StepResult``. ``WorkerSpec`` says what a rank builds. Nothing here holds a tensor, a module
-or an engine object: lists, ints, floats and the caller's opaque hooks.
+``StepResult``. ``WorkerSpec`` says what a rank builds. Steps carry lists, ints and floats;
+besides those, only rank 0's in-process fields cross: the caller's hooks and the engine's
+request handles (opaque to the worker, handed back to the hooks) and, in a result, beam
+candidates as host tensors.
 """
 
 from __future__ import annotations
