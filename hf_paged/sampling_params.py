@@ -52,6 +52,8 @@ class SamplingParams:
         temperature: 0 is greedy decoding; above 0 samples from ``softmax(logits / T)``.
         top_k: keep only the k most likely tokens when sampling (0 = off).
         top_p: keep the smallest set of most likely tokens whose probability reaches top_p.
+        min_p: then keep the tokens at least ``min_p`` times as likely as the most likely one
+            (0.0 = off), as transformers' ``MinPLogitsWarper``.
         repetition_penalty: transformers' rule: the logit of every token already in the
             prompt or the output is divided by it (multiplied when negative); 1.0 = off.
             Applied on the device, before temperature.
@@ -64,6 +66,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     repetition_penalty: float = 1.0
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
@@ -80,6 +83,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be a non-negative integer (0 = off), got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
         if not self.repetition_penalty > 0:
             raise ValueError(
                 f"repetition_penalty must be strictly positive, got {self.repetition_penalty!r}"

@@ -63,6 +63,7 @@ class RowSampling:
     hooks: LogitsHooks | None  # rank 0 callbacks over this row's logits and tokens
     request: object  # the engine's handle of the request, handed back to hooks and scorers
     candidates: CandidateRows | None = None  # set on beam-search members: report, not sample
+    min_p: float = 0.0  # 0.0: off; after top-p, as transformers' warpers run
 
     @property
     def processed(self) -> bool:

@@ -59,7 +59,8 @@ class Sequence:
                 self.seq_id, p.temperature, p.top_k, p.top_p, p.repetition_penalty,
                 self.token_ids, p.hooks, self,
                 None if group is None else CandidateRows(group.num_candidates, group.keep_rows,
-                                                         group.scorer))
+                                                         group.scorer),
+                p.min_p)
         return self._sampling
 
     def fork(self) -> Sequence:

@@ -155,6 +155,7 @@ def _sampling_params(resolved, split: procs.Split, lockstep: bool, hooks) -> Sam
         temperature=split.temperature if config.do_sample else 0.0,
         top_k=split.top_k,
         top_p=split.top_p,
+        min_p=split.min_p,
         repetition_penalty=split.repetition_penalty,
         eos_token_ids=() if eos is None else tuple(eos.tolist()),
         ignore_eos=lockstep,

@@ -3,8 +3,8 @@
 ``resolve`` hands over the exact ``LogitsProcessorList`` transformers' generate would build.
 The parts the engine does natively on the device, batched over every request of a step, are
 split off: a leading repetition penalty (the engine's per-request seen-token mask, which also
-serves requests from ``generate_tokens``) and the trailing temperature / top-k / top-p warpers
-(the engine's sampling kernel). What is left runs, in order, as transformers' own objects
+serves requests from ``generate_tokens``) and the trailing temperature / top-k / top-p / min-p
+warpers (the engine's sampling kernel). What is left runs, in order, as transformers' own objects
 over the call's ``input_ids`` on the device (``generate.CallHooks``), so every convention and
 every user processor behaves as in transformers.
 """
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LogitsProcessorList
 from transformers.generation.logits_process import (
+    MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -31,6 +32,7 @@ class Split:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     rest: LogitsProcessorList = field(default_factory=LogitsProcessorList)
 
 
@@ -47,9 +49,10 @@ def split(processors: LogitsProcessorList, padded: bool, keep_all: bool) -> Spli
         items[0], padded
     ):
         out.repetition_penalty = items.pop(0).penalty
-    # The sampling kernel applies temperature, then top-k, then top-p: a suffix in that order.
+    # The sampling kernel applies temperature, then top-k, top-p and min-p: a suffix in that
+    # order (transformers' own).
     tail = {TemperatureLogitsWarper: "temperature", TopKLogitsWarper: "top_k",
-            TopPLogitsWarper: "top_p"}
+            TopPLogitsWarper: "top_p", MinPLogitsWarper: "min_p"}
     rank = {kind: i for i, kind in enumerate(tail)}
     cut, last = len(items), len(tail)
     while (cut and type(items[cut - 1]) in tail and _native_warper(items[cut - 1])

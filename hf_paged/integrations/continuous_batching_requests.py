@@ -7,7 +7,7 @@ requests: the logits processors ``_get_logits_processor`` builds from it, filter
 through ``add_request(**kwargs)``), and ``do_sample``. A request also sets ``max_new_tokens``
 and ``eos_token_id``. ``RequestSettings`` builds the same list with the same transformers
 code, then hands the engine what it computes natively (repetition penalty, temperature,
-top-k, top-p: ``generation.processors.split``); anything else, and the log-probabilities
+top-k, top-p, min-p: ``generation.processors.split``); anything else, and the log-probabilities
 ``return_logprobs`` asks for, runs in ``RowHooks`` as transformers' objects over each
 request's own tokens.
 """
@@ -129,11 +129,12 @@ class RequestSettings:
         chain = LogitsProcessorList(_override(p, overrides) for p in self.processors)
         split = procs.split(chain, padded=False, keep_all=False)
         rows = split.rest
-        temperature, top_k, top_p = split.temperature, split.top_k, split.top_p
+        warpers = split.temperature, split.top_k, split.top_p, split.min_p
         if self.logprobs:  # the warpers run in the hooks, which take the processed scores' log
             head = int(split.repetition_penalty != 1.0)
             rows = LogitsProcessorList([*rows, *list(chain)[head + len(rows):]])
-            temperature, top_k, top_p = 1.0, 0, 1.0
+            warpers = 1.0, 0, 1.0, 0.0
+        temperature, top_k, top_p, min_p = warpers
         prompt_len = len(state.initial_tokens)
         max_new_tokens = state.max_new_tokens
         if max_new_tokens is None:  # transformers: no limit but EOS; here the engine's room
@@ -145,6 +146,7 @@ class RequestSettings:
             temperature=temperature if self.do_sample else 0.0,
             top_k=top_k,
             top_p=top_p,
+            min_p=min_p,
             repetition_penalty=split.repetition_penalty,
             eos_token_ids=_eos_ids(state.eos_token_id),
             hooks=self.hooks if rows or self.logprobs else None,

@@ -156,6 +156,7 @@ def sample(
     temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
+    min_p: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """One token per row of float32 ``logits [B, V]``.
@@ -163,7 +164,8 @@ def sample(
     Rows with ``temperature == 0`` are greedy (argmax, lowest index on ties, as
     ``torch.argmax``). Other rows follow transformers' warpers in its order: divide by
     temperature, keep the ``top_k`` largest (0 = off), keep the smallest set of most likely
-    tokens whose probability reaches ``top_p`` (1.0 = off; at least one token kept), then draw
+    tokens whose probability reaches ``top_p`` (1.0 = off; at least one token kept), keep
+    those at least ``min_p`` times as likely as the most likely (0 or None = off), then draw
     from the softmax of what is left.
     """
     greedy = logits.argmax(-1)
@@ -182,6 +184,10 @@ def sample(
     mass_above = probs.cumsum(-1) - probs
     remove = (mass_above >= p[:, None]) & (rank > 0)
     sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    if min_p is not None:
+        probs = sorted_logits.softmax(-1)  # column 0 holds the most likely token
+        remove = probs < min_p[sampled, None] * probs[:, :1]
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
     choice = torch.multinomial(sorted_logits.softmax(-1), 1, generator=generator)
     out = greedy.clone()
     out[sampled] = order.gather(-1, choice).squeeze(-1)

@@ -1,4 +1,4 @@
-"""Token sampling with temperature, top-k and top-p, without sorting the vocabulary.
+"""Token sampling with temperature, top-k, top-p and min-p, without sorting the vocabulary.
 
 One program per row. Top-k and top-p each keep the tokens whose logit reaches a threshold, and
 the kernel finds each threshold by searching the order-preserving int32 image of the float32
@@ -10,7 +10,8 @@ when the tokens strictly above it number fewer than ``k`` / hold less than ``top
 mass, as in the reference, except that tokens tied at the threshold are all kept (the
 reference's sort keeps an arbitrary subset of them). The draw is an exponential race:
 ``argmax(x / T - log E)`` with ``E ~ Exp(1)`` per token picks token ``i`` with probability
-``softmax(x / T)_i`` over the kept set.
+``softmax(x / T)_i`` over the kept set. Min-p keeps, of those, the tokens whose weight
+``exp((x - max) / T)`` reaches ``min_p``: a test in the race against the row's maximum.
 
 With a small ``top_k`` (at most ``KMAX``, as every Qwen3 checkpoint's ``top_k=20``) one pass
 over the row instead keeps each lane's maximum over the row's tiles. The ``k`` largest logits
@@ -77,10 +78,10 @@ def _threshold(row_ptr, vocab, lo, hi, floor, row_max, log2e_over_t, bound,
 # Per-row settings may be views into a graph's packed inputs at any offset: their alignment
 # is left out of the compiled variant (one variant for graphs and eager steps).
 @triton.jit(do_not_specialize_on_alignment=["temperature_ptr", "top_k_ptr", "top_p_ptr",
-                                            "seed_ptr"])
+                                            "min_p_ptr", "seed_ptr"])
 def _sample_kernel(
-    logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, seed_ptr, out_ptr, vocab, stride,
-    BLOCK_V: tl.constexpr, PROBES: tl.constexpr, K: tl.constexpr, NT: tl.constexpr,
+    logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_ptr, vocab,
+    stride, BLOCK_V: tl.constexpr, PROBES: tl.constexpr, K: tl.constexpr, NT: tl.constexpr,
 ):
     row = tl.program_id(0)
     temperature = tl.load(temperature_ptr + row)
@@ -89,15 +90,17 @@ def _sample_kernel(
     log2e_over_t = 1.4426950408889634 / temperature
     top_k = tl.load(top_k_ptr + row)
     top_p = tl.load(top_p_ptr + row)
+    log2_min_p = tl.log2(tl.load(min_p_ptr + row))  # min_p 0: -inf, every token passes
     row_ptr = logits_ptr + row.to(tl.int64) * stride
     done = (top_k > 0) & (top_k <= K) & (top_k < vocab)
     if done:
-        done = _sample_candidates(row_ptr, vocab, top_k, top_p, temperature, log2e_over_t,
-                                  seed_ptr, out_ptr, row, BLOCK_V, K, NT)
+        done = _sample_candidates(row_ptr, vocab, top_k, top_p, log2_min_p, temperature,
+                                  log2e_over_t, seed_ptr, out_ptr, row, BLOCK_V, K, NT)
     if done:
         return
 
     floor = tl.full([], -(2**31), tl.int64)  # keys >= floor are kept
+    row_max = tl.full([], 0.0, tl.float32)  # the largest logit, once min-p or top-p needs it
     if (top_k > 0) & (top_k < vocab):
         floor = _threshold(row_ptr, vocab, floor - 1, tl.full([], 2**31 - 1, tl.int64), floor,
                            0.0, log2e_over_t, top_k.to(tl.float32), False, BLOCK_V, PROBES)
@@ -119,6 +122,12 @@ def _sample_kernel(
         bound = tl.maximum(top_p, 1e-7) * total
         floor = _threshold(row_ptr, vocab, floor - 1, tl.full([], 2**31 - 1, tl.int64), floor,
                            row_max, log2e_over_t, bound, True, BLOCK_V, PROBES)
+    elif log2_min_p > float("-inf"):
+        lane_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
+        for start in range(0, vocab, BLOCK_V):
+            _, ok, x, _ = _tile(row_ptr, start, vocab, BLOCK_V)
+            lane_max = tl.maximum(lane_max, x)
+        row_max = tl.max(lane_max, axis=0)
 
     # The race, a tile at a time in four quarters: one Philox call gives the four quarters'
     # uniforms (a call per token made the race compute-bound, not read-bound).
@@ -130,25 +139,27 @@ def _sample_kernel(
     best_idx = tl.zeros([QUARTER], tl.int32)
     inv_t = 1.0 / temperature
     kept_from = floor.to(tl.int32)
+    # Min-p as a logit bound: (x - max) / T >= ln(min_p); -inf when off.
+    min_x = row_max + log2_min_p / log2e_over_t
     for start in range(0, vocab, BLOCK_V):
         u0, u1, u2, u3 = tl.rand4x(seed, counters + start // 4)
-        best, best_idx = _race(row_ptr, start, vocab, u0, kept_from, inv_t, best, best_idx,
-                               QUARTER)
-        best, best_idx = _race(row_ptr, start + QUARTER, vocab, u1, kept_from, inv_t, best,
+        best, best_idx = _race(row_ptr, start, vocab, u0, kept_from, min_x, inv_t, best,
                                best_idx, QUARTER)
-        best, best_idx = _race(row_ptr, start + 2 * QUARTER, vocab, u2, kept_from, inv_t,
+        best, best_idx = _race(row_ptr, start + QUARTER, vocab, u1, kept_from, min_x, inv_t,
                                best, best_idx, QUARTER)
-        best, best_idx = _race(row_ptr, start + 3 * QUARTER, vocab, u3, kept_from, inv_t,
-                               best, best_idx, QUARTER)
+        best, best_idx = _race(row_ptr, start + 2 * QUARTER, vocab, u2, kept_from, min_x,
+                               inv_t, best, best_idx, QUARTER)
+        best, best_idx = _race(row_ptr, start + 3 * QUARTER, vocab, u3, kept_from, min_x,
+                               inv_t, best, best_idx, QUARTER)
     winner = tl.argmax(best, axis=0)
     tl.store(out_ptr + row, tl.sum(tl.where(lanes == winner, best_idx, 0), 0))
 
 
 @triton.jit
-def _sample_candidates(row_ptr, vocab, top_k, top_p, temperature, log2e_over_t, seed_ptr,
-                       out_ptr, row, BLOCK_V: tl.constexpr, K: tl.constexpr,
+def _sample_candidates(row_ptr, vocab, top_k, top_p, log2_min_p, temperature, log2e_over_t,
+                       seed_ptr, out_ptr, row, BLOCK_V: tl.constexpr, K: tl.constexpr,
                        NT: tl.constexpr):
-    """Top-k, top-p and the draw over the row's ``K`` largest logits, found in one pass;
+    """Top-k, top-p, min-p and the draw over the row's ``K`` largest logits, found in one pass;
     False, storing nothing, when ties at the k-th logit may reach past the ``K`` kept (the
     searching path then serves the row)."""
     best = tl.full([BLOCK_V], -(2**31), tl.int32)  # each lane's largest key
@@ -182,6 +193,7 @@ def _sample_candidates(row_ptr, vocab, top_k, top_p, temperature, log2e_over_t, 
         bound = tl.maximum(top_p, 1e-7) * tl.sum(weight, axis=0)
         above = tl.sum(tl.where(ckey[None, :] > ckey[:, None], weight[None, :], 0.0), axis=1)
         kept = kept & (above < bound)
+    kept = kept & ((x - row_max) * log2e_over_t >= log2_min_p)
     u = tl.rand(tl.load(seed_ptr), row * K + lanes)
     score = tl.where(kept, x / temperature - tl.log(-tl.log(u)), float("-inf"))
     winner = tl.argmax(score, axis=0)
@@ -190,12 +202,14 @@ def _sample_candidates(row_ptr, vocab, top_k, top_p, temperature, log2e_over_t, 
 
 
 @triton.jit
-def _race(row_ptr, start, vocab, u, kept_from, inv_t, best, best_idx, BLOCK: tl.constexpr):
-    """One block of the exponential race: each kept token scores ``x / T - log E`` with
-    ``E = -log u ~ Exp(1)`` (``u = 0`` gives an infinite E: it never wins); lanes keep their
-    best score and its token."""
+def _race(row_ptr, start, vocab, u, kept_from, min_x, inv_t, best, best_idx,
+          BLOCK: tl.constexpr):
+    """One block of the exponential race: each kept token (key at least ``kept_from``, logit
+    at least ``min_x``) scores ``x / T - log E`` with ``E = -log u ~ Exp(1)`` (``u = 0`` gives
+    an infinite E: it never wins); lanes keep their best score and its token."""
     idx, ok, x, key = _tile(row_ptr, start, vocab, BLOCK)
-    score = tl.where(ok & (key >= kept_from), x * inv_t - tl.log(-tl.log(u)), float("-inf"))
+    kept = ok & (key >= kept_from) & (x >= min_x)
+    score = tl.where(kept, x * inv_t - tl.log(-tl.log(u)), float("-inf"))
     wins = score > best
     return tl.where(wins, score, best), tl.where(wins, idx, best_idx)
 
@@ -205,6 +219,7 @@ def sample(
     temperature: torch.Tensor,
     top_k: torch.Tensor,
     top_p: torch.Tensor,
+    min_p: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``reference.sample``; no host sync (greedy rows: ``logits.argmax``).
@@ -215,12 +230,14 @@ def sample(
     out = logits.argmax(-1)
     seed = torch.randint(2**31 - 1, (1,), device=logits.device, generator=generator)
     rows, vocab = logits.shape
+    if min_p is None:
+        min_p = torch.zeros(rows, dtype=torch.float32, device=logits.device)
     block_v, probes, num_warps = _TILE
     block_v = min(block_v, max(16, triton.next_power_of_2(vocab)))
     if rows:
         launch(
             _sample_kernel, (rows,),
-            logits, temperature, top_k, top_p, seed, out, vocab, logits.stride(0),
+            logits, temperature, top_k, top_p, min_p, seed, out, vocab, logits.stride(0),
             BLOCK_V=block_v, PROBES=probes, K=min(KMAX, block_v),
             NT=triton.next_power_of_2(triton.cdiv(vocab, block_v)), num_warps=num_warps,
         )

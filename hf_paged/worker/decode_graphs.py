@@ -7,7 +7,7 @@ cascade attention, replayed when the batch's sequences all start with the same c
 
 The inputs of a graph of size ``bs`` are views of one int32 buffer laid out as the shared
 prefix length (one entry), then ids, pending-token rows (``src``), positions, slots, context
-lengths and each row's temperature, top-k and top-p (``bs`` each; floats as their bit
+lengths and each row's temperature, top-k, top-p and min-p (``bs`` each; floats as their bit
 patterns), then the block tables (``bs`` full-width rows), so a replay fills a pinned host
 buffer and sends it in a single copy. The layouts of different sizes overlap. A graph also
 draws the next tokens (greedy rows keep the argmax), so sampling costs no launches outside it;
@@ -28,15 +28,16 @@ from hf_paged.cuda_graphs import capture_graphs, graph_buffers
 from hf_paged.modeling.attention import AttentionMetadata
 from hf_paged.step import StepInputs
 
-# (ids, src, positions, metadata, temperature, top-k, top-p) -> the graph's outputs
+# (ids, src, positions, metadata, temperature, top-k, top-p, min-p) -> the graph's outputs
 DecodeStep = Callable[..., tuple[torch.Tensor, ...]]
 # (the graph's outputs, rows used) -> (float32 logits on rank 0 or None, drawn tokens or None)
 DecodeOutputs = Callable[[tuple, int], tuple]
 
-_FIELDS = 8  # per row: ids, src, positions, slots, context lengths, temperature, top-k, top-p
+# per row: ids, src, positions, slots, context lengths, temperature, top-k, top-p, min-p
+_FIELDS = 9
 _ONE_BITS = int(np.array(1.0, np.float32).view(np.int32))  # top_p = 1.0 as int32 bits
 # Padding rows: no pending token, no store, empty context, greedy.
-_PADDING = np.array([0, -1, 0, -1, 0, 0, 0, _ONE_BITS], np.int32)[:, None]
+_PADDING = np.array([0, -1, 0, -1, 0, 0, 0, _ONE_BITS, 0], np.int32)[:, None]
 
 
 class DecodeGraphs:
@@ -69,7 +70,7 @@ class DecodeGraphs:
 
     def step(self, bs: int, cascade: bool) -> tuple[torch.Tensor, ...]:
         """The decode step over the buffer laid out for ``bs`` rows. Captured once per key."""
-        ids, src, positions, slots, seq_lens, temperature, top_k, top_p = (
+        ids, src, positions, slots, seq_lens, temperature, top_k, top_p, min_p = (
             self.inputs[1 : 1 + _FIELDS * bs].view(_FIELDS, bs))
         meta = AttentionMetadata(
             slot_mapping=slots,
@@ -81,7 +82,7 @@ class DecodeGraphs:
             shared_prefix=self.inputs[:1] if cascade else None,
         )
         return self.forward(ids, src, positions, meta, temperature.view(torch.float32), top_k,
-                            top_p.view(torch.float32))
+                            top_p.view(torch.float32), min_p.view(torch.float32))
 
     def clear(self, bs: int) -> None:
         """Lay out a batch of padding rows only for ``bs``: what a capture runs on."""
@@ -112,10 +113,11 @@ class DecodeGraphs:
         head = host[1 : 1 + _FIELDS * bs].reshape(_FIELDS, bs)
         head[:5, :n] = (inputs.ids, inputs.src, inputs.positions, inputs.slots, inputs.seq_lens)
         if self.samples:
-            temperature, top_k, top_p = settings
+            temperature, top_k, top_p, min_p = settings
             head[5, :n] = temperature.view(np.int32)
             head[6, :n] = top_k
             head[7, :n] = top_p.view(np.int32)
+            head[8, :n] = min_p.view(np.int32)
         head[:, n:] = _PADDING
         tables = inputs.tables
         tail = host[1 + _FIELDS * bs : 1 + _FIELDS * bs + n * width]

@@ -108,13 +108,15 @@ class ModelRunner:
         ids = torch.where(src >= 0, self.last_tokens[src.clamp(min=0)], ids)
         return self.model.forward(ids, positions, meta)
 
-    def _decode_step(self, ids, src, positions, meta, temperature, top_k, top_p) -> tuple:
+    def _decode_step(self, ids, src, positions, meta, temperature, top_k, top_p, min_p
+                     ) -> tuple:
         """Logits and the tokens drawn from them (one rank), or this rank's logits slice."""
         hidden = self._forward_pending(ids, src, positions, meta)
         if self.tp.size > 1:
             return (self.model.lm_head(hidden),)
         logits = self.model.compute_logits(hidden)
-        return logits, kernels.sample(logits, temperature, top_k, top_p)  # greedy: the argmax
+        # greedy rows: the argmax
+        return logits, kernels.sample(logits, temperature, top_k, top_p, min_p)
 
     def _decode_outputs(self, outputs: tuple, n: int) -> tuple:
         """A decode graph's outputs for its first ``n`` rows: (logits, drawn tokens), or the

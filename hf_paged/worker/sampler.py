@@ -18,12 +18,13 @@ from hf_paged.device_copy import to_device
 from hf_paged.step import RowSampling, StepPlan
 
 
-def kernel_settings(rows: list[RowSampling]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def kernel_settings(rows: list[RowSampling]) -> tuple[np.ndarray, ...]:
     """The sampling kernel's per-row settings: temperature (float32; 0 is greedy), top-k
-    (int32; 0 is off) and top-p (float32; 1 is off)."""
+    (int32; 0 is off), top-p (float32; 1 is off) and min-p (float32; 0 is off)."""
     return (np.array([r.temperature for r in rows], np.float32),
             np.array([r.top_k for r in rows], np.int32),
-            np.array([r.top_p for r in rows], np.float32))
+            np.array([r.top_p for r in rows], np.float32),
+            np.array([r.min_p for r in rows], np.float32))
 
 
 class Sampler:
@@ -101,9 +102,9 @@ class Sampler:
         elif not any(r.temperature for r in rows):
             tokens = logits.argmax(-1)
         else:
-            temperature, top_k, top_p = (torch.from_numpy(s).to(self.device, non_blocking=True)
-                                         for s in kernel_settings(rows))
-            tokens = kernels.sample(logits, temperature, top_k, top_p)
+            settings = (torch.from_numpy(s).to(self.device, non_blocking=True)
+                        for s in kernel_settings(rows))
+            tokens = kernels.sample(logits, *settings)
         for members in _hook_groups(rows) if processed else ():
             rows[members[0]].hooks.record([rows[i].request for i in members],
                                           tokens[self._to_device(members)])

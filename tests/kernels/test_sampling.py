@@ -15,24 +15,27 @@ from tests.kernels.conftest import DEVICE
 DRAWS = 20000 if DEVICE.type == "cuda" else 100
 
 
-def expected_probs(row: torch.Tensor, temperature: float, top_k: int, top_p: float):
+def expected_probs(row: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                   min_p: float = 0.0):
     """The distribution ``reference.sample`` draws from, for one row (ties have probability 0
-    with continuous random logits)."""
+    with continuous random logits), by transformers' warpers in their order."""
     x, rank = row.double() / temperature, torch.arange(row.numel(), device=row.device)
     sorted_x, order = x.sort(descending=True)
     if top_k > 0:
         sorted_x[rank >= top_k] = -math.inf
     probs = sorted_x.softmax(-1)
     sorted_x[(probs.cumsum(-1) - probs >= top_p) & (rank > 0)] = -math.inf
+    probs = sorted_x.softmax(-1)
+    sorted_x[probs < min_p * probs[0]] = -math.inf
     return torch.zeros_like(x).scatter(0, order, sorted_x.softmax(-1))
 
 
-def draw(fn, row, temperature, top_k, top_p, n, seed):
+def draw(fn, row, temperature, top_k, top_p, n, seed, min_p=0.0):
     """``n`` tokens from ``fn`` on ``n`` copies of ``row`` (a stride-0 view: no copies)."""
     gen = torch.Generator(device=row.device).manual_seed(seed)
     full = lambda value, dtype: torch.full((n,), value, dtype=dtype, device=row.device)  # noqa: E731
     return fn(row.expand(n, -1), full(temperature, torch.float32), full(top_k, torch.long),
-              full(top_p, torch.float32), generator=gen)
+              full(top_p, torch.float32), full(min_p, torch.float32), generator=gen)
 
 
 def assert_follows(tokens: torch.Tensor, probs: torch.Tensor) -> None:
@@ -50,17 +53,43 @@ def assert_follows(tokens: torch.Tensor, probs: torch.Tensor) -> None:
     assert chi2 < dof + 6 * math.sqrt(2 * dof) + 6, chi2
 
 
-CONFIGS = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.5, 0, 0.6), (0.9, 8, 0.75)]
+# (temperature, top_k, top_p, min_p): min-p alone (the searching path), after top-p, and
+# after the one-pass top-k path.
+CONFIGS = [(1.0, 0, 1.0, 0.0), (0.7, 5, 1.0, 0.0), (1.5, 0, 0.6, 0.0), (0.9, 8, 0.75, 0.0),
+           (1.0, 0, 1.0, 0.1), (1.2, 0, 0.9, 0.05), (0.6, 20, 0.95, 0.2)]
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", CONFIGS)
-def test_sampled_distribution(temperature, top_k, top_p):
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", CONFIGS)
+def test_sampled_distribution(temperature, top_k, top_p, min_p):
     row = torch.randn(24, generator=torch.Generator().manual_seed(top_k)).to(DEVICE) * 1.5
-    probs = expected_probs(row, temperature, top_k, top_p)
+    probs = expected_probs(row, temperature, top_k, top_p, min_p)
+    if min_p:  # the settings leave a few tokens, not one
+        assert 1 < probs.count_nonzero() < 24
     # The oracle above is the reference's distribution...
-    assert_follows(draw(reference.sample, row, temperature, top_k, top_p, 20000, 0), probs)
+    assert_follows(draw(reference.sample, row, temperature, top_k, top_p, 20000, 0, min_p),
+                   probs)
     # ...and the kernel draws from it.
-    assert_follows(draw(sample, row, temperature, top_k, top_p, DRAWS, 1), probs)
+    assert_follows(draw(sample, row, temperature, top_k, top_p, DRAWS, 1, min_p), probs)
+
+
+def test_min_p_matches_transformers_warper():
+    """The set min-p keeps is transformers' MinPLogitsWarper's, after its top-k and top-p."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    row = torch.randn(1, 500, generator=torch.Generator().manual_seed(3)) * 3
+    for temperature, top_k, top_p, min_p in [(0.6, 20, 0.95, 0.05), (1.0, 0, 1.0, 0.2)]:
+        scores = TemperatureLogitsWarper(temperature)(None, row.clone())
+        for warper in (TopKLogitsWarper(top_k) if top_k else None, TopPLogitsWarper(top_p),
+                       MinPLogitsWarper(min_p)):
+            scores = scores if warper is None else warper(None, scores)
+        kept = scores[0] > -math.inf
+        ours = expected_probs(row[0], temperature, top_k, top_p, min_p) > 0
+        assert torch.equal(kept, ours) and 1 < int(kept.sum()) < 500
 
 
 def test_greedy_rows_exact_and_sampled_rows_kept():

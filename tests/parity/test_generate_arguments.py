@@ -168,6 +168,7 @@ def test_checkpoint_generation_config_merges_as_in_transformers(configured_check
     dict(temperature=1.5, top_p=0.97),  # and transformers' default top_k=50
     dict(top_k=20, top_p=0.9, repetition_penalty=1.3),
     dict(top_k=0, min_p=0.02),
+    dict(temperature=0.6, top_k=20, top_p=0.95, min_p=0.1),  # all four in the sampling kernel
     dict(top_k=0, typical_p=0.9),
     dict(top_k=0, epsilon_cutoff=2e-3),
     dict(top_k=0, eta_cutoff=2e-3, temperature=0.8),

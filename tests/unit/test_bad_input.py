@@ -188,7 +188,8 @@ def test_non_qwen3_checkpoint_is_refused(tmp_path):
 def test_sampling_params_validate():
     for kwargs, name in [(dict(max_new_tokens=0), "max_new_tokens"),
                          (dict(temperature=-0.5), "temperature"),
-                         (dict(top_k=-1), "top_k"), (dict(top_p=0.0), "top_p")]:
+                         (dict(top_k=-1), "top_k"), (dict(top_p=0.0), "top_p"),
+                         (dict(min_p=1.5), "min_p"), (dict(min_p=-0.1), "min_p")]:
         with pytest.raises(ValueError, match=name):
             SamplingParams(**kwargs)
 
