@@ -31,8 +31,9 @@ import hf_paged
 from benchmarks import common
 from hf_paged.sampling_params import SamplingParams
 
-PHASES = [("scheduler", "schedule"), ("runner", "prepare"), ("runner.decode_graphs", "run"),
-          ("runner", "_sample"), ("runner", "collect"), ("scheduler", "postprocess")]
+PHASES = [("scheduler", "schedule"), ("executor.runner", "prepare"),
+          ("executor.runner.decode_graphs", "run"), ("executor.runner.sampler", "sample"),
+          ("executor.runner", "collect"), ("scheduler", "postprocess")]
 
 
 def attribute(obj, dotted: str):
