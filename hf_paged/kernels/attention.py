@@ -10,11 +10,9 @@ broadcast-multiply would hold a ``[GROUP, BLOCK_N, D]`` product in registers.
 
 Decode (``max_query_len == 1``) runs one program per (sequence, KV head). When those are too few
 to fill the GPU, the keys are split across ``num_splits`` programs (flash-decoding) that write
-partial results and their log-sum-exp; the last of a (sequence, KV head)'s programs to finish,
-counted by an atomic ticket, merges them in the same launch (a separate merge kernel would
-cost a launch a layer, a tenth of a batch-1 decode step) and resets the ticket for the next
-call. The split count depends only on the shapes, so decode is safe to capture in a CUDA
-graph: no host sync, no value-dependent allocation.
+partial results and their log-sum-exp, merged by a second kernel. The split count depends only
+on the shapes, so decode is safe to capture in a CUDA graph: no host sync, no value-dependent
+allocation.
 
 Cascade decode: when every sequence's context starts with the same cache blocks (a prompt shared
 through the prefix cache), reading those keys once per sequence is the cost of a large batch.
@@ -45,9 +43,6 @@ _SHARED_TILE = (64, 64, 4, 3)  # cascade decode's shared prefix: BLOCK_M // GROU
 # compiled variant, so views into a graph's packed input buffer (at any offset) share the
 # variants of separately allocated tensors instead of compiling their own.
 _INDEX_ARGS = ["cu_q_ptr", "seq_lens_ptr", "block_tables_ptr", "shared_ptr"]
-# Decode's merge tickets, one per (sequence, KV head), zero between calls: batches with more
-# pairs than this merge in a second kernel instead.
-_TICKETS = 1 << 16
 
 
 @triton.jit
@@ -103,44 +98,16 @@ def _attend_tiles(
 # Arguments that vary with the batch (its size, its block-table width, the split count) are
 # not specialised on (Triton would compile a variant for 1, for multiples of 16 and for the
 # rest): a prompt of a length not seen before then needs no compilation.
-@triton.jit
-def _merge_parts(part_out_ptr, part_lse_ptr, out_ptr, q_rows, head, row_ok, mask, dims,
-                 num_heads, num_parts, o_s0, o_s1, HEAD_DIM: tl.constexpr):
-    """Rows ``(q_rows, head)``'s attention from their ``num_parts`` partial results, each
-    weighted by its share of the softmax mass (as ``_combine_splits_kernel``). Loads bypass L1:
-    other programs wrote the parts."""
-    first = (q_rows * num_heads + head) * num_parts
-    top = tl.full(q_rows.shape, float("-inf"), tl.float32)
-    for p in range(0, num_parts):
-        lse = tl.load(part_lse_ptr + first + p, mask=row_ok, other=float("-inf"),
-                      cache_modifier=".cg")
-        top = tl.maximum(top, lse)
-    top = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.zeros(q_rows.shape, tl.float32)
-    acc = tl.zeros(mask.shape, tl.float32)
-    for p in range(0, num_parts):
-        lse = tl.load(part_lse_ptr + first + p, mask=row_ok, other=float("-inf"),
-                      cache_modifier=".cg")
-        weight = tl.exp2(lse - top)
-        part = tl.load(part_out_ptr + (first + p)[:, None] * HEAD_DIM + dims[None, :],
-                       mask=mask, other=0.0, cache_modifier=".cg")
-        acc += weight[:, None] * part
-        total += weight
-    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-    tl.store(out_ptr + q_rows[:, None] * o_s0 + head[:, None] * o_s1 + dims[None, :], out,
-             mask=mask)
-
-
 @triton.jit(do_not_specialize=["num_seqs", "num_splits", "num_parts", "bt_s0"],
             do_not_specialize_on_alignment=_INDEX_ARGS)
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    cu_q_ptr, seq_lens_ptr, block_tables_ptr, shared_ptr, tickets_ptr,
+    cu_q_ptr, seq_lens_ptr, block_tables_ptr, shared_ptr,
     scale_log2, num_seqs, num_heads, num_splits, num_parts,
     q_s0, q_s1, o_s0, o_s1, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, bt_s0,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, DECODE: tl.constexpr,
-    SPLIT: tl.constexpr, CASCADE: tl.constexpr, MERGE: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, CASCADE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -203,13 +170,6 @@ def _attention_kernel(
         part = (q_rows * num_heads + head) * num_parts + num_parts - num_splits + split
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=mask)
         tl.store(part_lse_ptr + part, m + tl.log2(denom), mask=row_ok)
-        if MERGE:  # decode: the last of this (sequence, KV head)'s splits merges the parts
-            tl.debug_barrier()  # every thread's parts stored before the ticket is taken
-            ticket_ptr = tickets_ptr + seq * tl.num_programs(1) + kv_head
-            if tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == num_splits - 1:
-                _merge_parts(part_out_ptr, part_lse_ptr, out_ptr, q_rows, head, row_ok, mask,
-                             dims, num_heads, num_parts, o_s0, o_s1, HEAD_DIM)
-                tl.atomic_xchg(ticket_ptr, 0, sem="relaxed")  # ready for the next call
     else:
         tl.store(out_ptr + q_rows[:, None] * o_s0 + head[:, None] * o_s1 + dims[None, :], out,
                  mask=mask)
@@ -285,13 +245,6 @@ def _sm_count(device: torch.device) -> int:
     return 132  # CPU tensors (Triton's interpreter): act as a 132-SM GPU would
 
 
-@functools.cache
-def _tickets(device: torch.device) -> torch.Tensor:
-    """Decode's merge tickets on ``device``: allocated once, at the first (eager) split decode
-    step, so that no CUDA graph owns them; every call leaves them zero."""
-    return torch.zeros(_TICKETS, dtype=torch.int32, device=device)
-
-
 def _decode_splits(programs: int, max_tiles: int, device: torch.device) -> int:
     """Split-K factor for ``programs`` (sequence, KV head) pairs: none once they fill the SMs,
     else enough for about two programs per SM, never more than the key tiles the block table
@@ -356,8 +309,6 @@ def paged_attention(
         shared_splits = _decode_splits(shared_tiles * num_kv_heads, max_tiles, query.device)
     num_parts = shared_splits + num_splits
     split = num_parts > 1
-    # Decode merges in its own launch (see the module docstring) when the tickets suffice.
-    merge = split and decode and num_seqs * num_kv_heads <= _TICKETS
     if split:
         part_out = torch.empty((num_tokens, num_heads, num_parts, head_dim),
                                dtype=torch.float32, device=query.device)
@@ -382,16 +333,16 @@ def paged_attention(
     launch(
         _attention_kernel, (programs, num_kv_heads, num_splits),
         query, k_cache, v_cache, out, part_out, part_lse, cu_seqlens_q, seq_lens, block_tables,
-        shared_prefix if cascade else seq_lens, _tickets(query.device) if merge else seq_lens,
+        shared_prefix if cascade else seq_lens,
         scale * _LOG2E, num_seqs, num_heads, num_splits, num_parts,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HEAD_DIM=head_dim, PAGE=page, DECODE=decode, SPLIT=split, CASCADE=cascade,
-        MERGE=merge, PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+        PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
     )
-    if split and not merge:
+    if split:
         launch(
             _combine_splits_kernel, (num_tokens * num_heads,),
             part_out, part_lse, out, num_heads, num_parts, out.stride(0), out.stride(1),

@@ -74,22 +74,6 @@ def test_decode_half_precision_odd_head_dim():
     check(DECODE_LENS, [1] * len(DECODE_LENS), 4, 2, 48, 16, HALF, max_query_len=1, num_splits=2)
 
 
-def test_decode_merge_tickets_reset_for_the_next_call():
-    """Split decode merges in its own launch, counted by tickets that every call leaves zero:
-    a second call over other sequences is right too."""
-    from hf_paged.kernels import attention
-
-    for seed, lens in enumerate(([5, 40, 17], [70, 3, 33, 9, 1])):
-        query, k_cache, v_cache, cu, seq_lens, tables = paged_batch(
-            lens, [1] * len(lens), 4, 2, 32, 8, torch.float32, seed=seed)
-        out = paged_attention(query, k_cache, v_cache, cu, seq_lens, tables, 32**-0.5,
-                              max_query_len=1, num_splits=3)
-        expected = reference.paged_attention(query, k_cache, v_cache, cu, seq_lens, tables,
-                                             32**-0.5)
-        assert_close(out, expected)
-        assert not attention._tickets(query.device).any()
-
-
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_decode_padded_graph_rows(num_splits):
     # A CUDA-graph batch: padded rows have seq_len 0 and block-table rows of zeros.
