@@ -110,17 +110,20 @@ class ModelRunner:
 
     def _decode_step(self, ids, src, positions, meta, temperature, top_k, top_p, min_p
                      ) -> tuple:
-        """Logits and the tokens drawn from them (one rank), or this rank's logits slice."""
+        """Logits in the model dtype and the tokens drawn from them (one rank), or this rank's
+        logits slice. The sampling kernel reads them as float32 as it loads them: a float32
+        copy of a large batch's logits would cost more than the draw."""
         hidden = self._forward_pending(ids, src, positions, meta)
+        logits = self.model.lm_head(hidden)
         if self.tp.size > 1:
-            return (self.model.lm_head(hidden),)
-        logits = self.model.compute_logits(hidden)
+            return (logits,)
         # greedy rows: the argmax
         return logits, kernels.sample(logits, temperature, top_k, top_p, min_p)
 
     def _decode_outputs(self, outputs: tuple, n: int) -> tuple:
         """A decode graph's outputs for its first ``n`` rows: (logits, drawn tokens), or the
-        gathered logits (rank 0; None elsewhere) and no tokens."""
+        gathered logits (rank 0; None elsewhere) and no tokens. Logits in the model dtype
+        reach the sampler, which takes float32 copies of the rows it processes."""
         if self.tp.size > 1:
             return self.model.gather_logits(outputs[0][:n]), None
         logits, drawn = outputs

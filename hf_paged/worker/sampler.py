@@ -91,12 +91,13 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, rows: list[RowSampling],
                drawn: torch.Tensor | None = None) -> torch.Tensor:
-        """One token per row of ``logits``. ``drawn``: the tokens a decode graph already drew
-        from ``logits`` with these rows' settings."""
+        """One token per row of ``logits`` (float32, or a decode graph's in the model dtype,
+        which the sampling kernel and argmax read exactly). ``drawn``: the tokens a decode
+        graph already drew from ``logits`` with these rows' settings."""
         penalized = [i for i, r in enumerate(rows) if r.repetition_penalty != 1.0]
         processed = penalized or any(r.hooks is not None for r in rows)
-        if processed:
-            logits = self._process(logits, rows, penalized)
+        if processed:  # on float32 logits, as transformers' generate processes them
+            logits = self._process(logits.float(), rows, penalized)
         if drawn is not None and not processed:
             tokens = drawn
         elif not any(r.temperature for r in rows):
