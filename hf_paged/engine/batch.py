@@ -40,9 +40,15 @@ class ScheduledBatch:
         )
 
     @property
-    def has_group_rows(self) -> bool:
-        """A beam group's member samples: its host's choice is the next step's input."""
-        return any(s.group is not None for s, m in zip(self.seqs, self.sample) if m)
+    def feeds_next_step(self) -> bool:
+        """Whether the host must read this step's results before scheduling the next: a beam
+        group's member samples (the group's choice is the next step's input), or a request's
+        hooks read its whole history. One pass over the batch."""
+        for seq, sample in zip(self.seqs, self.sample):
+            hooks = seq.params.hooks
+            if (sample and seq.group is not None) or (hooks is not None and hooks.needs_history):
+                return True
+        return False
 
     @property
     def num_prefill_tokens(self) -> int:

@@ -201,10 +201,7 @@ class EngineCore:
         batch = None
         finished: list[Sequence] = []
         try:
-            if previous is not None and (previous[0].has_group_rows
-                                         or self._needs_history(previous[0])):
-                # Hooks read each request's whole history, and a beam group's choice is the
-                # next step's input: that step is collected before the next is scheduled.
+            if previous is not None and previous[0].feeds_next_step:
                 finished = self._collect(previous)
                 previous = None
             batch = self.scheduler.schedule()
@@ -232,10 +229,6 @@ class EngineCore:
 
     def _release(self, seqs: list[Sequence]) -> None:
         self.executor.release([s.seq_id for s in seqs])
-
-    @staticmethod
-    def _needs_history(batch) -> bool:
-        return any(s.params.hooks is not None and s.params.hooks.needs_history for s in batch.seqs)
 
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)
