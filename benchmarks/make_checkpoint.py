@@ -1,4 +1,5 @@
-"""Write a random Qwen3 checkpoint of a real shape, unless the folder already holds one.
+"""Write a random Qwen3 or Qwen3-MoE checkpoint of a real shape, unless the folder already
+holds one.
 
 python -m benchmarks.make_checkpoint --shape 0.6b --out /tmp/ckpt/0.6b --dtype bfloat16
 """
@@ -23,6 +24,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="folder to write the checkpoint to")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int,
+                        help="decoder layers (default: the shape's own; each layer unchanged)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where the weights are drawn (default: the GPU when there is one)")
     args = parser.parse_args(argv)
@@ -30,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"checkpoint already in {args.out}; nothing to do")
         return
     make_checkpoint(args.shape, str(args.out), dtype=args.dtype, seed=args.seed,
-                    device=args.device)
+                    device=args.device, layers=args.layers)
     print(f"wrote a random {args.shape} ({args.dtype}) checkpoint to {args.out}")
 
 

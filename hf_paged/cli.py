@@ -12,6 +12,8 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
+from hf_paged.checkpoint_shapes import SHAPES
+
 DEFAULT_MODEL = Path.home() / ".cache" / "hf_paged" / "random-qwen3-tiny"
 
 
@@ -37,8 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--check", action="store_true",
                      help="also run stock transformers generate and compare the tokens")
 
-    mk = sub.add_parser("make-checkpoint", help="write a random Qwen3 checkpoint")
-    mk.add_argument("--shape", default="tiny", choices=["tiny", "0.6b", "1.7b", "8b"])
+    mk = sub.add_parser("make-checkpoint",
+                        help="write a random Qwen3 or Qwen3-MoE checkpoint of a real shape")
+    mk.add_argument("--shape", default="tiny", choices=list(SHAPES))
+    mk.add_argument("--layers", type=int, help="decoder layers (default: the shape's own; "
+                    "fewer make a large shape's checkpoint fit a disk, each layer unchanged)")
     mk.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("out")
@@ -63,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "make-checkpoint":
             from hf_paged.random_checkpoint import make_checkpoint
 
-            print(make_checkpoint(args.shape, args.out, args.dtype, args.seed))
+            print(make_checkpoint(args.shape, args.out, args.dtype, args.seed,
+                                  layers=args.layers))
             return 0
         if args.command == "bench":
             return _bench(args.name, args.args)

@@ -1,4 +1,5 @@
-"""Qwen3 checkpoints with real shapes and seeded random weights, for machines without a hub.
+"""Qwen3 and Qwen3-MoE checkpoints with real shapes and seeded random weights, for machines
+without a hub.
 
 The embedding (and LM head) is drawn wide enough that logits are peaked: greedy decoding then
 has clear winners, so token-for-token comparisons with transformers are meaningful. Each
@@ -13,46 +14,53 @@ import json
 from importlib import resources
 
 import torch
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
-
-_QWEN3 = dict(
-    vocab_size=151936, max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
-    head_dim=128, num_key_value_heads=8, bos_token_id=151643, eos_token_id=151645,
-    pad_token_id=151643,
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
 )
-SHAPES: dict[str, dict] = {
-    "tiny": dict(_QWEN3, vocab_size=1024, hidden_size=64, intermediate_size=128,
-                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                 max_position_embeddings=2048, tie_word_embeddings=True,
-                 bos_token_id=1, eos_token_id=2, pad_token_id=0),
-    "0.6b": dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                 num_attention_heads=16, tie_word_embeddings=True),
-    "1.7b": dict(_QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                 num_attention_heads=16, tie_word_embeddings=True),
-    "8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-               num_attention_heads=32, tie_word_embeddings=False),
-}
+
+from hf_paged.checkpoint_shapes import SHAPES
+
+
+def shape_config(shape: str, dtype: str = "float32", layers: int | None = None
+                 ) -> PretrainedConfig:
+    """The config of a named shape (``SHAPES``), with ``layers`` decoder layers instead of the
+    shape's own when given (each layer's shape unchanged: a benchmark checkpoint of a large
+    model that fits a disk)."""
+    if shape not in SHAPES:
+        raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
+    kwargs = dict(SHAPES[shape], dtype=dtype)
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"layers must be at least 1, got {layers}")
+        kwargs["num_hidden_layers"] = layers
+    return AutoConfig.for_model(kwargs.pop("model_type", "qwen3"), **kwargs)
 
 
 @torch.no_grad()
 def random_qwen3(
-    config: Qwen3Config, seed: int = 0, logit_scale: float = 4.0, device: str = "cpu"
-) -> Qwen3ForCausalLM:
-    """A Qwen3 model with seeded weights: std ``1.5 / sqrt(fan_in)`` inside the blocks (they
-    visibly transform the residual stream, so outputs are not a bigram table) and embeddings of
-    std ``logit_scale / sqrt(hidden_size)``, so that logits spread over about ``logit_scale``.
+    config: PretrainedConfig, seed: int = 0, logit_scale: float = 4.0, device: str = "cpu"
+) -> PreTrainedModel:
+    """A Qwen3 or Qwen3-MoE model (as the config says) with seeded weights: std
+    ``1.5 / sqrt(fan_in)`` inside the blocks (they visibly transform the residual stream, so
+    outputs are not a bigram table) and embeddings of std ``logit_scale / sqrt(hidden_size)``,
+    so that logits spread over about ``logit_scale``.
     The weights are drawn on ``device`` (a GPU draws an 8B model in seconds, the CPU in
     minutes); a seed gives the same weights on the same kind of device only."""
     gen = torch.Generator(device).manual_seed(seed)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(config).to(config.dtype or torch.float32)
+    with torch.device(device):  # built in its dtype: a float32 copy of a 30B would not fit
+        model = AutoModelForCausalLM.from_config(config, dtype=config.dtype or torch.float32)
     wide = logit_scale / config.hidden_size**0.5
     for name, param in model.named_parameters():
         if "norm" in name:
             param.fill_(1.0)
             continue
         embedding = "embed_tokens" in name or "lm_head" in name
-        std = wide if embedding else 1.5 / param.shape[-1] ** 0.5
+        std = wide if embedding else 1.5 / param.shape[-1] ** 0.5  # experts: [E, out, in]
         param.copy_(torch.randn(param.shape, generator=gen, device=device) * std)
     return model.eval()
 
@@ -69,7 +77,7 @@ CHAT_TEMPLATE = (
 _TOKENIZER_VOCAB = 1024
 
 
-def train_tokenizer(config: Qwen3Config) -> PreTrainedTokenizerFast:
+def train_tokenizer(config: PretrainedConfig) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer of at most 1,024 ids trained on ``data/tokenizer_corpus.txt``,
     its special tokens at the config's ids (Qwen3's layout) and padding on the left."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -100,13 +108,13 @@ def train_tokenizer(config: Qwen3Config) -> PreTrainedTokenizerFast:
 
 
 def make_checkpoint(
-    shape: str, out_dir: str, dtype: str = "bfloat16", seed: int = 0, device: str = "cpu"
+    shape: str, out_dir: str, dtype: str = "bfloat16", seed: int = 0, device: str = "cpu",
+    layers: int | None = None,
 ) -> str:
-    """Write a random Qwen3 checkpoint of a named shape (``SHAPES``), with its generation
-    config and tokenizer, to ``out_dir``; the weights are drawn on ``device``."""
-    if shape not in SHAPES:
-        raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
-    config = Qwen3Config(**SHAPES[shape], dtype=dtype)
+    """Write a random checkpoint of a named shape (``SHAPES``; ``layers`` overrides its layer
+    count), with its generation config and tokenizer, to ``out_dir``; the weights are drawn on
+    ``device``."""
+    config = shape_config(shape, dtype, layers)
     model = random_qwen3(config, seed, device=device)
     model.save_pretrained(out_dir)
     GenerationConfig(

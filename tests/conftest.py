@@ -24,6 +24,20 @@ TINY_CONFIGS = {
     "one_kv_head": dict(SHAPES["tiny"], num_attention_heads=4, num_key_value_heads=1),
 }
 
+# Tiny Qwen3-MoE shapes: top-k weights renormalised or not, experts not a power of two, dense
+# layers among the sparse ones (mlp_only_layers, decoder_sparse_step 2), tied and untied.
+MOE_CONFIGS = {
+    "e8_k2_tied": dict(SHAPES["tiny-moe"]),
+    "e6_k3_raw_dense0": dict(SHAPES["tiny-moe"], num_experts=6, num_experts_per_tok=3,
+                             norm_topk_prob=False, mlp_only_layers=[0], num_hidden_layers=3,
+                             tie_word_embeddings=False),
+    "e4_k1_step2": dict(SHAPES["tiny-moe"], num_experts=4, num_experts_per_tok=1,
+                        decoder_sparse_step=2, num_hidden_layers=4, tie_word_embeddings=False),
+    "e16_k4_wide": dict(SHAPES["tiny-moe"], num_experts=16, num_experts_per_tok=4,
+                        hidden_size=128, moe_intermediate_size=48, num_attention_heads=8,
+                        head_dim=32, num_key_value_heads=4),
+}
+
 # Engine options small enough for a fast CPU cache; every model built from
 # ``tiny_checkpoint`` loads with these.
 SMALL = dict(max_model_len=128, num_kv_blocks=64, block_size=8)
@@ -47,6 +61,25 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
         random_qwen3(Qwen3Config(**shape, dtype="float32"), seed=0).save_pretrained(path)
         paths[name] = path
     return paths
+
+
+@pytest.fixture(scope="session")
+def moe_checkpoints(tmp_path_factory) -> dict[str, str]:
+    """name -> folder of a float32 random Qwen3-MoE checkpoint, in the hub's layout (one
+    matrix per expert and projection, as transformers saves it)."""
+    paths = {}
+    for name, shape in MOE_CONFIGS.items():
+        path = str(tmp_path_factory.mktemp(f"moe_{name}"))
+        config = transformers.AutoConfig.for_model(**shape, dtype="float32")
+        random_qwen3(config, seed=0).save_pretrained(path)
+        paths[name] = path
+    return paths
+
+
+@pytest.fixture(scope="session")
+def moe_models(moe_checkpoints) -> dict[str, transformers.Qwen3MoeForCausalLM]:
+    return {name: transformers.Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32)
+            .eval() for name, path in moe_checkpoints.items()}
 
 
 @pytest.fixture(scope="session")

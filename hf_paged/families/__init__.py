@@ -21,6 +21,7 @@ from hf_paged.families.build import build_model
 # config.model_type -> the module of the family that serves it.
 REGISTRY: dict[str, str] = {
     "qwen3": "hf_paged.families.qwen3",
+    "qwen3_moe": "hf_paged.families.qwen3_moe",
 }
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import transformers
 from transformers import PretrainedConfig
@@ -28,9 +30,9 @@ def build_model(
     max_positions: int,
     tp: TensorParallel = SINGLE,
 ) -> PagedModel:
-    """transformers' skeleton of the family on meta -> the keys it expects -> the family's
-    swap -> check the checkpoint's keys -> allocate on ``device`` -> load this rank's
-    weights. ``config`` has passed ``families.check_model``."""
+    """transformers' skeleton of the family on meta -> the keys it expects (in the
+    checkpoint's layout) -> the family's swap -> check the checkpoint's keys -> allocate on
+    ``device`` -> load this rank's weights. ``config`` has passed ``families.check_model``."""
     family = families.family_for(config)
     with torch.device("meta"):
         hf = getattr(transformers, family.ARCHITECTURE)(config)
@@ -38,6 +40,8 @@ def build_model(
         family.swap_modules(hf, attention_backend, max_positions, tp)
     # Every rank checks (and fails alike); rank 0 alone logs.
     weights = Checkpoint.open(checkpoint)
+    expected = replace(expected, shapes=family.checkpoint_keys(expected.shapes,
+                                                                weights.shapes.keys()))
     tied = ties_embeddings(weights, bool(getattr(config, "tie_word_embeddings", False)),
                            log=tp.rank == 0)
     sources = match_keys(weights, expected, tied, log=tp.rank == 0)
@@ -47,5 +51,5 @@ def build_model(
     if tied:
         hf.lm_head.weight = hf.model.embed_tokens.weight
     hf.model.rotary_emb.build_cache(device)
-    load_weights(hf, weights, sources, family.PACKED_MODULES)
+    load_weights(hf, weights, sources, family.weight_target)
     return PagedModel(hf)

@@ -8,17 +8,25 @@ model_types to it and imports it on first use. The next family copies this shape
 - ``ARCHITECTURE``, ``INNER_MODEL``: the names, in ``transformers``, of its causal-LM class
   (the skeleton the weights load into, and the base of the drop-in class, which keeps its
   name: pipelines check models by it) and of the inner model class (``model.model``).
+- ``OUTPUT``: the name, in ``transformers.modeling_outputs``, of the class the causal LM's
+  forward returns.
 - ``PACKED_MODULES``: its fused weight groups, checkpoint projection -> (merged module, shard
   id), which the loader fills and ``state_dict()`` splits back; ``packed_sizes(config)``: each
   merged module's part sizes, in checkpoint order.
 - ``check_config(config)`` and ``check_shardable(config, tp_size)``: a ValueError naming what
   the modules cannot run, or what ``tp_size`` ranks cannot split (both numbers named).
+- ``checkpoint_keys(expected, found)``: transformers' keys and full shapes (``expected``)
+  restated in the layout of a checkpoint holding the keys ``found``, where a family's
+  checkpoints name tensors otherwise; ``weight_target(name)``: the parameter a checkpoint
+  tensor fills and its shard id (a merged module's part), for the modules' ``weight_loader``.
 - ``swap_modules(model, attention_backend, max_positions, tp)``: on the meta device, replace
   every module of transformers' model that ``PagedModel.forward`` runs by this rank's paged
   one, as ``hf_paged.modeling.paged_model`` describes them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
@@ -32,6 +40,7 @@ from hf_paged.modeling.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
+from hf_paged.modeling.loader import target_of
 from hf_paged.modeling.norm import RMSNorm
 from hf_paged.modeling.rotary import RotaryEmbedding
 from hf_paged.modeling.tp import SINGLE, TensorParallel, kv_head_layout
@@ -40,6 +49,7 @@ NAME = "Qwen3"
 MODEL_TYPES = ("qwen3",)
 ARCHITECTURE = "Qwen3ForCausalLM"
 INNER_MODEL = "Qwen3Model"
+OUTPUT = "CausalLMOutputWithPast"
 PACKED_MODULES = {
     "q_proj": ("qkv_proj", "q"),
     "k_proj": ("qkv_proj", "k"),
@@ -58,6 +68,18 @@ def packed_sizes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
     q = config.num_attention_heads * _head_dim(config)
     kv = config.num_key_value_heads * _head_dim(config)
     return {"qkv_proj": (q, kv, kv), "gate_up_proj": (config.intermediate_size,) * 2}
+
+
+def checkpoint_keys(expected: dict[str, tuple[int, ...]],
+                    found: Collection[str]) -> dict[str, tuple[int, ...]]:
+    """Qwen3 checkpoints name transformers' own keys."""
+    return expected
+
+
+def weight_target(name: str) -> tuple[str, object]:
+    """A checkpoint tensor's parameter and shard id: q/k/v and gate/up go to their merged
+    projection."""
+    return target_of(name, PACKED_MODULES)
 
 
 def check_config(config: PretrainedConfig) -> None:
@@ -81,11 +103,20 @@ def check_shardable(config: PretrainedConfig, tp_size: int) -> None:
 def swap_modules(model: nn.Module, attention_backend: str, max_positions: int,
                  tp: TensorParallel = SINGLE) -> None:
     """transformers' ``Qwen3ForCausalLM`` (on meta) -> this rank's paged modules, in place."""
+    swap_decoder(model, attention_backend, max_positions, tp,
+                 lambda layer: Qwen3PagedMLP(model.config, tp))
+
+
+def swap_decoder(model: nn.Module, attention_backend: str, max_positions: int,
+                 tp: TensorParallel, feed_forward: Callable[[nn.Module], nn.Module]) -> None:
+    """Swap a Qwen3-style decoder (on meta) in place: Qwen3's attention and norms, the
+    embedding, RoPE and LM head, and each layer's feed-forward block for what
+    ``feed_forward(layer)`` builds from transformers' layer."""
     config, inner = model.config, model.model
     eps = config.rms_norm_eps
     for layer in inner.layers:
         layer.self_attn = Qwen3PagedAttention(config, attention_backend, tp)
-        layer.mlp = Qwen3PagedMLP(config, tp)
+        layer.mlp = feed_forward(layer)
         layer.input_layernorm = RMSNorm(config.hidden_size, eps)
         layer.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
     inner.norm = RMSNorm(config.hidden_size, eps)

@@ -18,7 +18,8 @@ import weakref
 from types import ModuleType
 
 import torch
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers import modeling_outputs
+from transformers.modeling_outputs import ModelOutput
 
 from hf_paged import families
 from hf_paged.generation.paged_engine import PagedEngine
@@ -210,11 +211,14 @@ class PagedCausalLM:
         logits_to_keep: int | torch.Tensor = 0,
         return_dict: bool | None = None,
         **kwargs,
-    ) -> CausalLMOutputWithPast | tuple:
-        """transformers' causal LM forward (SDPA attention) over whole sequences,
-        on a scratch cache. It keeps no KV cache: ``past_key_values`` is None; decode with
-        ``generate``."""
+    ) -> ModelOutput | tuple:
+        """transformers' causal LM forward (SDPA attention) over whole sequences on a scratch
+        cache, in the family's output class (``CausalLMOutputWithPast``, ...). It keeps no KV
+        cache: ``past_key_values`` is None; decode with ``generate``."""
         refuse_forward_options(past_key_values, inputs_embeds, use_cache, kwargs, _LOSS_KEYWORDS)
+        if kwargs.get("output_router_logits", getattr(self.config, "output_router_logits", None)):
+            raise ValueError("output_router_logits (set in the config): hf_paged's forward "
+                             "returns no router logits and no load-balancing loss")
         inputs = forward_inputs(input_ids, attention_mask, position_ids, self.config.vocab_size)
         logits = self.engine.forward(*inputs, logits_to_keep)
         logits = logits.to(input_ids.device)
@@ -224,7 +228,8 @@ class PagedCausalLM:
                 loss_kwargs = {n: v for n, v in kwargs.items() if n in _LOSS_KEYWORDS}
                 loss = self.loss_function(logits=logits, labels=labels,
                                           vocab_size=self.config.vocab_size, **loss_kwargs)
-        output = CausalLMOutputWithPast(loss=loss, logits=logits)
+        output_class = getattr(modeling_outputs, families.family_for(self.config).OUTPUT)
+        output = output_class(loss=loss, logits=logits)
         if return_dict is None:
             return_dict = self.config.return_dict
         return output if return_dict else output.to_tuple()

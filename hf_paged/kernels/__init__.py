@@ -97,8 +97,10 @@ rms_norm = _dispatch("rmsnorm", "rms_norm")
 add_rms_norm = _dispatch("rmsnorm", "add_rms_norm")
 silu_and_mul = _dispatch("activation", "silu_and_mul")
 sample = _dispatch("sampling", "sample")
+moe_route = _dispatch("moe_routing", "moe_route")
+moe_experts = _dispatch("moe_gemm", "moe_experts")
 
 __all__ = [
-    "add_rms_norm", "copy_blocks", "gated_linear", "linear", "norm_rope_store", "normed_linear",
-    "rms_norm", "sample", "silu_and_mul",
+    "add_rms_norm", "copy_blocks", "gated_linear", "linear", "moe_experts", "moe_route",
+    "norm_rope_store", "normed_linear", "rms_norm", "sample", "silu_and_mul",
 ]

@@ -151,6 +151,42 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def moe_route(router_logits: torch.Tensor, top_k: int,
+              renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' Qwen3-MoE router after its projection: the softmax of ``router_logits
+    [T, E]`` in float32, the ``top_k`` largest (``torch.topk``: descending), renormalised to
+    sum to one when ``renormalize`` (``norm_topk_prob``), cast to the logits' dtype.
+    Returns ``(weights [T, k], ids [T, k] int32)``."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids.to(torch.int32)
+
+
+def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                ids: torch.Tensor, config: object | None = None) -> torch.Tensor:
+    """transformers' Qwen3MoeExperts: token ``t`` of ``x [T, H]`` goes through its experts
+    ``ids[t]`` (distinct in a row), each ``F.linear(silu(gate) * up, w2[e])`` with ``gate,
+    up`` the halves of ``F.linear(x[t], w13[e])``, times ``weights[t, slot]``, summed.
+
+    ``w13 [E, 2I, H]`` holds an expert's gate rows then its up rows and ``w2 [E, H, I]`` its
+    down projection; under tensor parallelism, a rank's slices of both. As transformers, the
+    experts are taken in index order, each over its (slot, token) pairs in that order, and
+    added up with ``index_add_`` in ``x``'s dtype, so float32 results match it bit for bit.
+    ``config`` (the Triton twin's tiles) is ignored."""
+    out = torch.zeros_like(x)
+    ids = ids.long()
+    inter = w2.shape[-1]
+    for expert in ids.unique().tolist():
+        slot, token = torch.where(ids.T == expert)
+        hidden = F.linear(x[token], w13[expert])
+        hidden = F.silu(hidden[:, :inter]) * hidden[:, inter:]
+        hidden = F.linear(hidden, w2[expert]) * weights[token, slot, None]
+        out.index_add_(0, token, hidden.to(x.dtype))
+    return out
+
+
 def sample(
     logits: torch.Tensor,
     temperature: torch.Tensor,

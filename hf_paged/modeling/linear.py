@@ -16,12 +16,13 @@ from hf_paged.modeling.tp import SINGLE, TensorParallel, kv_head_layout
 
 
 def narrow(loaded, dim: int, start: int, size: int) -> torch.Tensor:
-    """``loaded[start:start+size]`` along ``dim`` (0 or 1); on a safetensors slice this reads
-    only those bytes from the file."""
+    """``loaded[start:start+size]`` along ``dim``; on a safetensors slice this reads only
+    those bytes from the file."""
     return loaded[(slice(None),) * dim + (slice(start, start + size),)]
 
 
-def _divide(n: int, d: int, what: str) -> int:
+def divide(n: int, d: int, what: str) -> int:
+    """``n / d``; a ValueError naming ``what`` when ranks cannot split it evenly."""
     if n % d:
         raise ValueError(f"{what} ({n}) is not divisible by tensor_parallel_size ({d})")
     return n // d
@@ -46,7 +47,7 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  tp: TensorParallel = SINGLE):
-        super().__init__(in_features, _divide(out_features, tp.size, "output features"), bias, tp)
+        super().__init__(in_features, divide(out_features, tp.size, "output features"), bias, tp)
 
     def normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
                gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +68,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False,
                  tp: TensorParallel = SINGLE):
         for size in out_sizes:
-            _divide(size, tp.size, "intermediate_size")
+            divide(size, tp.size, "intermediate_size")
         self.out_sizes = out_sizes
         super().__init__(in_features, sum(out_sizes), bias, tp)
 
@@ -103,7 +104,7 @@ class RowParallelLinear(_ParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  tp: TensorParallel = SINGLE):
-        super().__init__(_divide(in_features, tp.size, "input features"), out_features, bias, tp)
+        super().__init__(divide(in_features, tp.size, "input features"), out_features, bias, tp)
 
     def weight_loader(self, param: nn.Parameter, loaded) -> None:
         if param.dim() == 1:  # the bias is added once, after the reduction

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -190,11 +191,12 @@ def target_of(name: str, packed_modules: PackedModules) -> tuple[str, object]:
 
 @torch.no_grad()
 def load_weights(model: nn.Module, checkpoint: Checkpoint, sources: dict[str, str],
-                 packed_modules: PackedModules) -> None:
+                 weight_target: Callable[[str], tuple[str, object]]) -> None:
     """Copy each checkpoint tensor (``match_keys``' choice) into its (shard of a) parameter,
-    the parts of a fused group (``packed_modules``) into their shards of the merged one."""
+    which ``weight_target`` names with the shard id the parameter's loader takes (the part
+    of a merged parameter)."""
     params = dict(model.named_parameters())
-    targets = {key: target_of(key, packed_modules) for key in sources}
+    targets = {key: weight_target(key) for key in sources}
     # A guard against a swapped module that transformers' keys do not describe: every
     # parameter must be filled, and by keys that name it.
     named = {target for target, _ in targets.values()}

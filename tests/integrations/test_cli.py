@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import huggingface_hub
@@ -74,3 +75,15 @@ def test_check_labels_what_it_prints(capsys, tiny_checkpoint):
     for label in ("hf_paged [0]: '", "hf_paged [1]: '", "transformers [0]: '",
                   "transformers [1]: '", "parity with transformers: identical tokens"):
         assert label in out
+
+
+def test_a_qwen3_moe_checkpoint_with_fewer_layers_generates_as_transformers(capsys, tmp_path):
+    out_dir = str(tmp_path / "moe")
+    assert main(["make-checkpoint", "--shape", "tiny-moe", "--layers", "3", "--dtype",
+                 "float32", out_dir]) == 0
+    with open(f"{out_dir}/config.json") as f:
+        config = json.load(f)
+    assert (config["model_type"], config["num_hidden_layers"]) == ("qwen3_moe", 3)
+    assert main(["generate", "--model", out_dir, "--prompt", "Hello there", "--prompt",
+                 "The river", "--max-new-tokens", "6", "--check", "--device", "cpu"]) == 0
+    assert "parity with transformers: identical tokens" in capsys.readouterr().out

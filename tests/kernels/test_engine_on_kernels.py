@@ -11,7 +11,7 @@ import hf_paged
 from hf_paged import kernels
 from hf_paged.kernels.small_m import MAX_ROWS
 from hf_paged.modeling.linear import _ParallelLinear
-from tests.conftest import TINY_CONFIGS, left_padded
+from tests.conftest import MOE_CONFIGS, TINY_CONFIGS, left_padded
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the kernels always run")
@@ -26,6 +26,23 @@ def test_decode_through_the_kernels_gives_the_reference_tokens(checkpoints, monk
             for module in engine.model.layers.modules():  # as start-up may choose on a GPU
                 if isinstance(module, _ParallelLinear):
                     module.small_m_rows = MAX_ROWS
+            return engine.generate(ids, attention_mask=mask, max_new_tokens=6)
+
+    assert torch.equal(tokens(True), tokens(False))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the kernels always run")
+def test_a_qwen3_moe_engine_on_the_kernels_gives_the_reference_tokens(moe_checkpoints,
+                                                                      monkeypatch):
+    """The fused MoE kernels (routing, alignment, grouped GEMMs) as the sparse blocks wire
+    them, in prefill and decode steps, float32: the twins' tokens."""
+    name = "e6_k3_raw_dense0"
+    ids, mask = left_padded([5, 9, 3], MOE_CONFIGS[name]["vocab_size"], seed=4)
+
+    def tokens(through_triton: bool) -> torch.Tensor:
+        monkeypatch.setattr(kernels, "_TRITON_ON_CPU", through_triton)
+        with hf_paged.from_pretrained(moe_checkpoints[name], device="cpu",
+                                      dtype=torch.float32) as engine:
             return engine.generate(ids, attention_mask=mask, max_new_tokens=6)
 
     assert torch.equal(tokens(True), tokens(False))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_CONFIGS, left_padded
+from tests.conftest import left_padded
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300  # generous for two busy cores; a hang takes this long to fail
@@ -32,6 +32,7 @@ SCORED = dict(CALL, generate=dict(max_new_tokens=4, output_scores=True,
 BEAMS = dict(CALL, generate=dict(max_new_tokens=8, num_beams=3, num_return_sequences=2))
 DP_CALL = dict(lengths=[5, 9, 14, 3, 11], seed=7, generate=dict(max_new_tokens=8))
 SPAWNED = ["gqa_tied", "mha_untied", "one_kv_head"]
+MOE = "e6_k3_raw_dense0"
 
 
 def run_jobs(jobs: list[dict], out: Path, launcher: list[str] = (), returncode: int = 0) -> None:
@@ -44,7 +45,8 @@ def run_jobs(jobs: list[dict], out: Path, launcher: list[str] = (), returncode: 
 
 
 def reference(hf_models, name: str, call: dict, new_only: bool = False) -> list:
-    ids, mask = left_padded(call["lengths"], TINY_CONFIGS[name]["vocab_size"], seed=call["seed"])
+    vocab = hf_models[name].config.vocab_size
+    ids, mask = left_padded(call["lengths"], vocab, seed=call["seed"])
     out = hf_models[name].generate(ids, attention_mask=mask, do_sample=False, **call["generate"])
     return (out[:, ids.shape[1]:] if new_only else out).tolist()
 
@@ -64,10 +66,15 @@ def spawned(checkpoints, tmp_path_factory) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def torchrun(checkpoints, tmp_path_factory) -> list[list[dict]]:
-    """Two launched ranks: one TP=2 engine, then one engine each for data parallelism."""
+def torchrun(checkpoints, moe_checkpoints, tmp_path_factory) -> list[list[dict]]:
+    """Two launched ranks: one TP=2 engine, a TP=2 Qwen3-MoE engine (every expert split
+    along moe_intermediate_size, a dense layer among the sparse ones), then one engine each
+    for data parallelism."""
     jobs = [dict(checkpoint=checkpoints["gqa4_untied"],
                  engine=dict(CPU, tensor_parallel_size=2), calls=[CALL, SAMPLED, SCORED, BEAMS]),
+            dict(checkpoint=moe_checkpoints[MOE], engine=dict(CPU, **TIGHT,
+                                                              tensor_parallel_size=2),
+                 calls=[CALL, BEAMS]),
             dict(checkpoint=checkpoints["gqa_tied"], engine=CPU,
                  calls=[DP_CALL], data_parallel=True)]
     out = tmp_path_factory.mktemp("torchrun") / "results.json"
@@ -134,10 +141,18 @@ def test_torchrun_ranks_return_identical_outputs(torchrun, hf_models):
     assert len(scored["scores"]) == 4 and scored["sequences"] == [row[:-8] for row in greedy]
 
 
+def test_tp2_qwen3_moe_matches_transformers(torchrun, moe_models):
+    """Greedy with preemption, chunked prefill and prefix hits, and beams."""
+    rank0, rank1 = (results[1] for results in torchrun)
+    assert rank0["outputs"] == rank1["outputs"] == [reference(moe_models, MOE, CALL),
+                                                    reference(moe_models, MOE, BEAMS)]
+    assert rank0["stats"]["num_preemptions"] > 0, rank0["stats"]
+
+
 def test_data_parallel_under_accelerate(torchrun, hf_models):
     """One engine per launched process (tensor_parallel_size=1): accelerate's process group
     shards nothing; prompts split with split_between_processes, gathered on rank 0."""
-    assert torchrun[0][1]["outputs"] == [reference(hf_models, "gqa_tied", DP_CALL, new_only=True)]
+    assert torchrun[0][2]["outputs"] == [reference(hf_models, "gqa_tied", DP_CALL, new_only=True)]
 
 
 def test_tp_size_the_heads_cannot_split_is_refused_before_any_process_starts(checkpoints):

@@ -13,20 +13,23 @@ import types
 import pytest
 import torch
 import transformers
-from transformers import LlamaConfig, Qwen3Config
+from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
 import hf_paged
 from hf_paged import families
-from hf_paged.families import qwen3
+from hf_paged.families import qwen3, qwen3_moe
 from hf_paged.integrations import causal_lm, model_call
 from hf_paged.integrations.causal_lm import PagedCausalLM, causal_lm_class
 from hf_paged.integrations.model_call import PagedInnerModel, inner_model_class
 from tests.conftest import TINY_CONFIGS
 
-QWEN3 = "Qwen3 checkpoints (model_type 'qwen3', Qwen3ForCausalLM)"
+QWEN3 = ("Qwen3 checkpoints (model_type 'qwen3', Qwen3ForCausalLM) and Qwen3-MoE checkpoints "
+         "(model_type 'qwen3_moe', Qwen3MoeForCausalLM)")
 # What a family module provides (see families/qwen3.py).
-FAMILY_INTERFACE = ("NAME", "MODEL_TYPES", "ARCHITECTURE", "INNER_MODEL", "PACKED_MODULES",
-                    "packed_sizes", "check_config", "check_shardable", "swap_modules")
+FAMILY_INTERFACE = ("NAME", "MODEL_TYPES", "ARCHITECTURE", "INNER_MODEL", "OUTPUT",
+                    "PACKED_MODULES",
+                    "packed_sizes", "checkpoint_keys", "weight_target", "check_config",
+                    "check_shardable", "swap_modules")
 TINY_LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
 
@@ -34,7 +37,8 @@ TINY_LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidde
 def test_a_qwen3_config_picks_the_qwen3_family():
     assert families.family_for(Qwen3Config()) is qwen3
     assert families.family_for("qwen3") is qwen3
-    assert families.supported_model_types() == ("qwen3",)
+    assert families.supported_model_types() == ("qwen3", "qwen3_moe")
+    assert families.family_for(Qwen3MoeConfig()) is qwen3_moe
     families.check_model(Qwen3Config(**TINY_CONFIGS["gqa_tied"]), 2)
 
 
@@ -100,6 +104,7 @@ def llama_family(monkeypatch):
     family = types.ModuleType("tests.unit.llama_family")
     family.NAME, family.MODEL_TYPES = "Llama", ("llama",)
     family.ARCHITECTURE, family.INNER_MODEL = "LlamaForCausalLM", "LlamaModel"
+    family.OUTPUT = "CausalLMOutputWithPast"
     monkeypatch.setitem(sys.modules, family.__name__, family)
     monkeypatch.setitem(families.REGISTRY, "llama", family.__name__)
     yield family
@@ -109,7 +114,7 @@ def llama_family(monkeypatch):
 
 def test_the_registry_imports_a_family_only_when_asked(monkeypatch):
     monkeypatch.setitem(families.REGISTRY, "llama", "tests.unit.no_such_family")
-    assert families.supported_model_types() == ("qwen3", "llama")
+    assert families.supported_model_types() == ("qwen3", "qwen3_moe", "llama")
     assert families.family_for("qwen3") is qwen3
     with pytest.raises(ModuleNotFoundError):
         families.family_for("llama")

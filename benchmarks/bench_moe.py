@@ -1,0 +1,152 @@
+"""The fused mixture-of-experts kernels on a Qwen3-30B-A3B layer (128 experts, 8 per token,
+hidden 2,048, expert intermediate 768, bf16, random router logits): ``moe_experts`` replayed
+from a CUDA graph at decode batches and prefill lengths, against the bytes it must move (the
+weights of the experts the batch hits, counted from its routing, plus the tokens in and out)
+as a fraction of the measured copy bandwidth, and at prefill its TFLOP/s against the device's
+dense bf16 peak; in the same run transformers' ``Qwen3MoeExperts`` on the same weights and
+routing, eager (its expert loop) and ``grouped_mm`` (what a model loaded with
+``from_pretrained`` runs by default), timed with CUDA events, no graphs. Writes
+``moe-kernels-<device>.json``.
+
+usage: python -m benchmarks.bench_moe [--decode 1 4 16 64 256] [--prefill 2048 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import Qwen3MoeConfig
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+from benchmarks.common import (
+    device_info,
+    device_name,
+    git_commit,
+    guarded,
+    measure_copy_bandwidth,
+    write_result,
+)
+from hf_paged.kernels.moe_gemm import moe_config, moe_experts
+from hf_paged.kernels.moe_routing import moe_route
+
+ROOT = Path(__file__).resolve().parent.parent
+EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
+DTYPE = torch.bfloat16
+# Dense (no sparsity) bf16 tensor-core peak FLOP/s by a substring of the device name, from
+# NVIDIA's H100 and H200 datasheets (half their "with sparsity" figures); the PCIe H100 first,
+# as its name also holds "H100".
+PEAK_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12}
+
+
+def graph_seconds(run: Callable[[], torch.Tensor], repeats: int) -> float:
+    """Mean time of ``run()``, ``repeats`` of them captured in one CUDA graph and replayed."""
+    for _ in range(3):  # compile and warm up outside the graph
+        run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            run()
+    graph.replay()
+    return _event_seconds(graph.replay, 1) / repeats
+
+
+def _event_seconds(run: Callable[[], object], repeats: int) -> float:
+    """Mean time of ``run()`` between CUDA events: host work and syncs inside included."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeats
+
+
+def transformers_seconds(module: Qwen3MoeExperts, implementation: str, x: torch.Tensor,
+                         weights: torch.Tensor, ids: torch.Tensor, repeats: int) -> dict:
+    """transformers' experts forward with ``implementation``, eager, after two warm-up calls;
+    its time and its largest difference from hf_paged's output."""
+    module.config._experts_implementation = implementation
+    with torch.no_grad():
+        want = module(x, ids, weights)
+        module(x, ids, weights)
+        seconds = _event_seconds(lambda: module(x, ids, weights), repeats)
+    got = moe_experts(x, module.gate_up_proj, module.down_proj, weights, ids)
+    return {"us": round(seconds * 1e6, 2),
+            "max_abs_diff_from_hf_paged": (got.float() - want.float()).abs().max().item()}
+
+
+def measure(module: Qwen3MoeExperts, phase: str, tokens: int, bandwidth: float,
+            peak: float | None, args: argparse.Namespace) -> dict:
+    """One batch: hf_paged's kernels from a CUDA graph, then transformers' two forwards."""
+    w13, w2 = module.gate_up_proj.data, module.down_proj.data
+    x = torch.randn(tokens, HIDDEN, device=w13.device, dtype=DTYPE)
+    logits = torch.randn(tokens, EXPERTS, device=w13.device, dtype=DTYPE)
+    weights, ids = moe_route(logits, TOP_K, True)
+    seconds = graph_seconds(lambda: moe_experts(x, w13, w2, weights, ids), args.repeats)
+    hit = ids.unique().numel()
+    nbytes = hit * (w13[0].numel() + w2[0].numel()) * 2 + 2 * tokens * HIDDEN * 2
+    flops = 2 * tokens * TOP_K * 3 * HIDDEN * INTER
+    row = {"phase": phase, "tokens": tokens, "experts_hit": hit,
+           "config": dataclasses.asdict(moe_config(tokens, EXPERTS, TOP_K, INTER, HIDDEN, DTYPE)),
+           "kernel_us": round(seconds * 1e6, 2), "bytes": nbytes,
+           "achieved_bytes_per_s": nbytes / seconds,
+           "fraction_of_copy_bandwidth": round(nbytes / seconds / bandwidth, 3),
+           "tflops": round(flops / seconds / 1e12, 1)}
+    if phase == "prefill" and peak:
+        row["fraction_of_peak_flops"] = round(flops / seconds / peak, 3)
+    print(f"{phase} {tokens} tokens ({hit} experts hit): {seconds * 1e6:.1f} us, "
+          f"{nbytes / seconds / 1e9:.0f} GB/s ({row['fraction_of_copy_bandwidth']:.1%} of "
+          f"copy), {row['tflops']} TFLOP/s", flush=True)
+    for implementation in ("eager", "grouped_mm"):
+        name = f"transformers_{implementation}"
+        row[name] = guarded(name, lambda impl=implementation: transformers_seconds(
+            module, impl, x, weights, ids.long(), args.baseline_repeats))
+        if "us" in row[name]:
+            row[name]["speedup"] = round(row[name]["us"] / row["kernel_us"], 2)
+            print(f"  {name}: {row[name]['us']:.1f} us (x{row[name]['speedup']})", flush=True)
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--decode", type=int, nargs="*", default=[1, 4, 16, 64, 256])
+    parser.add_argument("--prefill", type=int, nargs="*", default=[2048, 8192])
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--baseline-repeats", type=int, default=10)
+    parser.add_argument("--results-dir", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    bandwidth = measure_copy_bandwidth(device)
+    peak = next((flops for key, flops in PEAK_FLOPS.items() if key in device_name(device)), None)
+    config = Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER,
+                            num_experts=EXPERTS, num_experts_per_tok=TOP_K)
+    module = Qwen3MoeExperts(config).to(device=device, dtype=DTYPE)
+    with torch.no_grad():
+        module.gate_up_proj.normal_(std=HIDDEN**-0.5)
+        module.down_proj.normal_(std=INTER**-0.5)
+    info = device_info(device)
+    result = {
+        "workload": "moe-kernels", "git_commit": git_commit(), "device": info,
+        "shape": {"experts": EXPERTS, "top_k": TOP_K, "hidden": HIDDEN,
+                  "intermediate": INTER, "dtype": "bfloat16"},
+        "bytes_model": "weights of the experts hit (counted from the routing) + tokens in "
+                       "and out; the intermediate activations are left out",
+        "copy_bandwidth_bytes_per_s": bandwidth, "peak_bf16_flops": peak, "rows": [],
+    }
+    path = args.results_dir / f"moe-kernels-{info['slug']}.json"
+    phases = [("decode", t) for t in args.decode] + [("prefill", t) for t in args.prefill]
+    for phase, tokens in phases:
+        result["rows"].append(measure(module, phase, tokens, bandwidth, peak, args))
+        write_result(path, result)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""The named shapes of random checkpoints (``hf-paged make-checkpoint --shape``): real
+models' config keywords, and tiny ones for tests. Plain data, so the command line lists them
+without importing torch."""
+
+_QWEN3 = dict(
+    vocab_size=151936, max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+    head_dim=128, num_key_value_heads=8, bos_token_id=151643, eos_token_id=151645,
+    pad_token_id=151643,
+)
+# Each shape's config keywords; ``model_type`` (default "qwen3") picks the config class.
+SHAPES: dict[str, dict] = {
+    "tiny": dict(_QWEN3, vocab_size=1024, hidden_size=64, intermediate_size=128,
+                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 max_position_embeddings=2048, tie_word_embeddings=True,
+                 bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    "0.6b": dict(_QWEN3, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, tie_word_embeddings=True),
+    "1.7b": dict(_QWEN3, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                 num_attention_heads=16, tie_word_embeddings=True),
+    "8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+               num_attention_heads=32, tie_word_embeddings=False),
+    # Qwen3-MoE: every layer sparse, top-k weights renormalised, as the released checkpoints.
+    "tiny-moe": dict(_QWEN3, model_type="qwen3_moe", vocab_size=1024, hidden_size=64,
+                     intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                     num_experts_per_tok=2, norm_topk_prob=True, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     max_position_embeddings=2048, tie_word_embeddings=True,
+                     bos_token_id=1, eos_token_id=2, pad_token_id=0),
+    "30b-a3b": dict(_QWEN3, model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+                    moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                    norm_topk_prob=True, num_hidden_layers=48, num_attention_heads=32,
+                    num_key_value_heads=4, tie_word_embeddings=False),
+}
