@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import device_info, git_commit, measure_copy_bandwidth, write_result
+from benchmarks.common import device_info, git_commit, write_result
+from benchmarks.floor import measure_copy_bandwidth
 from hf_paged.config import EngineConfig
 from hf_paged.kernels.attention import paged_attention
 

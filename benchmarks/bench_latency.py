@@ -14,8 +14,9 @@ first new token, on other prompts of that length. Each is the median over ``--re
 requests, each with a prompt of its own (so that no prefix cache serves a repeat), after a
 warm-up request of each size. The static
 cache baseline is measured on decode only: its first token is stock generate's eager prefill.
-The floor of a decode token is ``FLOOR_MODEL`` of ``benchmarks.common`` for one request: the
-weights (and the request's short KV cache) read once per token.
+The floor of a decode token is ``FLOOR_MODEL`` of ``benchmarks.floor`` for one request: the
+weights (of a mixture of experts, the k experts a token routes to in each sparse layer) and
+the request's short KV cache, read once per token.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from functools import partial
 import torch
 
 from benchmarks import common
+from benchmarks.floor import MemoryCost, floor_settings
 from benchmarks.systems import GenerateSystem, PagedSystem, System
 from benchmarks.workloads import Workload, w2_decode, w2_ttft, warmup_requests
 
@@ -101,8 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     top = common.max_token_id(args.model)
     decode = w2_decode(args.repeats, args.prompt_len, args.new_tokens, top)
     ttft = w2_ttft(args.repeats, args.ttft_prompt_len, top)
-    cost = common.MemoryCost.from_checkpoint(args.model, dtype)
-    floor = common.floor_settings(device, args.bandwidth, cost)
+    cost = MemoryCost.from_checkpoint(args.model, dtype)
+    floor = floor_settings(device, args.bandwidth, cost)
     bandwidth = floor["bandwidth_bytes_per_s"]
     floor_ms = cost.floor_bytes(decode.head(1)) / bandwidth * 1e3 / args.new_tokens
     sizes = args.tensor_parallel_size

@@ -26,14 +26,19 @@ from functools import partial
 import torch
 
 from benchmarks import common
+from benchmarks.floor import MemoryCost, floor_settings
 from benchmarks.systems import ContinuousBatchingSystem, GenerateSystem, PagedSystem, System
 from benchmarks.workloads import Workload, w1, w3, warmup_requests
 
 BASELINES = ("generate", "static", "cb")
 SAME_REQUESTS = "hf_paged@baseline_requests"  # hf_paged on the requests the baselines ran
 
-# The sampling settings Qwen3 checkpoints ship in generation_config.json.
-QWEN3_SAMPLING = {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
+# The hf_paged lines beside W1's main one when it samples at a temperature: greedy, and the
+# settings every Qwen3 checkpoint ships in generation_config.json.
+EXTRA_LINES = {
+    "greedy": {"sampling": {"temperature": 0.0}},
+    "qwen3_sampling": {"sampling": {"temperature": 0.6, "top_k": 20, "top_p": 0.95}},
+}
 
 
 def build_workload(args: argparse.Namespace, max_token_id: int) -> tuple[Workload, dict]:
@@ -57,7 +62,7 @@ def measure(
     build: Callable[[], System],
     workload: Workload,
     batch: int,
-    cost: common.MemoryCost,
+    cost: MemoryCost,
     bandwidth: float,
     device: torch.device,
 ) -> dict:
@@ -108,6 +113,10 @@ def main(argv: list[str] | None = None) -> None:
         help="sampling temperature of every system (W1 default 0.6, as nano-vllm's bench "
         "samples, with a greedy hf_paged line beside it; W3 default 0: greedy)")
     parser.add_argument(
+        "--extra-lines", nargs="*", choices=EXTRA_LINES, default=list(EXTRA_LINES),
+        help="W1 at a temperature: the hf_paged lines beside the main one, each a full run "
+        "(default: all; none when the flag has no value)")
+    parser.add_argument(
         "--repetition-penalty", type=float, default=1.0,
         help="W1: also run hf_paged with this repetition penalty on every request")
     args = parser.parse_args(argv)
@@ -116,10 +125,10 @@ def main(argv: list[str] | None = None) -> None:
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     workload, description = build_workload(args, common.max_token_id(args.model))
-    cost = common.MemoryCost.from_checkpoint(args.model, dtype)
+    cost = MemoryCost.from_checkpoint(args.model, dtype)
     result = common.ResultFile(args.workload, args, device, summary)
     result["workload_description"] = description
-    result["floor"] = common.floor_settings(device, args.bandwidth, cost)
+    result["floor"] = floor_settings(device, args.bandwidth, cost)
     few = workload.head(args.baseline_requests)
     with_baselines = bool(args.baselines) or args.reuse_baselines is not None
     result["baseline_requests"] = len(few.prompts) if with_baselines else None
@@ -140,9 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         settings = {"hf_paged": {}}
         if args.temperature and args.workload != "w4":  # W4: one line per size
-            settings["greedy"] = {"sampling": {"temperature": 0.0}}
-            # What every Qwen3 checkpoint's generation_config.json asks for.
-            settings["qwen3_sampling"] = {"sampling": dict(QWEN3_SAMPLING)}
+            settings.update({line: EXTRA_LINES[line] for line in args.extra_lines})
         if args.repetition_penalty != 1.0:
             penalty = {**sampling, "repetition_penalty": args.repetition_penalty}
             settings["repetition_penalty"] = {"sampling": penalty}

@@ -1,6 +1,6 @@
-"""What both benchmarks share: command-line options, device facts, timing, the memory-traffic
-floor, and the result JSON (written after every measurement, so a run cut short keeps its
-figures)."""
+"""What the benchmarks share: command-line options, device facts, timing, and the result JSON
+(written after every measurement, so a run cut short keeps its figures). The memory-traffic
+floor is ``benchmarks.floor``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import datetime
 import gc
 import json
 import logging
-import math
 import os
 import platform
 import re
@@ -19,36 +18,17 @@ import subprocess
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
-from safetensors import safe_open
 from transformers import AutoConfig
-
-from benchmarks.workloads import Workload
 
 T = TypeVar("T")
 # hf_paged's start-up stages, rank by rank, with times: where a slow or stuck start is.
 logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
 logging.getLogger("hf_paged").setLevel(logging.INFO)
 RESULTS_DIR = Path(__file__).parent / "results"
-
-# Peak HBM bandwidth used for the floor, by a substring of the device name.
-PEAK_BANDWIDTH = {"H200": 4.3e12, "H100": 3.0e12}
-
-FLOOR_MODEL = (
-    "floor_s = bytes / bandwidth, bytes = S*W + sum_i (o_i*p_i + o_i*(o_i-1)/2) * K, where all "
-    "requests run concurrently, so each of the S = max_i o_i decode steps reads the weights once; "
-    "W = weight bytes read per step (every weight once, the embedding only as the LM head); "
-    "K = KV-cache bytes per token (2 * layers * kv_heads * head_dim * dtype size); p_i, o_i = "
-    "prompt and output lengths of request i, whose step t reads the KV of p_i + t - 1 tokens. "
-    "With prefix caching, the C tokens that begin every prompt sit in one copy, read once a "
-    "step: C*K*S bytes instead of C*K*sum_i o_i. Prefill compute, activations and KV writes are "
-    "left out: it is a lower bound."
-)
-
 
 # The transformers baselines: command-line key -> name in the result JSON.
 BASELINE_NAMES = {
@@ -77,7 +57,7 @@ def add_common_args(parser: argparse.ArgumentParser, baselines: tuple[str, ...])
         "--reuse-baselines",
         metavar="FILE",
         help="take the baseline figures from an earlier result JSON instead of measuring them; "
-        "'auto': from the result file this run replaces (same workload and device)",
+        "'auto': from the result file this run replaces (same workload, tag and device)",
     )
     parser.add_argument(
         "--engine-option",
@@ -93,6 +73,11 @@ def add_common_args(parser: argparse.ArgumentParser, baselines: tuple[str, ...])
         help="memory bandwidth for the floor in B/s (default: by device name, else measured)",
     )
     parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    parser.add_argument(
+        "--tag",
+        help="a name for the checkpoint, e.g. 30b-a3b, in the result file's name "
+        "(<workload>-<tag>-<device>.json) and the report: runs on other shapes keep their files",
+    )
 
 
 def engine_options(pairs: list[str]) -> dict[str, Any]:
@@ -197,77 +182,6 @@ def guarded(name: str, fn: Callable[[], dict]) -> dict:
         free_memory()
 
 
-# ---- memory-traffic floor -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class MemoryCost:
-    """Bytes one decode step must read: the weights, and the KV cache per cached token."""
-
-    weight_bytes: int
-    kv_bytes_per_token: int
-
-    @classmethod
-    def from_checkpoint(cls, path: str, dtype: torch.dtype) -> MemoryCost:
-        config = AutoConfig.from_pretrained(path)
-        numel: dict[str, int] = {}
-        for file in Path(path).glob("*.safetensors"):
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    numel[name] = math.prod(f.get_slice(name).get_shape())
-        total = sum(numel.values())
-        if any(name.endswith("lm_head.weight") for name in numel):  # untied: lookups read rows
-            total -= sum(n for name, n in numel.items() if name.endswith("embed_tokens.weight"))
-        size = torch.empty((), dtype=dtype).element_size()
-        head_dim = (
-            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        )
-        kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * size
-        return cls(weight_bytes=total * size, kv_bytes_per_token=kv)
-
-    def floor_bytes(self, workload: Workload, prefix_caching: bool = False) -> int:
-        """Bytes read by the workload's decode steps under ``FLOOR_MODEL``:
-        ``S*W + sum_i (o_i*p_i + o_i*(o_i-1)/2) * K`` with ``S = max_i o_i``, where prefix
-        caching reads the common prefix once a step instead of once per request."""
-        outputs, steps = workload.max_new_tokens, max(workload.max_new_tokens)
-        kv_tokens = sum(o * len(p) + o * (o - 1) // 2 for p, o in zip(workload.prompts, outputs))
-        if prefix_caching:
-            kv_tokens -= workload.common_prefix_len() * (sum(outputs) - steps)
-        return steps * self.weight_bytes + kv_tokens * self.kv_bytes_per_token
-
-
-def measure_copy_bandwidth(device: torch.device) -> float:
-    """Bytes per second moved by a large device-to-device copy (read + write)."""
-    nbytes = 512 * 2**20 if device.type == "cuda" else 64 * 2**20
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    _, seconds = timed(lambda: [dst.copy_(src) for _ in range(10)], device)
-    return 2 * nbytes * 10 / seconds
-
-
-def floor_settings(device: torch.device, given: float | None, cost: MemoryCost) -> dict[str, Any]:
-    """The bandwidth the floor uses (given, else by device name, else the measured copy
-    bandwidth) and the model of the floor, for the result JSON."""
-    measured = measure_copy_bandwidth(device)
-    name = device_name(device)
-    by_name = next((bw for key, bw in PEAK_BANDWIDTH.items() if key in name), None)
-    if given is not None:
-        bandwidth, source = given, "given (--bandwidth)"
-    elif by_name is not None:
-        bandwidth, source = by_name, "peak for the device name"
-    else:
-        bandwidth, source = measured, "measured copy bandwidth"
-    return {
-        "floor_model": FLOOR_MODEL,
-        "bandwidth_bytes_per_s": bandwidth,
-        "bandwidth_source": source,
-        "measured_copy_bandwidth_bytes_per_s": measured,
-        "weight_bytes_per_step": cost.weight_bytes,
-        "kv_bytes_per_token": cost.kv_bytes_per_token,
-    }
-
-
 # ---- results --------------------------------------------------------------------------------
 
 
@@ -281,7 +195,8 @@ def write_result(path: Path, data: dict) -> None:
 
 
 class ResultFile:
-    """``<results_dir>/<workload>-<device slug>.json``, copied to ``$OUT`` when it is set.
+    """``<results_dir>/<workload>-<device slug>.json`` (``<workload>-<tag>-<device slug>.json``
+    with ``--tag``), copied to ``$OUT`` when it is set.
     Every save refreshes ``summary`` (the table lines) with ``summarize(data)`` once hf_paged
     has a figure."""
 
@@ -294,9 +209,11 @@ class ResultFile:
     ):
         info = device_info(device)
         self.summarize = summarize
-        self.path = args.results_dir / f"{workload}-{info['slug']}.json"
+        name = "-".join(part for part in (workload, args.tag, info["slug"]) if part)
+        self.path = args.results_dir / f"{name}.json"
         self.data: dict[str, Any] = {
             "workload": workload,
+            "tag": args.tag,
             "complete": False,
             "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "git_commit": git_commit(),

@@ -5,6 +5,7 @@ of the W1/W2 workloads: decode at batch 1, decode at batch 256, and a 1,024-toke
     python -m benchmarks.profile_steps --model /tmp/ckpt/0.6b
     python -m benchmarks.profile_steps --model /tmp/ckpt/8b --tensor-parallel-size 2 \
         --name w4-profile-tp2
+    python -m benchmarks.profile_steps --model /tmp/ckpt/30b-a3b-24 --name profile-30b-a3b
 
 Writes ``<results>/<name>-<device>.json``: per case, milliseconds per step of wall time (steps
 are not synchronised, so in steady state this is the step period), of each host phase, of device
@@ -12,7 +13,8 @@ kernel time (a second run, synchronised, under the profiler), and the ten costli
 ``collect`` is time the host spends waiting for the device: the slack left after host work.
 With tensor parallelism the kernels are rank 0's, and ``collective_ms_per_step`` is the time of
 its collective kernels (NCCL's and the symmetric-memory all-reduce's): the all-reduces (waiting
-for the slowest rank included) and the logits gather.
+for the slowest rank included) and the logits gather. ``moe_ms_per_step`` is the time of the
+mixture-of-experts kernels (routing and experts: their names hold "moe"), 0 for a dense model.
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ def profile_case(engine, make_prompts, new_tokens: int, measure_steps) -> dict:
     return {
         "measured_steps": steps[0],
         "collective_ms_per_step": sum(v for k, v in kernels.items() if _collective(k)) / n,
+        "moe_ms_per_step": sum(v for k, v in kernels.items() if "moe" in k.lower()) / n,
         "wall_ms_per_step": 1e3 * totals.pop("step") / n,
         "host_ms_per_step": {k: 1e3 * v / n for k, v in totals.items()},
         "device_kernel_ms_per_step": sum(kernels.values()) / n,

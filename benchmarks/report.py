@@ -23,14 +23,20 @@ NOTES = """\
 Baseline cells read `figure (×speedup)`, the speedup being hf_paged's over that baseline on the
 same requests; the throughput baselines run on the first {requests} of the workload.
 Fraction of floor: the time of the memory-traffic floor (weights and KV cache read once per decode
-step at the device's bandwidth, a cached prefix common to all prompts once for all of them;
-`floor_model` in each JSON) over hf_paged's measured time.
+step at the device's bandwidth, a cached prefix common to all prompts once for all of them; of a
+mixture of experts, the experts a step's batch is expected to route to; `floor_model` in each
+JSON) over hf_paged's measured time. A workload's tag in parentheses names the checkpoint's shape.
 """
 
 
 def load(results_dir: Path) -> list[dict]:
     results = [json.loads(path.read_text()) for path in sorted(results_dir.glob("*.json"))]
     return [r for r in results if r.get("summary")]
+
+
+def workload_label(result: dict) -> str:
+    """The workload, with the checkpoint's tag when the run has one: ``w1 (30b-a3b)``."""
+    return result["workload"] + (f" ({result['tag']})" if result.get("tag") else "")
 
 
 def number(value: float) -> str:
@@ -41,7 +47,7 @@ def table(results: list[dict]) -> str:
     header = ["workload", "device", "metric", "hf_paged", *BASELINES.values(), "fraction of floor"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for result in results:
-        workload = result["workload"] + ("" if result["complete"] else " (partial)")
+        workload = workload_label(result) + ("" if result["complete"] else " (partial)")
         reused = " (baselines reused)" if result.get("baselines_reused_from") else ""
         for row in result["summary"]:
             cells = [
@@ -75,7 +81,8 @@ def plot(results: list[dict], path: Path) -> bool:
     except ImportError:
         return False
     rows = [
-        (f"{r['workload']}{row['metric'].removeprefix('output tok/s')}\n{r['device']['slug']}", row)
+        (f"{workload_label(r)}{row['metric'].removeprefix('output tok/s')}\n{r['device']['slug']}",
+         row)
         for r in results
         for row in r["summary"]
         if row["metric"].startswith("output tok/s")

@@ -2,8 +2,8 @@
 # The GPU tests and the benchmarks on a CUDA machine, in one call from the repository root:
 #
 #   scripts/gpu_run.sh [STEP...]      STEP: tests w1 w2 w3 preempt profile dropin w4 beam
-#                                     tp-tests startup lm-eval serving
-#                                     (default: the first four)
+#                                     tp-tests startup lm-eval serving moe moe-w1 moe-w2
+#                                     moe-prof moe-kernels (default: the first four)
 #
 # Everything printed also goes to $OUT/run.log, and the result JSONs, README-table.md and
 # throughput.png are copied into $OUT, when OUT is set. Each step runs under a time limit (a
@@ -41,6 +41,22 @@
 #   serving: Poisson arrivals through hf-paged serve and transformers serve, both with
 #       --continuous-batching (bench_serving; needs fastapi, uvicorn, openai); T_SERVE=560,
 #       SERVE_ARGS (default: --rates 1 4 16 --num-requests 32)
+#   moe: Qwen3-30B-A3B's layers, MOE_LAYERS=24 of its 48 (30 GB in bf16: a 64 GiB disk holds
+#       it), built once at CKPT_MOE=/tmp/ckpt/30b-a3b-$MOE_LAYERS (drawn on the GPU, written
+#       aside and moved in whole, so a build cut short leaves none; 69 s on an H100,
+#       T_MOE_CKPT=150), then W1 at temperature 0.6, hf_paged's main line and the baselines per
+#       BASELINES (T_MOE_W1=240; MOE_W1_ARGS, e.g. "--extra-lines qwen3_sampling" for the
+#       Qwen3-settings line, an engine start and a W1 run more), batch-1 decode and TTFT
+#       (T_MOE_W2=120; MOE_W2_ARGS) and the step profile into profile-$MOE_TAG
+#       (T_MOE_PROF=100): about 9 minutes, the build included. The results are tagged
+#       MOE_TAG=30b-a3b-${MOE_LAYERS}l (w1-$MOE_TAG-<device>.json). moe-w1, moe-w2 and moe-prof
+#       run one of them (the checkpoint built if missing). The baselines will not fit those limits
+#       (transformers' generate takes 76 ms a step at batch 64 and 58 at batch 1 on an H100,
+#       W1's 64 baseline requests about 1,000 steps): once the checkpoint is built, measure
+#       them in calls of their own, `T_MOE_W1=500 scripts/gpu_run.sh moe-w1`, then
+#       `T_MOE_W2=400 scripts/gpu_run.sh moe-w2 moe-prof`, and later calls
+#       `BASELINES=reuse scripts/gpu_run.sh moe`
+#   moe-kernels: the MoE kernels on their own (benchmarks.bench_moe); T_MOE_K=120
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
@@ -75,6 +91,7 @@ step() {  # step NAME LIMIT COMMAND...: run COMMAND under a time limit, record h
   [[ $rc -eq 0 ]] || how="exit $rc"
   [[ $rc -ne 124 ]] || how="timed out"
   STATUS+=("$(printf '%-6s %-10s %4ss' "$name" "$how" $((SECONDS - start)))")
+  LAST_RC=$rc
 }
 
 bench() {  # bench NAME LIMIT MODULE EXTRA_ARGS ARGS...: one benchmark as a step
@@ -83,6 +100,29 @@ bench() {  # bench NAME LIMIT MODULE EXTRA_ARGS ARGS...: one benchmark as a step
   shift 4
   step "$name" "$limit" python -m "benchmarks.$module" --model "$CKPT" --results-dir "$RESULTS" \
     "${extra[@]}" "$@"
+}
+
+moe() {  # moe PART...: the 30B-A3B checkpoint, built once, and its PARTs (w1 w2 prof)
+  local layers=${MOE_LAYERS:-24} part
+  local ckpt=${CKPT_MOE:-/tmp/ckpt/30b-a3b-$layers} tag=${MOE_TAG:-30b-a3b-${layers}l}
+  if [[ ! -d $ckpt ]]; then
+    rm -rf "$ckpt.partial"
+    step moe-ckpt "${T_MOE_CKPT:-150}" python -m benchmarks.make_checkpoint --shape 30b-a3b \
+      --layers "$layers" --out "$ckpt.partial" --dtype bfloat16
+    [[ $LAST_RC -ne 0 ]] || mv "$ckpt.partial" "$ckpt"
+  fi
+  [[ -d $ckpt ]] || return 0  # the build failed: its step says so
+  for part in "$@"; do
+    case $part in
+      # W1's main line only (--extra-lines): each line is an engine start and a W1 run more.
+      w1) CKPT=$ckpt bench moe-w1 "${T_MOE_W1:-240}" bench_throughput \
+            "--extra-lines ${MOE_W1_ARGS:-}" --tag "$tag" "${BASELINE_ARGS[@]}" ;;
+      w2) CKPT=$ckpt bench moe-w2 "${T_MOE_W2:-120}" bench_latency "${MOE_W2_ARGS:-}" \
+            --tag "$tag" "${BASELINE_ARGS[@]}" --repeats "${REPEATS:-3}" ;;
+      prof) step moe-prof "${T_MOE_PROF:-100}" python -m benchmarks.profile_steps \
+            --model "$ckpt" --results-dir "$RESULTS" --name "profile-$tag" ;;
+    esac
+  done
 }
 
 main() {
@@ -132,7 +172,12 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
             step "w4-prof$n" "${T_W4P:-150}" python -m benchmarks.profile_steps --model "$ckpt8b" \
               --results-dir "$RESULTS" --tensor-parallel-size "$n" --name "w4-profile-tp$n"
           done ;;
-      *) echo "unknown step $s (steps: tests w1 w2 w3 preempt profile dropin w4 beam tp-tests startup lm-eval serving)"
+      moe) moe w1 w2 prof ;;
+      moe-w1|moe-w2|moe-prof) moe "${s#moe-}" ;;
+      moe-kernels) step moe-kernels "${T_MOE_K:-120}" python -m benchmarks.bench_moe \
+            --results-dir "$RESULTS" ;;
+      *) echo "unknown step $s (steps: tests w1 w2 w3 preempt profile dropin w4 beam tp-tests" \
+              "startup lm-eval serving moe moe-w1 moe-w2 moe-prof moe-kernels)"
          STATUS+=("$s unknown") ;;
     esac
   done

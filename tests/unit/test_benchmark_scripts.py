@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-from benchmarks import bench_latency, bench_startup, bench_throughput, common
+from benchmarks import bench_latency, bench_startup, bench_throughput, common, report
+from benchmarks.floor import MemoryCost
+from benchmarks.workloads import w2_decode
 from hf_paged.random_checkpoint import make_checkpoint
 
 
@@ -15,6 +18,12 @@ from hf_paged.random_checkpoint import make_checkpoint
 def tiny(tmp_path_factory) -> list[str]:
     path = make_checkpoint("tiny", str(tmp_path_factory.mktemp("tiny")), dtype="float32")
     return ["--model", path, "--device", "cpu", "--dtype", "float32"]
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory) -> list[str]:
+    path = make_checkpoint("tiny-moe", str(tmp_path_factory.mktemp("moe")), dtype="float32")
+    return ["--model", path, "--device", "cpu", "--dtype", "float32", "--tag", "tiny-moe"]
 
 
 def metrics(path) -> list[str]:
@@ -65,3 +74,35 @@ def test_results_are_copied_to_out_and_name_the_given_commit(tmp_path, monkeypat
     assert json.loads((out / "w1-cpu.json").read_text()) == {"figure": 1}
     common.write_result(out / "w2-cpu.json", {"figure": 2})  # no copy onto itself
     assert json.loads((out / "w2-cpu.json").read_text()) == {"figure": 2}
+
+
+def test_tagged_moe_throughput_reuses_its_own_baselines(tiny_moe, tmp_path):
+    """A tagged run keeps a file of its own, finds its baselines there with ``auto``, and the
+    report names its shape; ``--extra-lines`` with no value runs the main line alone."""
+    run = [*tiny_moe, "--num-requests", "4", "--max-input-len", "32", "--max-output-len", "8",
+           "--baseline-requests", "2", "--results-dir", str(tmp_path), "--extra-lines"]
+    bench_throughput.main([*run, "--baselines", "generate"])
+    path = tmp_path / "w1-tiny-moe-cpu.json"
+    first = json.loads(path.read_text())
+    assert first["tag"] == "tiny-moe" and first["floor"]["experts"] == 8
+    assert list(first["hf_paged"]) == ["hf_paged", bench_throughput.SAME_REQUESTS]
+    bench_throughput.main([*run, "--reuse-baselines", "auto"])
+    again = json.loads(path.read_text())
+    assert again["baselines_reused_from"] == str(path)
+    assert again["baselines"] == first["baselines"]
+    assert [p.name for p in tmp_path.glob("*.json")] == [path.name]
+    assert "| w1 (tiny-moe) | cpu (baselines reused) | output tok/s |" in report.table(
+        report.load(tmp_path))
+
+
+def test_moe_batch1_floor_reads_k_experts(tiny_moe, tmp_path):
+    bench_latency.main([*tiny_moe, "--repeats", "1", "--new-tokens", "4", "--prompt-len", "16",
+                        "--ttft-prompt-len", "32", "--bandwidth", "1e9",
+                        "--results-dir", str(tmp_path), "--baselines"])
+    data = json.loads((tmp_path / "w2-tiny-moe-cpu.json").read_text())
+    cost = MemoryCost.from_checkpoint(tiny_moe[1], torch.float32)
+    # 4 steps of the dense weights and 2 of 8 experts in each of 2 layers; KV of 16..19 tokens.
+    step = cost.dense_bytes + 2 * 2 * cost.experts.bytes_per_expert
+    kv = (16 + 17 + 18 + 19) * cost.kv_bytes_per_token
+    assert data["summary"][0]["floor"] == pytest.approx((4 * step + kv) / 1e9 * 1e3 / 4)
+    assert cost.floor_bytes(w2_decode(1, 16, 4)) == pytest.approx(4 * step + kv)

@@ -3,7 +3,7 @@ memory floor counts what must be read."""
 
 from __future__ import annotations
 
-from benchmarks.common import MemoryCost
+from benchmarks.floor import MemoryCost
 from benchmarks.workloads import Workload, w1, w2_decode, w2_ttft, w3, warmup_requests
 
 
@@ -30,7 +30,7 @@ def test_warmup_prompts_are_never_the_measured_ones():
 
 
 def test_floor_reads_a_cached_common_prefix_once_a_step():
-    cost = MemoryCost(weight_bytes=1000, kv_bytes_per_token=1)
+    cost = MemoryCost(dense_bytes=1000, kv_bytes_per_token=1)
     work = Workload([[1, 2, 3, 4], [1, 2, 3, 9, 9]], [2, 3])
     # Steps 3 x weights; request 0 reads 4 then 5 tokens, request 1 reads 5, 6 then 7.
     assert cost.floor_bytes(work) == 3000 + 9 + 18

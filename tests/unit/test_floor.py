@@ -1,0 +1,105 @@
+"""The memory-traffic floor: a dense checkpoint's steps read every weight, a mixture of
+experts' steps the dense weights and the experts their tokens are expected to route to."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from benchmarks.floor import FLOOR_MODEL, MOE_FLOOR_MODEL, Experts, MemoryCost, floor_settings
+from benchmarks.workloads import Workload
+from hf_paged.random_checkpoint import make_checkpoint, random_qwen3, shape_config
+
+CPU = torch.device("cpu")
+# Two requests starting together: 2 generate at step 1, 1 at steps 2 and 3; the KV read is
+# 4 tokens for the first, 3 + 4 + 5 for the second.
+WORK = Workload([[1, 2, 3, 4], [5, 6, 7]], [1, 3])
+KV_TOKENS = 4 + 3 + 4 + 5
+
+
+def parameter_bytes(path: str) -> int:
+    """Every float32 parameter once (a tied LM head is the embedding), counted by transformers
+    rather than from the checkpoint's tensor names."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    return 4 * sum(p.numel() for p in model.parameters())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return make_checkpoint("tiny", str(tmp_path_factory.mktemp("tiny")), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory) -> str:
+    return make_checkpoint("tiny-moe", str(tmp_path_factory.mktemp("moe")), dtype="float32")
+
+
+def test_dense_steps_read_every_weight(tiny):
+    cost = MemoryCost.from_checkpoint(tiny, torch.float32)
+    assert cost.experts is None and cost.dense_bytes == parameter_bytes(tiny)
+    assert cost.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # K and V, layers, kv heads, head_dim
+    assert cost.weight_bytes(1) == cost.weight_bytes(256) == cost.dense_bytes
+    floor = cost.floor_bytes(WORK)
+    assert isinstance(floor, int)  # S*W exactly, as before experts were counted
+    assert floor == 3 * cost.dense_bytes + KV_TOKENS * cost.kv_bytes_per_token
+    settings = floor_settings(CPU, 1e9, cost)
+    assert settings["floor_model"] == FLOOR_MODEL
+    assert settings["weight_bytes_per_step"] == cost.dense_bytes
+
+
+def test_moe_splits_dense_and_expert_bytes(tiny_moe):
+    """tiny-moe: 2 sparse layers of 8 experts, 2 a token, each expert gate + up + down of
+    32 x 64 float32."""
+    cost = MemoryCost.from_checkpoint(tiny_moe, torch.float32)
+    expert = 3 * 32 * 64 * 4
+    assert cost.experts == Experts(sparse_layers=2, experts=8, top_k=2, bytes_per_expert=expert)
+    assert cost.dense_bytes == parameter_bytes(tiny_moe) - 2 * 8 * expert
+    # Batch 1 reads k experts a sparse layer; a large batch reaches every expert.
+    assert cost.weight_bytes(1) == pytest.approx(cost.dense_bytes + 2 * 2 * expert)
+    assert cost.weight_bytes(1000) == pytest.approx(cost.dense_bytes + 2 * 8 * expert)
+    reads = [cost.weight_bytes(b) for b in (1, 2, 4, 16, 64)]
+    assert reads == sorted(set(reads))
+    # Batch 2: 8 * (1 - (6/8)^2) = 3.5 experts a layer.
+    assert cost.weight_bytes(2) == pytest.approx(cost.dense_bytes + 2 * 3.5 * expert)
+    # Step 1 at batch 2, steps 2 and 3 at batch 1: 3 dense reads, 7 + 4 + 4 experts.
+    assert cost.floor_bytes(WORK) == pytest.approx(
+        3 * cost.dense_bytes + 15 * expert + KV_TOKENS * cost.kv_bytes_per_token)
+
+
+def test_moe_floor_settings_record_the_experts(tiny_moe):
+    cost = MemoryCost.from_checkpoint(tiny_moe, torch.float32)
+    settings = floor_settings(CPU, 1e9, cost)
+    assert settings["floor_model"] == FLOOR_MODEL + " " + MOE_FLOOR_MODEL
+    assert "weight_bytes_per_step" not in settings  # it depends on the batch
+    assert {k: settings[k] for k in ("dense_weight_bytes_per_step", "sparse_layers", "experts",
+                                     "top_k", "bytes_per_expert")} == {
+        "dense_weight_bytes_per_step": cost.dense_bytes, "sparse_layers": 2, "experts": 8,
+        "top_k": 2, "bytes_per_expert": 3 * 32 * 64 * 4}
+
+
+def test_mlp_only_and_skipped_layers_count_as_dense(tmp_path):
+    """Of 4 layers, decoder_sparse_step 2 makes layers 1 and 3 sparse and mlp_only_layers
+    takes 3 back: one sparse layer, three dense MLPs read every step."""
+    config = shape_config("tiny-moe", "float32", layers=4)
+    config.decoder_sparse_step, config.mlp_only_layers = 2, [3]
+    random_qwen3(config).save_pretrained(tmp_path)
+    cost = MemoryCost.from_checkpoint(str(tmp_path), torch.float32)
+    expert = 3 * 32 * 64 * 4
+    assert cost.experts == Experts(sparse_layers=1, experts=8, top_k=2, bytes_per_expert=expert)
+    assert cost.dense_bytes == parameter_bytes(str(tmp_path)) - 8 * expert  # the MLPs in it
+    assert cost.weight_bytes(1) == pytest.approx(cost.dense_bytes + 2 * expert)
+
+
+def test_experts_where_the_config_has_none_are_refused(tmp_path):
+    """A checkpoint whose expert tensors disagree with its config would be floored wrong."""
+    path = make_checkpoint("tiny-moe", str(tmp_path), dtype="float32")
+    config = json.loads((Path(path) / "config.json").read_text())
+    config["mlp_only_layers"] = [0]
+    (Path(path) / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"expert tensors in layers \[0, 1\]"):
+        MemoryCost.from_checkpoint(path, torch.float32)
