@@ -22,14 +22,8 @@ import torch
 from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from benchmarks.common import (
-    device_info,
-    device_name,
-    git_commit,
-    guarded,
-    measure_copy_bandwidth,
-    write_result,
-)
+from benchmarks.common import device_info, device_name, git_commit, guarded, write_result
+from benchmarks.floor import measure_copy_bandwidth
 from hf_paged.kernels.moe_gemm import moe_config, moe_experts
 from hf_paged.kernels.moe_routing import moe_route
 
