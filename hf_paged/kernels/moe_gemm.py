@@ -9,6 +9,10 @@ pairs, in four steps and four or five launches, none of them waiting on the host
 4. a small kernel sums each token's k rows in float32 (no atomics: the result is the same on
    every run, whatever the order of pairs inside a group).
 
+The casts are transformers' (its grouped_mm experts): gate and up, silu(gate), their product
+and each expert's output are rounded to the model dtype, and the k weighted outputs are summed
+in float32 once.
+
 Both GEMMs launch a program for every block that the pairs could need (sized from the shapes,
 as CUDA graphs need); programs of blocks past the used slots exit at once, so a small batch
 reads only the weights of the experts it routes to.
@@ -95,7 +99,7 @@ def _load(ptrs, mask, k_mask, EVEN_K: tl.constexpr):
 # Integers that follow the token count are not specialised on (divisibility by 16, equality to
 # 1): serving a new batch size compiles nothing.
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
-def _gate_up_kernel(
+def _moe_gate_up_kernel(
     x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, used_ptr, num_pairs, num_blocks,
     inter, hidden, x_s0, w_se, w_sn, out_s0,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -124,13 +128,18 @@ def _gate_up_kernel(
                       input_precision=PRECISION)
         up = tl.dot(x, _load(u_ptrs + k, w_ok, k_ok[:, None], EVEN_K), up,
                     input_precision=PRECISION)
-    act = gate / (1.0 + tl.exp(-gate)) * up
+    # transformers' cast points: gate and up in the model dtype, then silu(gate) rounded to
+    # it, then the product (rounded as it is stored); no-ops in float32.
+    dtype = out_ptr.dtype.element_ty
+    gate = gate.to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    act = silu * up.to(dtype).to(tl.float32)
     tl.store(out_ptr + pairs.to(tl.int64)[:, None] * out_s0 + cols[None, :],
-             act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < inter))
+             act.to(dtype), mask=valid[:, None] & (cols[None, :] < inter))
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
-def _down_kernel(
+def _moe_down_kernel(
     act_ptr, w_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert_ptr, used_ptr, num_pairs,
     num_blocks, hidden, inter, act_s0, w_se, w_sn, out_s0,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -153,13 +162,15 @@ def _down_kernel(
         a = _load(a_ptrs + k, valid[:, None], k_ok[None, :], EVEN_K)
         w = _load(w_ptrs + k, cols[None, :] < hidden, k_ok[:, None], EVEN_K)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    # The expert's output in the model dtype, then times its weight: transformers' casts.
+    acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
     acc *= tl.load(weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)[:, None]
     tl.store(out_ptr + rows[:, None] * out_s0 + cols[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < hidden))
 
 
 @triton.jit
-def _sum_kernel(rows_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _moe_sum_kernel(rows_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -194,15 +205,15 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: t
                 GROUP_M=cfg.group_m, PRECISION=precision, num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages)
     act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
-    launch(_gate_up_kernel, (blocks * triton.cdiv(inter, cfg.block_n),),
+    launch(_moe_gate_up_kernel, (blocks * triton.cdiv(inter, cfg.block_n),),
            x, w13, act, sorted_pairs, block_expert, used, pairs, blocks, inter, hidden,
            x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
            EVEN_K=hidden % cfg.block_k == 0, **meta)
     rows = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
-    launch(_down_kernel, (blocks * triton.cdiv(hidden, cfg.block_n),),
+    launch(_moe_down_kernel, (blocks * triton.cdiv(hidden, cfg.block_n),),
            act, w2, weights.contiguous(), rows, sorted_pairs, block_expert, used, pairs,
            blocks, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
            EVEN_K=inter % cfg.block_k == 0, **meta)
-    launch(_sum_kernel, (tokens, triton.cdiv(hidden, _SUM_BLOCK)), rows, out, hidden,
+    launch(_moe_sum_kernel, (tokens, triton.cdiv(hidden, _SUM_BLOCK)), rows, out, hidden,
            TOP_K=top_k, BLOCK=_SUM_BLOCK)
     return out

@@ -34,7 +34,7 @@ _ROWS = 32
 
 
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride,
+def _moe_route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride,
                   TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, BLOCK_E: tl.constexpr,
                   BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -71,7 +71,7 @@ def moe_route(router_logits: torch.Tensor, top_k: int,
                           device=router_logits.device)
     ids = torch.empty((tokens, top_k), dtype=torch.int32, device=router_logits.device)
     if tokens:
-        launch(_route_kernel, (tokens,), router_logits, weights, ids, experts,
+        launch(_moe_route_kernel, (tokens,), router_logits, weights, ids, experts,
                router_logits.stride(0), TOP_K=top_k, RENORMALIZE=renormalize,
                BLOCK_E=triton.next_power_of_2(experts),
                BLOCK_K=triton.next_power_of_2(top_k), num_warps=1)
@@ -91,7 +91,7 @@ def _chunk_one_hot(ids_ptr, chunk, num_pairs, num_experts, CHUNK: tl.constexpr,
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _count_kernel(ids_ptr, hist_ptr, num_pairs, num_experts, CHUNK: tl.constexpr,
+def _moe_count_kernel(ids_ptr, hist_ptr, num_pairs, num_experts, CHUNK: tl.constexpr,
                   BLOCK_E: tl.constexpr):
     chunk = tl.program_id(0)
     _, _, one_hot = _chunk_one_hot(ids_ptr, chunk, num_pairs, num_experts, CHUNK, BLOCK_E)
@@ -101,7 +101,7 @@ def _count_kernel(ids_ptr, hist_ptr, num_pairs, num_experts, CHUNK: tl.constexpr
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_chunks", "max_blocks"])
-def _scatter_kernel(ids_ptr, hist_ptr, sorted_ptr, block_expert_ptr, used_ptr, num_pairs,
+def _moe_scatter_kernel(ids_ptr, hist_ptr, sorted_ptr, block_expert_ptr, used_ptr, num_pairs,
                     num_experts, num_chunks, max_blocks, BLOCK_M: tl.constexpr,
                     CHUNK: tl.constexpr, BLOCK_E: tl.constexpr, ROWS: tl.constexpr,
                     SINGLE: tl.constexpr):
@@ -175,9 +175,9 @@ def moe_align(ids: torch.Tensor, num_experts: int,
     hist = used  # unread with a single chunk
     if chunks > 1:
         hist = torch.empty((chunks, num_experts), dtype=torch.int32, device=device)
-        launch(_count_kernel, (chunks,), ids, hist, pairs, num_experts, CHUNK=chunk,
+        launch(_moe_count_kernel, (chunks,), ids, hist, pairs, num_experts, CHUNK=chunk,
                BLOCK_E=block_e, num_warps=4)
-    launch(_scatter_kernel, (chunks,), ids, hist, sorted_pairs, block_expert, used, pairs,
+    launch(_moe_scatter_kernel, (chunks,), ids, hist, sorted_pairs, block_expert, used, pairs,
            num_experts, chunks, triton.cdiv(tokens, block_m), BLOCK_M=block_m, CHUNK=chunk,
            BLOCK_E=block_e, ROWS=_ROWS, SINGLE=chunks == 1, num_warps=4)
     return sorted_pairs, block_expert, used
