@@ -17,6 +17,7 @@ import torch
 
 from benchmarks.common import device_info, git_commit, write_result
 from benchmarks.floor import measure_copy_bandwidth
+from benchmarks.timing import graph_seconds
 from hf_paged.config import EngineConfig
 from hf_paged.kernels.attention import paged_attention
 
@@ -48,21 +49,7 @@ def decode_batch(lengths: list[int], heads: int, kv_heads: int, page: int, devic
 def kernel_seconds(args: tuple, repeats: int) -> float:
     """Mean time of one decode attention call, replayed from a CUDA graph."""
     scale = HEAD_DIM**-0.5
-    run = lambda: paged_attention(*args, scale, max_query_len=1)  # noqa: E731
-    for _ in range(3):  # compile and warm up outside the graph
-        run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            run()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / repeats
+    return graph_seconds(lambda: paged_attention(*args, scale, max_query_len=1), repeats)
 
 
 def main(argv: list[str] | None = None) -> None:

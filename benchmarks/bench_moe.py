@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -24,6 +23,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from benchmarks.common import device_info, device_name, git_commit, guarded, write_result
 from benchmarks.floor import measure_copy_bandwidth
+from benchmarks.timing import event_seconds, graph_seconds
 from hf_paged.kernels.moe_gemm import moe_config, moe_experts
 from hf_paged.kernels.moe_routing import moe_route
 
@@ -36,31 +36,6 @@ DTYPE = torch.bfloat16
 PEAK_FLOPS = {"H100 PCIe": 756e12, "H100": 989e12, "H200": 989e12}
 
 
-def graph_seconds(run: Callable[[], torch.Tensor], repeats: int) -> float:
-    """Mean time of ``run()``, ``repeats`` of them captured in one CUDA graph and replayed."""
-    for _ in range(3):  # compile and warm up outside the graph
-        run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            run()
-    graph.replay()
-    return _event_seconds(graph.replay, 1) / repeats
-
-
-def _event_seconds(run: Callable[[], object], repeats: int) -> float:
-    """Mean time of ``run()`` between CUDA events: host work and syncs inside included."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(repeats):
-        run()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / repeats
-
-
 def transformers_seconds(module: Qwen3MoeExperts, implementation: str, x: torch.Tensor,
                          weights: torch.Tensor, ids: torch.Tensor, repeats: int) -> dict:
     """transformers' experts forward with ``implementation``, eager, after two warm-up calls;
@@ -69,7 +44,7 @@ def transformers_seconds(module: Qwen3MoeExperts, implementation: str, x: torch.
     with torch.no_grad():
         want = module(x, ids, weights)
         module(x, ids, weights)
-        seconds = _event_seconds(lambda: module(x, ids, weights), repeats)
+        seconds = event_seconds(lambda: module(x, ids, weights), repeats)
     got = moe_experts(x, module.gate_up_proj, module.down_proj, weights, ids)
     return {"us": round(seconds * 1e6, 2),
             "max_abs_diff_from_hf_paged": (got.float() - want.float()).abs().max().item()}

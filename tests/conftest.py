@@ -120,3 +120,14 @@ def left_padded(lengths: list[int], vocab: int, pad: int = 0, seed: int = 0):
         ids[i, width - n :] = torch.randint(3, vocab, (n,), generator=gen)
         mask[i, width - n :] = 1
     return ids, mask
+
+
+def transformers_allowed_set(model, prompt: torch.Tensor, kwargs: dict) -> set[int]:
+    """The tokens transformers' own processors and warpers (for generate ``kwargs``) leave
+    drawable at the next step of ``prompt`` (one row)."""
+    with torch.no_grad():
+        logits = model(prompt).logits[:, -1].float()
+    config, _ = model._prepare_generation_config(None, **kwargs)
+    model._prepare_special_tokens(config, False, device="cpu", batch_size=1)
+    warp = model._get_logits_processor(config, prompt.shape[1], logits_processor=[])
+    return set(torch.isfinite(warp(prompt, logits.clone()))[0].nonzero()[:, 0].tolist())

@@ -37,10 +37,11 @@ OPTIONS = [
     dict(num_kv_blocks=64),  # the four prompts' 48 new tokens do not fit: preemption
 ]
 # Steps at which bf16 tokens must be transformers' greedy choice within NEAR_TIE. A random
-# router's k-th and (k+1)-th of 128 probabilities lie about 0.1 apart in logits, bf16 moves
-# them by about 0.005: some 5% of a layer's tokens can route otherwise, and a flipped expert
-# moves that position's logits by more than NEAR_TIE (an H100 run: 90.6% of steps agreed).
-AGREEING = 0.85
+# router's k-th and (k+1)-th of 128 probabilities lie about 0.1 apart in logits and bf16 moves
+# them by about 0.005, so a few percent of a layer's tokens can route otherwise, and a flipped
+# expert moves that position's logits by more than NEAR_TIE. On an H100: 96.4-97.4% of steps
+# agreed, transformers' eager experts against its grouped_mm 99.0%.
+AGREEING = 0.93
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from transformers import (
 )
 
 import hf_paged
-from tests.conftest import TINY_CONFIGS, left_padded
+from tests.conftest import TINY_CONFIGS, left_padded, transformers_allowed_set
 
 VOCAB = TINY_CONFIGS["gqa_tied"]["vocab_size"]
 
@@ -179,12 +179,7 @@ def test_sampling_draws_from_transformers_allowed_set(setup, warpers):
     engine, model, ids, _, _ = setup
     prompt = ids[2:, :]
     kwargs = dict(do_sample=True, max_new_tokens=1, **warpers)
-    with torch.no_grad():
-        logits = model(prompt).logits[:, -1].float()
-    config, _ = model._prepare_generation_config(None, **kwargs)
-    model._prepare_special_tokens(config, False, device="cpu", batch_size=1)
-    warp = model._get_logits_processor(config, prompt.shape[1], logits_processor=[])
-    allowed = set(torch.isfinite(warp(prompt, logits.clone()))[0].nonzero()[:, 0].tolist())
+    allowed = transformers_allowed_set(model, prompt, kwargs)
     assert 3 <= len(allowed) <= 60
     torch.manual_seed(0)
     out = engine.generate(prompt, num_return_sequences=1500, **kwargs)

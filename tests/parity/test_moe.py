@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import hf_paged
-from tests.conftest import MOE_CONFIGS, left_padded
+from tests.conftest import MOE_CONFIGS, left_padded, transformers_allowed_set
 
 LENGTHS = [1, 7, 9, 17, 40]
 ENGINE = dict(block_size=8, max_model_len=128, num_kv_blocks=64)
@@ -63,12 +63,7 @@ def test_sampling_draws_from_transformers_allowed_set(engines, moe_models):
     model, engine = moe_models["e8_k2_tied"], engines["e8_k2_tied"]
     prompt, _ = left_padded([11], VOCAB, seed=4)
     kwargs = dict(do_sample=True, max_new_tokens=1, temperature=2.5, top_k=30, top_p=0.95)
-    with torch.no_grad():
-        logits = model(prompt).logits[:, -1].float()
-    config, _ = model._prepare_generation_config(None, **kwargs)
-    model._prepare_special_tokens(config, False, device="cpu", batch_size=1)
-    warp = model._get_logits_processor(config, prompt.shape[1], logits_processor=[])
-    allowed = set(torch.isfinite(warp(prompt, logits.clone()))[0].nonzero()[:, 0].tolist())
+    allowed = transformers_allowed_set(model, prompt, kwargs)
     assert 3 <= len(allowed) <= 30
     torch.manual_seed(0)
     drawn = set(engine.generate(prompt, num_return_sequences=1000, **kwargs)[:, -1].tolist())
