@@ -11,24 +11,32 @@ import hf_paged
 from hf_paged import kernels
 from hf_paged.kernels.small_m import MAX_ROWS
 from hf_paged.modeling.linear import _ParallelLinear
-from tests.conftest import MOE_CONFIGS, TINY_CONFIGS, left_padded
+from tests.conftest import left_padded
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the kernels always run")
-def test_decode_through_the_kernels_gives_the_reference_tokens(checkpoints, monkeypatch):
-    name = "gqa4_untied"
-    ids, mask = left_padded([5, 9, 3], TINY_CONFIGS[name]["vocab_size"], seed=4)
+def kernel_and_twin_tokens(monkeypatch, path: str, dtype: torch.dtype,
+                           small_m: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens of three prompts through the Triton kernels (interpreter), then through the
+    plain-torch twins; ``small_m`` sends every projection of decode rows to the small-M kernel,
+    as start-up may choose on a GPU."""
+    ids, mask = left_padded([5, 9, 3], 1024, seed=4)
 
     def tokens(through_triton: bool) -> torch.Tensor:
         monkeypatch.setattr(kernels, "_TRITON_ON_CPU", through_triton)
-        with hf_paged.from_pretrained(checkpoints[name], device="cpu",
-                                      dtype=torch.float16) as engine:
-            for module in engine.model.layers.modules():  # as start-up may choose on a GPU
+        with hf_paged.from_pretrained(path, device="cpu", dtype=dtype) as engine:
+            for module in engine.model.layers.modules() if small_m else ():
                 if isinstance(module, _ParallelLinear):
                     module.small_m_rows = MAX_ROWS
             return engine.generate(ids, attention_mask=mask, max_new_tokens=6)
 
-    assert torch.equal(tokens(True), tokens(False))
+    return tokens(True), tokens(False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the kernels always run")
+def test_decode_through_the_kernels_gives_the_reference_tokens(checkpoints, monkeypatch):
+    triton_tokens, twin_tokens = kernel_and_twin_tokens(
+        monkeypatch, checkpoints["gqa4_untied"], torch.float16, small_m=True)
+    assert torch.equal(triton_tokens, twin_tokens)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the kernels always run")
@@ -36,13 +44,6 @@ def test_a_qwen3_moe_engine_on_the_kernels_gives_the_reference_tokens(moe_checkp
                                                                       monkeypatch):
     """The fused MoE kernels (routing, alignment, grouped GEMMs) as the sparse blocks wire
     them, in prefill and decode steps, float32: the twins' tokens."""
-    name = "e6_k3_raw_dense0"
-    ids, mask = left_padded([5, 9, 3], MOE_CONFIGS[name]["vocab_size"], seed=4)
-
-    def tokens(through_triton: bool) -> torch.Tensor:
-        monkeypatch.setattr(kernels, "_TRITON_ON_CPU", through_triton)
-        with hf_paged.from_pretrained(moe_checkpoints[name], device="cpu",
-                                      dtype=torch.float32) as engine:
-            return engine.generate(ids, attention_mask=mask, max_new_tokens=6)
-
-    assert torch.equal(tokens(True), tokens(False))
+    triton_tokens, twin_tokens = kernel_and_twin_tokens(
+        monkeypatch, moe_checkpoints["e6_k3_raw_dense0"], torch.float32)
+    assert torch.equal(triton_tokens, twin_tokens)
