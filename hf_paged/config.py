@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 ATTENTION_BACKENDS = ("triton", "sdpa", "flash_attn")
+SPECULATIVE_METHODS = ("ngram", "draft")
 
 
 @dataclass
@@ -38,6 +39,20 @@ class EngineConfig:
         disable_custom_all_reduce: on CUDA, reduce across ranks with NCCL alone instead of
             through symmetric memory (which serves tensors of up to 2,048 tokens' hidden
             states, at the sizes where start-up measured it faster than NCCL).
+        speculative_method: speculative decoding for every request that names none in its
+            ``SamplingParams``: ``"ngram"`` (prompt lookup: drafts copied from where the
+            sequence's last n-gram occurred earlier in it) or ``"draft"`` (a small model of
+            the same tokenizer, ``speculative_model``, drafts greedily on its own paged cache);
+            None: off. Verification keeps greedy output token for token and sampled output
+            distributed as plain sampling.
+        speculative_model: the draft model's checkpoint (a folder or a hub id); implies
+            ``speculative_method="draft"``.
+        num_speculative_tokens: draft tokens proposed a step at most.
+        prompt_lookup_max: longest n-gram prompt lookup matches (it tries this many trailing
+            tokens first, then fewer, down to one).
+        speculative_max_batch: speculation runs while at most this many requests are running;
+            a larger batch decodes one token a step, since verifying drafts for it would cost
+            more compute than the weight reads it saves.
     """
 
     max_num_seqs: int = 256
@@ -54,9 +69,15 @@ class EngineConfig:
     progress_bar: bool = False
     tensor_parallel_size: int = 1
     disable_custom_all_reduce: bool = False
+    speculative_method: str | None = None
+    speculative_model: str | None = None
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 2
+    speculative_max_batch: int = 8
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
+                     "num_speculative_tokens", "prompt_lookup_max", "speculative_max_batch"):
             _require_positive_int(name, getattr(self, name))
         for name in ("max_model_len", "num_kv_blocks", "max_graph_batch_size"):
             if getattr(self, name) is not None:
@@ -73,6 +94,14 @@ class EngineConfig:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not self.cpu_kv_cache_gib > 0:
             raise ValueError(f"cpu_kv_cache_gib must be positive, got {self.cpu_kv_cache_gib!r}")
+        if self.speculative_model is not None and self.speculative_method is None:
+            self.speculative_method = "draft"
+        if self.speculative_method not in (None, *SPECULATIVE_METHODS):
+            raise ValueError(f"speculative_method must be one of {SPECULATIVE_METHODS} or None, "
+                             f"got {self.speculative_method!r}")
+        if (self.speculative_method == "draft") != (self.speculative_model is not None):
+            raise ValueError("speculative_model names the draft checkpoint: it is required with "
+                             "speculative_method='draft' and only then")
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS} or None, "

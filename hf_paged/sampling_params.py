@@ -21,6 +21,9 @@ class RequestHooks:
     #: ``process`` reads host-side state that ``on_tokens`` updates: the engine then collects
     #: a step's tokens before it launches the next one (no asynchronous overlap).
     needs_history: bool = False
+    #: ``process`` changes the logits (or records them): such requests decode one token a
+    #: step, since speculative decoding verifies drafts on the model's own logits.
+    processes_logits: bool = True
 
     def process(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         """Scores to sample from, given the float32 logits rows of ``seqs``."""
@@ -43,6 +46,64 @@ class RequestHooks:
         return True
 
 
+class Proposer:
+    """Drafts tokens for speculative decoding (``Speculation.proposer``): prompt lookup
+    (``hf_paged.engine.ngram.NgramProposer``) or a draft model
+    (``hf_paged.engine.draft_proposer.DraftProposer``)."""
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        """Draft tokens to follow each of ``seqs`` (every token of theirs known to the host),
+        at most ``limits[i]`` for ``seqs[i]`` (each limit at least 1)."""
+        raise NotImplementedError
+
+    def release(self, seq_ids: list[int]) -> None:
+        """Forget the state kept for these sequences (finished, aborted or preempted)."""
+
+    def close(self) -> None:
+        """Free what the proposer holds (a draft model's engine it built)."""
+
+
+# transformers' ``num_assistant_tokens_schedule`` values: "heuristic" grows the draft length by
+# 2 after a step accepts every draft and shrinks it by 1 otherwise ("heuristic_transient" the
+# same, starting again from ``num_tokens`` each call); "constant" keeps it.
+SCHEDULES = ("constant", "heuristic", "heuristic_transient")
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Speculative decoding for a request: ``proposer`` drafts up to ``num_tokens`` tokens a
+    step, the model verifies them in one forward, and the request keeps the drafts its own
+    choices agree with plus the token after them, so greedy output is plain greedy's and
+    sampled output is plain sampling's distribution.
+
+    Attributes:
+        proposer: who drafts (shared by the requests of one caller).
+        num_tokens: most draft tokens a step (transformers' ``num_assistant_tokens`` or
+            ``prompt_lookup_num_tokens``).
+        schedule: one of ``SCHEDULES``.
+        confidence_threshold: a draft model stops drafting after a token it gave a probability
+            below this (transformers' ``assistant_confidence_threshold``); None: never.
+    """
+
+    proposer: Proposer
+    num_tokens: int = 4
+    schedule: str = "constant"
+    confidence_threshold: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_tokens, int) or isinstance(self.num_tokens, bool) \
+                or self.num_tokens <= 0:
+            raise ValueError(
+                f"num_speculative_tokens must be a positive integer, got {self.num_tokens!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"num_assistant_tokens_schedule must be one of {SCHEDULES}, "
+                             f"got {self.schedule!r}")
+        threshold = self.confidence_threshold
+        if threshold is not None and not 0.0 <= threshold <= 1.0:
+            raise ValueError(
+                f"assistant_confidence_threshold must be in [0, 1] or None, got {threshold!r}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request generates.
@@ -60,6 +121,8 @@ class SamplingParams:
         eos_token_ids: any of these ends the request (the token itself is kept).
         ignore_eos: keep generating past EOS tokens (benchmarks).
         hooks: logits processing and stopping done by the caller (see ``RequestHooks``).
+        speculation: speculative decoding for this request (see ``Speculation``); None: the
+            engine's own (``EngineConfig.speculative_method``), if any.
     """
 
     max_new_tokens: int = 16
@@ -71,6 +134,7 @@ class SamplingParams:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     hooks: RequestHooks | None = None
+    speculation: Speculation | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:

@@ -12,7 +12,7 @@ candidates as host tensors.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -91,6 +91,11 @@ class StepPlan:
     sample_copies: list[tuple[int, RowSampling]]
     block_copies: list[tuple[int, int]]  # copy-on-write (source, destination), in order
     is_decode: bool  # every sequence computes exactly its newest token, and samples it
+    # Speculative decoding: the chunk of sequence ``i`` ends with this many draft tokens, and
+    # a token is drawn at each of its last ``1 + num_draft_tokens[i]`` positions (empty: none).
+    num_draft_tokens: list[int] = field(default_factory=list)
+    # Also report the probability each drawn token had (a draft model's confidence).
+    report_probs: bool = False
 
 
 @dataclass
@@ -130,6 +135,8 @@ class StepResult:
     # One per beam-group member's sampled row, in batch order: (top scores, their token ids,
     # the whole score row or None, the whole logit row or None), host tensors.
     candidates: list[tuple]
+    # With ``StepPlan.report_probs``: the probability of each token of ``tokens``.
+    probs: list[float] = field(default_factory=list)
 
 
 @dataclass

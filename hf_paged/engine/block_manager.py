@@ -135,8 +135,36 @@ class BlockManager:
         return copies
 
     def free(self, seq: Sequence) -> None:
-        """Release ``seq``'s blocks. Later blocks are released first so they are evicted first."""
-        for block_id in reversed(seq.block_table):
+        """Release ``seq``'s blocks."""
+        self._let_go(seq.block_table)
+        seq.block_table = []
+        seq.num_published_blocks = 0
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep the cache of ``seq``'s first ``num_tokens`` tokens only (speculative decoding:
+        positions of rejected draft tokens). Blocks past them are released; a kept partial
+        last block that was published under tokens now dropped stops being published (or,
+        when others hold it, is copied by the next ``allocate`` before any write), so the
+        prefix cache never names contents about to change. ``seq.token_ids`` is the caller's
+        to shorten first; the table becomes a new list, so that views of the old one (the
+        runner's mirror) see the change."""
+        bs = self.block_size
+        keep = self.blocks_needed(num_tokens)
+        full = num_tokens // bs
+        self._let_go(seq.block_table[keep:])
+        seq.block_table = seq.block_table[:keep]
+        if keep > full:
+            block = self.blocks[seq.block_table[-1]]
+            if block.hash is not None and block.ref_count == 1:
+                del self.hash_to_block[block.hash]
+                block.hash = block.key = None
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
+        seq.num_published_blocks = min(seq.num_published_blocks, full)
+        del seq.block_hashes[min(full, len(seq.token_ids) // bs):]
+
+    def _let_go(self, block_ids: list[int]) -> None:
+        """Release one hold on each block, later blocks first so that they are evicted first."""
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             self._release(block)
             if block.ref_count == 0:
@@ -144,8 +172,6 @@ class BlockManager:
                     self.free_uncached.appendleft(block_id)
                 else:
                     self.evictable[block_id] = None
-        seq.block_table = []
-        seq.num_published_blocks = 0
 
     def _hold(self, block: Block) -> None:
         block.ref_count += 1
