@@ -121,7 +121,9 @@ class StepInputs:
     graph_bs: int
     shared: int
     block_copies: list[tuple[int, int]]  # made before the forward, in order
-    # Tokens the step draws: sampled rows of no group, then one per follower forked by it.
+    # Tokens the step draws that the next step may read on the device as pending inputs:
+    # sampled rows of no group, then one per follower forked by it (0 for a step verifying
+    # drafts, whose tokens the host reads before it schedules the next).
     num_drawn: int
 
 

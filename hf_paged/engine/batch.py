@@ -22,6 +22,10 @@ class ScheduledBatch:
     sample_copies: list[tuple[int, Sequence]] = field(default_factory=list)
     # Copy-on-write block copies (source, destination) to make before the forward, in order.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: the draft tokens ending each sequence's chunk (0: none), and
+    # whether a request of the batch may draft next step (it needs this step's tokens first).
+    num_draft_tokens: list[int] = field(default_factory=list)
+    speculative: bool = False
 
     @property
     def is_decode(self) -> bool:
@@ -32,18 +36,26 @@ class ScheduledBatch:
         """The step as the worker reads it: plain data, the sequences' lists shared, not
         copied."""
         seqs = self.seqs
+        drafting = any(self.num_draft_tokens)
+        # A drafting sequence's chunk reads its drafts after its tokens: a list of its own.
+        tokens = [s.token_ids + s.draft_token_ids if d else s.token_ids
+                  for s, d in zip(seqs, self.num_draft_tokens)] if drafting else \
+            [s.token_ids for s in seqs]
         return StepPlan(
-            [s.seq_id for s in seqs], self.starts, self.num_tokens,
-            [s.token_ids for s in seqs], [s.block_table for s in seqs], self.sample,
+            [s.seq_id for s in seqs], self.starts, self.num_tokens, tokens,
+            [s.block_table for s in seqs], self.sample,
             [s.sampling for s in seqs], [(i, f.sampling) for i, f in self.sample_copies],
-            self.block_copies, self.is_decode,
+            self.block_copies, self.is_decode, self.num_draft_tokens if drafting else [],
         )
 
     @property
     def feeds_next_step(self) -> bool:
         """Whether the host must read this step's results before scheduling the next: a beam
         group's member samples (the group's choice is the next step's input), or a request's
-        hooks read its whole history. One pass over the batch."""
+        hooks read its whole history, or a request may draft next step. One pass over the
+        batch."""
+        if self.speculative:
+            return True
         for seq, sample in zip(self.seqs, self.sample):
             hooks = seq.params.hooks
             if (sample and seq.group is not None) or (hooks is not None and hooks.needs_history):

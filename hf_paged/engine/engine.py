@@ -20,6 +20,7 @@ from hf_paged.engine.loading import load
 from hf_paged.engine.run_loop import step_until_finished
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.sequence import Sequence, Status
+from hf_paged.engine.speculative import Speculator, default_speculation
 from hf_paged.engine.validation import check_request
 from hf_paged.sampling_params import SamplingParams
 from hf_paged.worker.executor import Executor
@@ -59,6 +60,10 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, max_model_len
         )
+        self.speculator = Speculator(self.scheduler, config, default_speculation(
+            config, self.device, self.dtype, max_model_len, executor.num_blocks,
+            executor.is_leader))
+        self.scheduler.speculator = self.speculator
         # The step launched whose tokens are not collected yet: its batch and the executor's
         # handle of it.
         self.in_flight: tuple[ScheduledBatch, object] | None = None
@@ -204,6 +209,7 @@ class EngineCore:
             if previous is not None and previous[0].feeds_next_step:
                 finished = self._collect(previous)
                 previous = None
+            self.speculator.propose()
             batch = self.scheduler.schedule()
             if batch.seqs:
                 self.in_flight = batch, self.executor.launch(batch.plan())
@@ -229,6 +235,7 @@ class EngineCore:
 
     def _release(self, seqs: list[Sequence]) -> None:
         self.executor.release([s.seq_id for s in seqs])
+        self.speculator.release(seqs)
 
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)
@@ -310,6 +317,7 @@ class EngineCore:
             return
         self.closed = True
         self.in_flight = self._last_batch = None
+        self.speculator.close()
         self.executor.close()
 
     def __enter__(self) -> EngineCore:
@@ -331,4 +339,5 @@ class EngineCore:
             "num_preemptions": s.num_preemptions,
             "num_running": len(s.running),
             "num_waiting": len(s.waiting),
+            **self.speculator.stats(),
         }

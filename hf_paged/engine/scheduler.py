@@ -15,6 +15,15 @@ receives a step's tokens one step later. A request whose pending token is its la
 is not scheduled again; one that stops at an EOS may have computed one more token, which is
 dropped.
 
+Speculative decoding. A request given draft tokens (``seq.draft_token_ids``, by the engine's
+``Speculator`` before ``schedule``) computes its newest token and its drafts in one chunk and
+draws a token at each of those positions; ``postprocess`` keeps the drafts up to the first the
+model disagreed with plus the model's token there (``speculative.accepted``), appending them one
+at a time so that an EOS or the length ends the request where plain decoding would, and gives
+back the cache of the rejected positions. Drafts never cost a preemption: when blocks run short
+they are dropped first. A step holding a request that may speculate is collected before the next
+is scheduled (``ScheduledBatch.feeds_next_step``), since drafting needs its tokens.
+
 Forks. Requests added as followers of a leader share its prompt: when the leader's prompt is
 first sampled they are forked from it (sharing its blocks) and each samples its own token from
 the same logits row. The members of a ``SequenceGroup`` (beam search) report candidates
@@ -30,6 +39,7 @@ from collections import deque
 from hf_paged.engine.batch import ScheduledBatch
 from hf_paged.engine.block_manager import BlockManager
 from hf_paged.engine.sequence import Sequence, SequenceGroup, Status
+from hf_paged.engine.speculative import Speculator, accepted, can_speculate
 
 
 class Scheduler:
@@ -54,6 +64,7 @@ class Scheduler:
         self.prefix_cache_hits = 0
         self.num_seq_slots = 0  # of max_num_seqs, reserved by admitted requests
         self.dropped: list[Sequence] = []  # group members freed since the last take_dropped
+        self.speculator: Speculator | None = None  # set by the engine
 
     def add(self, seq: Sequence, followers: list[Sequence] = ()) -> None:
         """Queue a request; ``followers`` (requests with the same prompt) fork from it when
@@ -61,6 +72,9 @@ class Scheduler:
         seq.followers = list(followers)
         for follower in followers:
             follower.leader = seq
+        if self.speculator is not None:
+            for request in (seq, *followers):
+                self.speculator.adopt(request)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -122,6 +136,16 @@ class Scheduler:
             if n == 0:  # a group member waiting for its group's choice
                 i += 1
                 continue
+            if seq.draft_token_ids:
+                del seq.draft_token_ids[budget - n:]
+                if not allocate(seq, n + len(seq.draft_token_ids)):
+                    seq.draft_token_ids = []  # drafts give way before anything is preempted
+                else:
+                    n += len(seq.draft_token_ids)
+                    self._add_to_batch(batch, seq, n)
+                    budget -= n
+                    i += 1
+                    continue
             while not allocate(seq, n):
                 preempted = True
                 # A member waiting for its group's choice gives way first: it may be waiting
@@ -151,10 +175,14 @@ class Scheduler:
         tokens, reports = iter(sampled), iter(candidates)
         ready: dict[int, SequenceGroup] = {}
         appended: list[Sequence] = []
-        for seq, sample in zip(batch.seqs, batch.sample):
+        for seq, sample, drafts in zip(batch.seqs, batch.sample, batch.num_draft_tokens):
             if not sample:
                 continue
-            if seq.group is None:
+            if drafts:
+                drawn = [next(tokens) for _ in range(drafts + 1)]
+                if self._verified(seq, drawn, finished):
+                    appended.append(seq)
+            elif seq.group is None:
                 if self._append(seq, next(tokens), finished):
                     appended.append(seq)
             else:
@@ -181,6 +209,26 @@ class Scheduler:
         seq.finish_reason = self.finish_reason(seq)
         if seq.finish_reason is not None:
             self._finish(seq, finished)
+        return True
+
+    def _verified(self, seq: Sequence, drawn: list[int], finished: list[Sequence]) -> bool:
+        """Keep what a verified step of ``seq`` accepted (each token appended as if decoded
+        alone) and give back the cache of the positions past them; False when the request had
+        stopped meanwhile."""
+        drafts, seq.draft_token_ids = seq.draft_token_ids, []
+        if seq.is_finished:
+            return False
+        kept = accepted(drafts, drawn)
+        self.speculator.verified(seq, drafts, kept)
+        self._append(seq, kept[0], finished)
+        for token in kept[1:]:
+            if seq.is_finished:
+                break
+            seq.num_pending += 1
+            self._append(seq, token, finished)
+        if not seq.is_finished:
+            seq.num_computed_tokens = len(seq.token_ids) - 1
+            self.block_manager.truncate(seq, seq.num_computed_tokens)
         return True
 
     def finish_reason(self, seq: Sequence) -> str | None:
@@ -346,6 +394,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, park: bool = False) -> None:
         self.block_manager.free(seq)
+        seq.draft_token_ids = []
         seq.num_computed_tokens = 0
         seq.status = Status.WAITING
         if park:
@@ -361,11 +410,16 @@ class Scheduler:
         step reads them) and its sampled token, if any, as pending. A group member's step
         yields candidates, not a token. Followers are forked when the prompt is sampled."""
         start = seq.num_computed_tokens
-        sample = start + n == seq.num_tokens
+        drafts = len(seq.draft_token_ids)
+        sample = start + n == seq.num_tokens + drafts
         batch.seqs.append(seq)
         batch.starts.append(start)
         batch.num_tokens.append(n)
         batch.sample.append(sample)
+        batch.num_draft_tokens.append(drafts)
+        if sample and self.speculator is not None and can_speculate(seq) \
+                and self.speculator.active:
+            batch.speculative = True  # its next step may draft: it needs this one's tokens
         seq.num_computed_tokens = start + n
         seq.num_pending += sample and seq.group is None
         if sample and seq.followers:

@@ -48,6 +48,11 @@ class Sequence:
         self.leader: Sequence | None = None  # set on a follower until it is forked
         self.group: SequenceGroup | None = None  # beam search: whose host picks next tokens
         self._sampling: RowSampling | None = None
+        # Speculative decoding: how this request drafts (None: it does not), how many tokens
+        # it drafts now (its schedule adapts it), and the drafts of the step being scheduled.
+        self.speculation = None
+        self.draft_length = 0
+        self.draft_token_ids: list[int] = []
 
     @property
     def sampling(self) -> RowSampling:
@@ -71,6 +76,7 @@ class Sequence:
         child.num_cached_tokens = self.num_cached_tokens
         child.status = self.status
         child.group = self.group
+        child.speculation, child.draft_length = self.speculation, self.draft_length
         return child
 
     def __len__(self) -> int:

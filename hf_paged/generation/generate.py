@@ -17,6 +17,7 @@ from transformers.generation.stopping_criteria import (
     StoppingCriteriaList,
 )
 
+from hf_paged.generation import assisted
 from hf_paged.generation import processors as procs
 from hf_paged.generation.beam_search import beam_search
 from hf_paged.generation.call_hooks import CallHooks
@@ -74,41 +75,43 @@ def generate(
     hooks = None
     if split.rest or criteria or lockstep:
         hooks = CallHooks(resolved, split.rest, criteria, pad, record_scores, record_logits)
-    params = _sampling_params(resolved, split, lockstep, hooks)
-    feeder = StreamFeeder(streamer, pad) if streamer is not None else None
-    if feeder:
-        feeder.start(resolved.input_ids)
-    first = {}
-    if empty:  # transformers' first step for them, then the engine goes on from it
-        tokens, logits, scores = first_tokens(engine, resolved, empty, config.do_sample)
-        first = dict(zip(empty, tokens))
-        for i, row in enumerate(empty):
-            if record_logits:
-                hooks.logits[row].append(logits[i].cpu())
-            if record_scores:
-                hooks.scores[row].append(scores[i].cpu())
-    seqs = _add_requests(engine, prompts, params, config.num_return_sequences or 1, first)
-    if hooks:
-        hooks.attach(seqs, engine.device)
-    engine.run(seqs, progress_bar, on_step=feeder.feed if feeder else None)
-    if feeder:
-        feeder.feed(seqs)
-        feeder.end()
-    outputs = [s.output_token_ids for s in seqs]
-    if lockstep:  # transformers' loop ran until the last row was done
-        steps = min(max(len(hooks.scores[r] or hooks.logits[r]) for r in range(len(seqs))),
-                    max(len(o) for o in outputs))
-        outputs = [o[:steps] for o in outputs]
-    # Sequences stay where the caller's input_ids were; scores and logits are the model's.
-    sequences = pad_outputs(resolved.input_ids, outputs, pad).to(resolved.device)
-    if not config.return_dict_in_generate:
-        return sequences
-    steps = sequences.shape[1] - resolved.input_ids.shape[1]
-    return decoder_only_output(
-        sequences,
-        scores=per_step(hooks.scores, steps, engine.device) if record_scores else None,
-        logits=per_step(hooks.logits, steps, engine.device) if record_logits else None,
-    )
+    with assisted.speculating(engine, resolved) as speculation:
+        params = _sampling_params(resolved, split, lockstep, hooks, speculation)
+        feeder = StreamFeeder(streamer, pad) if streamer is not None else None
+        if feeder:
+            feeder.start(resolved.input_ids)
+        first = {}
+        if empty:  # transformers' first step for them, then the engine goes on from it
+            tokens, logits, scores = first_tokens(engine, resolved, empty, config.do_sample)
+            first = dict(zip(empty, tokens))
+            for i, row in enumerate(empty):
+                if record_logits:
+                    hooks.logits[row].append(logits[i].cpu())
+                if record_scores:
+                    hooks.scores[row].append(scores[i].cpu())
+        seqs = _add_requests(engine, prompts, params, config.num_return_sequences or 1, first)
+        if hooks:
+            hooks.attach(seqs, engine.device)
+        engine.run(seqs, progress_bar, on_step=feeder.feed if feeder else None)
+        assisted.finish(resolved, speculation, seqs)
+        if feeder:
+            feeder.feed(seqs)
+            feeder.end()
+        outputs = [s.output_token_ids for s in seqs]
+        if lockstep:  # transformers' loop ran until the last row was done
+            steps = min(max(len(hooks.scores[r] or hooks.logits[r]) for r in range(len(seqs))),
+                        max(len(o) for o in outputs))
+            outputs = [o[:steps] for o in outputs]
+        # Sequences stay where the caller's input_ids were; scores and logits are the model's.
+        sequences = pad_outputs(resolved.input_ids, outputs, pad).to(resolved.device)
+        if not config.return_dict_in_generate:
+            return sequences
+        steps = sequences.shape[1] - resolved.input_ids.shape[1]
+        return decoder_only_output(
+            sequences,
+            scores=per_step(hooks.scores, steps, engine.device) if record_scores else None,
+            logits=per_step(hooks.logits, steps, engine.device) if record_logits else None,
+        )
 
 
 def check(engine, inputs: torch.Tensor | None = None, generation_config=None,
@@ -146,7 +149,8 @@ def _split(resolved, lockstep: bool) -> procs.Split:
     return procs.split(resolved.processors, padded, keep_all=lockstep)
 
 
-def _sampling_params(resolved, split: procs.Split, lockstep: bool, hooks) -> SamplingParams:
+def _sampling_params(resolved, split: procs.Split, lockstep: bool, hooks,
+                     speculation=None) -> SamplingParams:
     """The engine's settings for each row of the call (SamplingParams validates them)."""
     config = resolved.config
     eos = config._eos_token_tensor
@@ -160,6 +164,7 @@ def _sampling_params(resolved, split: procs.Split, lockstep: bool, hooks) -> Sam
         eos_token_ids=() if eos is None else tuple(eos.tolist()),
         ignore_eos=lockstep,
         hooks=hooks,
+        speculation=speculation,
     )
 
 

@@ -21,12 +21,12 @@ from transformers.generation.configuration_utils import GenerationMode
 
 # Modes hf_paged decodes; the values are the names transformers gives them.
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE,
-                   GenerationMode.BEAM_SEARCH)
+                   GenerationMode.BEAM_SEARCH, GenerationMode.ASSISTED_GENERATION)
 
 # generate() arguments transformers takes that a paged engine cannot honour, and why.
 _REFUSED = {
-    "assistant_model": "assisted (speculative) decoding is not implemented",
-    "assistant_tokenizer": "assisted (speculative) decoding is not implemented",
+    "assistant_tokenizer": "an assistant of another tokenizer (universal assisted generation) "
+                           "is not supported; the assistant must share the model's vocabulary",
     "negative_prompt_ids": "classifier-free guidance is not implemented",
     "negative_prompt_attention_mask": "classifier-free guidance is not implemented",
     "custom_generate": "custom decoding loops run on transformers models only",
@@ -50,11 +50,12 @@ _MODE_ARGUMENTS = {
         "constrained beam search", ("constraints", "force_words_ids")),
     GenerationMode.BEAM_SAMPLE: ("beam sampling", ("do_sample", "num_beams")),
     GenerationMode.ASSISTED_GENERATION: (
-        "assisted generation",
-        ("assistant_model", "prompt_lookup_num_tokens", "use_mtp", "assistant_early_exit")),
+        "assisted generation by multi-token prediction or early exit",
+        ("use_mtp", "assistant_early_exit")),
 }
-_SUPPORTED_TEXT = ("greedy search, sampling (do_sample=True) and beam search (num_beams > 1, "
-                   "do_sample=False)")
+_SUPPORTED_TEXT = ("greedy search, sampling (do_sample=True), beam search (num_beams > 1, "
+                   "do_sample=False) and assisted generation by prompt lookup or an "
+                   "assistant model")
 
 
 def unsupported_mode_message(mode: GenerationMode, config: GenerationConfig) -> str:
@@ -94,6 +95,7 @@ class Resolved:
     processors: LogitsProcessorList
     criteria: StoppingCriteriaList
     device: torch.device  # where the caller's input_ids were
+    assistant_model: Any = None  # generate()'s, for assisted generation
 
     @property
     def max_new_tokens(self) -> int:
@@ -124,6 +126,7 @@ def resolve(
     # transformers pops it first: it only lets hub code run (custom_generate, and the modes
     # moved to hub repositories), which hf_paged refuses by name whatever its value.
     kwargs.pop("trust_remote_code", None)
+    assistant = kwargs.pop("assistant_model", None)
     model = _StandIn(hf_config, base)
     tokenizer = kwargs.pop("tokenizer", None)
     has_default_max_length = (
@@ -140,9 +143,12 @@ def resolve(
     for name in ("output_attentions", "output_hidden_states"):
         if getattr(config, name, False):
             raise ValueError(f"{name} is not supported by hf_paged's generate(): {_REFUSED[name]}")
-    mode = config.get_generation_mode()
-    if mode not in SUPPORTED_MODES:
+    mode = config.get_generation_mode(assistant)
+    if mode not in SUPPORTED_MODES or (mode is GenerationMode.ASSISTED_GENERATION and (
+            config.use_mtp or config.assistant_early_exit is not None)):
         raise ValueError(unsupported_mode_message(mode, config))
+    if mode is GenerationMode.ASSISTED_GENERATION and config.prompt_lookup_num_tokens is None:
+        _check_assistant(assistant, hf_config)
     if config.guidance_scale not in (None, 1, 1.0):
         raise ValueError(
             f"guidance_scale is not supported by hf_paged: {_REFUSED['negative_prompt_ids']}")
@@ -201,7 +207,20 @@ def resolve(
         generation_config=config, stopping_criteria=stopping_criteria or StoppingCriteriaList(),
         tokenizer=tokenizer,
     )
-    return Resolved(config, input_ids, attention_mask, processors, criteria, device)
+    return Resolved(config, input_ids, attention_mask, processors, criteria, device, assistant)
+
+
+def _check_assistant(assistant, hf_config: PretrainedConfig) -> None:
+    """An assistant is a causal LM of the model's vocabulary (same tokenizer)."""
+    if not callable(getattr(assistant, "generate", None)) or not hasattr(assistant, "config"):
+        raise ValueError("assistant_model must be a transformers (or hf_paged) causal language "
+                         f"model, got {type(assistant).__name__}")
+    vocab = getattr(assistant.config, "vocab_size", None)
+    if vocab != hf_config.vocab_size:
+        raise ValueError(
+            f"assistant_model has a vocabulary of {vocab} tokens, the model {hf_config.vocab_size}:"
+            " an assistant must share the model's tokenizer (universal assisted generation "
+            "with assistant_tokenizer is not supported)")
 
 
 def _check_input_ids(input_ids) -> torch.Tensor:

@@ -77,9 +77,10 @@ class StepPreparer:
         slots: list[int] = []
         src: list[int] = []
         cu_seqlens, seq_lens, logits_rows = [0], [], []
-        for seq_id, tokens, table, start, n, sample in zip(
+        drafts = plan.num_draft_tokens or [0] * len(plan.seq_ids)
+        for seq_id, tokens, table, start, n, sample, num_drafts in zip(
                 plan.seq_ids, plan.token_ids, plan.block_tables, plan.starts, plan.num_tokens,
-                plan.sample):
+                plan.sample, drafts):
             end = start + n
             if n == 1:
                 if start < len(tokens):
@@ -98,15 +99,17 @@ class StepPreparer:
                 slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
             cu_seqlens.append(cu_seqlens[-1] + n)
             seq_lens.append(end)
-            if sample:
-                logits_rows.append(cu_seqlens[-1] - 1)
+            if sample:  # a drafting sequence draws at its newest token and each draft
+                logits_rows.extend(range(cu_seqlens[-1] - 1 - num_drafts, cu_seqlens[-1]))
         tables = self.block_tables.gather(plan.seq_ids, plan.block_tables)
         drawn = sum(1 for row, m in zip(plan.sampling, plan.sample)
                     if m and row.candidates is None)
+        # The host reads a verifying step's tokens before it schedules the next: none pend.
+        pending = 0 if any(drafts) else drawn + len(plan.sample_copies)
         return StepInputs(
             input_ids, src, positions, slots, cu_seqlens, seq_lens, tables, logits_rows,
             max(plan.num_tokens), graph_bs, self._shared_prefix_len(plan, tables),
-            plan.block_copies, drawn + len(plan.sample_copies),
+            plan.block_copies, pending,
         )
 
     def sampled(self, seq_ids: list[int]) -> None:

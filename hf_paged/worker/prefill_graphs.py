@@ -5,7 +5,8 @@ kernels in 15 ms of eager launches on a slow host).
 One graph per token bucket (powers of two from 32 up to ``max_tokens``), each for up to
 ``max_seqs`` sequences, over views of one int32 input buffer laid out as ids, pending-token
 rows (``src``), positions and slots (a bucket's worth each), then ``cu_seqlens``
-(``max_seqs + 1``), context lengths and logits rows (``max_seqs`` each), then the block tables
+(``max_seqs + 1``) and context lengths (``max_seqs``), logits rows (``max_rows``: a step
+verifying draft tokens draws at several positions of a sequence), then the block tables
 (``max_seqs`` full-width rows). A step replays the smallest bucket holding its tokens, padded:
 tokens past its own belong to no sequence (attention skips them, their slot is -1 so nothing
 is stored, and every other operation works row by row), sequences past its own are empty, and
@@ -50,9 +51,11 @@ class PrefillGraphs:
     ``run`` replays it."""
 
     def __init__(self, step: PrefillStep, gather: Callable[[torch.Tensor], torch.Tensor | None],
-                 max_tokens: int, max_seqs: int, width: int, device: torch.device):
+                 max_tokens: int, max_seqs: int, width: int, device: torch.device,
+                 max_rows: int):
         self.forward, self.gather = step, gather
         self.max_seqs = max_seqs
+        self.max_rows = max(max_rows, max_seqs)
         self.width = width
         self.buckets = token_buckets(max_tokens)
         self.inputs, self.host_inputs = graph_buffers(self._layout(self.buckets[-1])[-1],
@@ -62,11 +65,12 @@ class PrefillGraphs:
     def _layout(self, bucket: int) -> tuple[int, int, int]:
         """Where the sequence fields start, where the tables start, and the end."""
         seqs = _TOKEN_FIELDS * bucket
-        tables = seqs + 3 * self.max_seqs + 1
+        tables = seqs + 2 * self.max_seqs + 1 + self.max_rows
         return seqs, tables, tables + self.max_seqs * self.width
 
     def bucket(self, inputs: StepInputs) -> int:
-        if inputs.shared or len(inputs.seq_lens) > self.max_seqs:
+        if (inputs.shared or len(inputs.seq_lens) > self.max_seqs
+                or len(inputs.logits_rows) > self.max_rows):
             return 0
         i = bisect.bisect_left(self.buckets, len(inputs.ids))
         return self.buckets[i] if i < len(self.buckets) else 0

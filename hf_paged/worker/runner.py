@@ -31,11 +31,13 @@ from hf_paged.worker.decode_graphs import DecodeGraphs
 from hf_paged.worker.inputs import CASCADE_MIN_SEQS, StepPreparer
 from hf_paged.worker.kv_cache import KVCache
 from hf_paged.worker.prefill_graphs import PrefillGraphs
-from hf_paged.worker.sampler import Sampler, kernel_settings
+from hf_paged.worker.sampler import Sampler, draw_counts, kernel_settings, per_draw
 from hf_paged.worker.startup import Startup
 
-# Prefill steps of at most this many tokens and sequences replay a graph.
-_PREFILL_GRAPH_TOKENS, _PREFILL_GRAPH_SEQS = 2048, 8
+# Prefill steps of at most this many tokens and sequences replay a graph, and so do steps
+# verifying draft tokens that draw at most this many rows (a row costs nothing measurable in
+# the LM head's weight read).
+_PREFILL_GRAPH_TOKENS, _PREFILL_GRAPH_SEQS, _PREFILL_GRAPH_ROWS = 2048, 8, 64
 
 
 @dataclass
@@ -100,7 +102,7 @@ class ModelRunner:
         """Prefill graphs up to ``max_tokens`` tokens of ``max_seqs`` sequences (not captured
         yet)."""
         return PrefillGraphs(self._prefill_step, self.model.gather_logits, max_tokens, max_seqs,
-                             self.width, self.device)
+                             self.width, self.device, min(_PREFILL_GRAPH_ROWS, max_tokens))
 
     def _forward_pending(self, ids, src, positions, meta: AttentionMetadata) -> torch.Tensor:
         """The model's hidden states, each pending token (``src >= 0``) read from the last
@@ -157,6 +159,8 @@ class ModelRunner:
             if plan.sample_copies or any(r.candidates is not None for r in rows):
                 logits, drawn, rows, candidates = self.sampler.split_rows(plan, logits, drawn,
                                                                           rows)
+            elif plan.num_draft_tokens:
+                rows = per_draw(rows, draw_counts(plan))
             tokens = self.sampler.sample(logits, rows, drawn)
         finally:  # the other ranks wait for this step's tokens even if sampling failed
             if inputs.num_drawn:
@@ -164,8 +168,11 @@ class ModelRunner:
         self.preparer.sampled([r.seq_id for r in rows])
         if self.device.type != "cuda":
             return LaunchedStep(tokens, None, candidates)
-        host = self.host_tokens[self.flip][: len(tokens)]
-        host.copy_(tokens, non_blocking=True)
+        if len(tokens) <= len(self.host_tokens[self.flip]):
+            host = self.host_tokens[self.flip][: len(tokens)]
+            host.copy_(tokens, non_blocking=True)
+        else:  # a step verifying many drafts
+            host = _to_host(tokens)
         if candidates is not None:
             candidates = tuple(None if t is None else _to_host(t) for t in candidates)
         done = torch.cuda.Event()

@@ -10,6 +10,8 @@ their leader's row.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
@@ -25,6 +27,25 @@ def kernel_settings(rows: list[RowSampling]) -> tuple[np.ndarray, ...]:
             np.array([r.top_k for r in rows], np.int32),
             np.array([r.top_p for r in rows], np.float32),
             np.array([r.min_p for r in rows], np.float32))
+
+
+def draw_counts(plan: StepPlan) -> list[int]:
+    """Tokens drawn for each sampled sequence of ``plan``, in order: one, or one more than its
+    draft tokens (a verifying step draws at its newest token and at each draft)."""
+    drafts = plan.num_draft_tokens or [0] * len(plan.sample)
+    return [1 + d for d, sample in zip(drafts, plan.sample) if sample]
+
+
+def per_draw(rows: list[RowSampling], counts: list[int]) -> list[RowSampling]:
+    """Each row's settings once per token it draws. A verifying sequence's extra draws leave
+    out its hooks: the engine verifies only for requests whose hooks do not touch logits, and
+    their stopping runs on the host once the tokens are kept."""
+    if all(c == 1 for c in counts):
+        return rows
+    out = []
+    for row, count in zip(rows, counts):
+        out.extend([row] if count == 1 else [replace(row, hooks=None)] * count)
+    return out
 
 
 class Sampler:
@@ -54,17 +75,23 @@ class Sampler:
                    rows: list[RowSampling]):
         """The rows to sample (those of no group, then each follower on its leader's row) with
         their settings, and the group members' candidates. A graph's drawn tokens serve the
-        plain rows, unless followers must draw their own from their leader's row."""
-        row_of = {}  # batch index -> row of logits
+        plain rows, unless followers must draw their own from their leader's row. A verifying
+        sequence's rows (``draw_counts``) all go to sampling."""
+        counts = draw_counts(plan)
+        firsts, last_of, at = [], {}, 0  # each row's first logits row; batch index -> last
         for i, sample in enumerate(plan.sample):
             if sample:
-                row_of[i] = len(row_of)
+                firsts.append(at)
+                at += counts[len(firsts) - 1]
+                last_of[i] = at - 1
         plain = [r for r, s in enumerate(rows) if s.candidates is None]
-        grouped = [r for r, s in enumerate(rows) if s.candidates is not None]
-        index = self._to_device(plain + [row_of[i] for i, _ in plan.sample_copies])
-        members = [rows[r] for r in grouped]
+        grouped = [firsts[r] for r, s in enumerate(rows) if s.candidates is not None]
+        index = self._to_device([j for r in plain for j in range(firsts[r], firsts[r] + counts[r])]
+                                + [last_of[i] for i, _ in plan.sample_copies])
+        members = [s for s in rows if s.candidates is not None]
         candidates = self._candidates(logits[self._to_device(grouped)], members)
-        sampled = [rows[r] for r in plain] + [f for _, f in plan.sample_copies]
+        sampled = (per_draw([rows[r] for r in plain], [counts[r] for r in plain])
+                   + [f for _, f in plan.sample_copies])
         drawn = None if drawn is None or plan.sample_copies else drawn[index]
         return logits[index], drawn, sampled, candidates
 
