@@ -93,8 +93,15 @@ class BlockManager:
         total = seq.num_computed_tokens + len(cached_blocks) * bs + num_new_tokens
         needed = -(-total // bs) - len(seq.block_table) - len(cached_blocks)
         written = seq.num_computed_tokens // bs  # the block the first new token goes into
-        copy = bool(num_new_tokens and seq.num_computed_tokens % bs
-                    and self.blocks[seq.block_table[written]].ref_count > 1)
+        copy = False
+        if num_new_tokens and seq.num_computed_tokens % bs:
+            block = self.blocks[seq.block_table[written]]
+            copy = block.ref_count > 1  # others read it: write into a copy
+            if not copy and block.hash is not None:
+                # Published under tokens the sequence dropped (``truncate``): a write would
+                # change what the hash names, so it stops being published.
+                del self.hash_to_block[block.hash]
+                block.hash = block.key = None
         if copy:
             if needed + 1 > self.num_free_blocks:
                 return False
@@ -143,24 +150,18 @@ class BlockManager:
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Keep the cache of ``seq``'s first ``num_tokens`` tokens only (speculative decoding:
         positions of rejected draft tokens). Blocks past them are released; a kept partial
-        last block that was published under tokens now dropped stops being published (or,
-        when others hold it, is copied by the next ``allocate`` before any write), so the
-        prefix cache never names contents about to change. ``seq.token_ids`` is the caller's
+        last block published under tokens now dropped keeps its contents until the next
+        ``allocate`` writes into it, which first copies it (others hold it) or unpublishes it,
+        so the prefix cache never names changed contents. ``seq.token_ids`` is the caller's
         to shorten first; the table becomes a new list, so that views of the old one (the
         runner's mirror) see the change."""
-        bs = self.block_size
         keep = self.blocks_needed(num_tokens)
-        full = num_tokens // bs
+        full = num_tokens // self.block_size
         self._let_go(seq.block_table[keep:])
         seq.block_table = seq.block_table[:keep]
-        if keep > full:
-            block = self.blocks[seq.block_table[-1]]
-            if block.hash is not None and block.ref_count == 1:
-                del self.hash_to_block[block.hash]
-                block.hash = block.key = None
         seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
         seq.num_published_blocks = min(seq.num_published_blocks, full)
-        del seq.block_hashes[min(full, len(seq.token_ids) // bs):]
+        del seq.block_hashes[min(full, len(seq.token_ids) // self.block_size):]
 
     def _let_go(self, block_ids: list[int]) -> None:
         """Release one hold on each block, later blocks first so that they are evicted first."""

@@ -59,6 +59,9 @@ class CallHooks(RequestHooks):
         self.input_ids: torch.Tensor | None = None  # on the device, from ``attach`` on
         self.lockstep = record_scores or record_logits
         self.needs_history = self.lockstep  # ``process`` reads the done flags
+        # With no processors left and nothing recorded, ``process`` leaves logits alone: the
+        # rows may verify draft tokens (the criteria see the kept tokens column by column).
+        self.processes_logits = bool(rest) or self.lockstep
         self.record_scores, self.record_logits = record_scores, record_logits
         batch = self.prompt_ids.shape[0]
         self.host_criteria = StoppingCriteriaList(c for c in criteria if type(c) in HOST_CRITERIA)

@@ -47,6 +47,11 @@ BAD_CALLS = [
     (dict(input_ids=IDS, output_attentions=True, return_dict_in_generate=True),
      "output_attentions"),
     (dict(input_ids=IDS, assistant_model=object()), "assistant_model"),
+    (dict(input_ids=IDS, assistant_tokenizer=object()), "assistant_tokenizer"),
+    (dict(input_ids=IDS, prompt_lookup_num_tokens=0), "prompt_lookup_num_tokens"),
+    (dict(input_ids=IDS, prompt_lookup_num_tokens=2.5), "prompt_lookup_num_tokens"),
+    (dict(input_ids=IDS, prompt_lookup_num_tokens=2, max_matching_ngram_size=-1),
+     "max_matching_ngram_size"),
     (dict(input_ids=IDS, position_ids=torch.arange(4)[None]), "position_ids"),
     (dict(input_ids=IDS, stop_strings="x"), "tokenizer"),
     (dict(input_ids=IDS, num_beams=2, do_sample=True), "num_beams"),
@@ -94,9 +99,10 @@ REFUSED_MODES = [
     (dict(num_beams=2, constraints=[[5, 6]]), "constraints (constrained beam search)"),
     (dict(force_words_ids=[[5]]), "force_words_ids (constrained beam search)"),
     (dict(num_beams=2, do_sample=True), "do_sample=True, num_beams=2 (beam sampling)"),
-    (dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens=3 (assisted generation)"),
-    (dict(use_mtp=True), "use_mtp=True (assisted generation)"),
-    (dict(assistant_early_exit=2), "assistant_early_exit=2 (assisted generation)"),
+    (dict(use_mtp=True),
+     "use_mtp=True (assisted generation by multi-token prediction or early exit)"),
+    (dict(assistant_early_exit=2),
+     "assistant_early_exit=2 (assisted generation by multi-token prediction or early exit)"),
 ]
 
 

@@ -1,5 +1,6 @@
-"""Block manager invariants under random interleavings (hypothesis state machine, with forks
-and copy-on-write), plus the prefix-cache, eviction-order and fork rules checked directly."""
+"""Block manager invariants under random interleavings (hypothesis state machine, with forks,
+copy-on-write and truncation), plus the prefix-cache, eviction-order and fork rules checked
+directly."""
 
 from __future__ import annotations
 
@@ -76,6 +77,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.live.append(fork(self.bm, self.live[i % len(self.live)]))
 
     @precondition(lambda self: self.live)
+    @rule(i=st.integers(0, 100), drop=st.integers(1, 6))
+    def truncate(self, i, drop):
+        """Rejected draft tokens: the sequence keeps its first tokens only."""
+        seq = self.live[i % len(self.live)]
+        keep = max(1, seq.num_computed_tokens - drop)
+        del seq.token_ids[keep:]
+        self.bm.truncate(seq, keep)
+
+    @precondition(lambda self: self.live)
     @rule(i=st.integers(0, 100))
     def free(self, i):
         self.bm.free(self.live.pop(i % len(self.live)))
@@ -111,8 +121,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for seq in self.live:
             for i, b in enumerate(seq.block_table):
                 block = self.bm.blocks[b]
-                if block.hash is not None:
-                    assert block.key[1] == tuple(seq.token_ids[i * BS : (i + 1) * BS])
+                if block.hash is not None:  # (a shared block cut short reads as a prefix)
+                    mine = tuple(seq.token_ids[i * BS : (i + 1) * BS])
+                    assert block.key[1][: len(mine)] == mine
+
+    @invariant()
+    def published_blocks_hold_what_their_hash_names(self):
+        for b in self.bm.hash_to_block.values():
+            assert tuple(self.cache[b]) == self.bm.blocks[b].key[1]
 
 
 TestBlockManagerMachine = BlockManagerMachine.TestCase

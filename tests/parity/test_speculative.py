@@ -1,0 +1,202 @@
+"""Speculative decoding against plain decoding and transformers, float32 on CPU: prompt
+lookup in generate() and in the engine, drafts that are right, half right and wrong, EOS and
+the length inside a draft, preemption and prefix hits while speculating, stopping criteria,
+aborts, and the sampled distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import StoppingCriteria
+
+import hf_paged
+from hf_paged.engine.engine import EngineCore
+from hf_paged.sampling_params import Proposer, SamplingParams, Speculation
+from tests.conftest import TINY_CONFIGS, left_padded
+
+SMALL = dict(block_size=8, max_model_len=160)
+
+
+class Scripted(Proposer):
+    """Drafts read from a known continuation of each request (by ``request_id``), every
+    ``wrong``-th draft replaced by another token."""
+
+    def __init__(self, continuations: dict, wrong: int = 0):
+        self.continuations = continuations
+        self.wrong = wrong
+        self.released: list[int] = []
+
+    def propose(self, seqs, limits):
+        out = []
+        for seq, limit in zip(seqs, limits):
+            full = self.continuations[seq.request_id]
+            drafts = list(full[len(seq.token_ids): len(seq.token_ids) + limit])
+            if self.wrong:
+                drafts = [t if (len(seq.token_ids) + i) % self.wrong else (t + 1) % 1000
+                          for i, t in enumerate(drafts)]
+            out.append(drafts)
+        return out
+
+    def release(self, seq_ids):
+        self.released += seq_ids
+
+
+def repeating(batch: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a random phrase, so prompt lookup finds drafts at once."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = []
+    for i in range(batch):
+        phrase = torch.randint(3, vocab, (5 + 3 * i,), generator=gen).tolist()
+        prompts.append(phrase * 3 + phrase[:2])
+    return prompts
+
+
+def pad_left(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt):] = torch.tensor(prompt)
+        mask[i, width - len(prompt):] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("name", ["gqa_tied", "gqa4_untied"])
+def test_prompt_lookup_single_prompt_matches_transformers(checkpoints, hf_models, name):
+    stock = hf_models[name]
+    ids = torch.tensor(repeating(1, TINY_CONFIGS[name]["vocab_size"]))
+    plain = stock.generate(ids, max_new_tokens=40, do_sample=False)
+    assisted = stock.generate(ids, max_new_tokens=40, do_sample=False, prompt_lookup_num_tokens=4)
+    engine = hf_paged.from_pretrained(checkpoints[name], **SMALL)
+    out = engine.generate(ids, max_new_tokens=40, prompt_lookup_num_tokens=4)
+    assert torch.equal(assisted, plain) and torch.equal(out, plain)
+    assert engine.stats()["num_accepted_tokens"] > 0
+
+
+def test_prompt_lookup_batch_equals_plain_greedy(checkpoints, hf_models):
+    """transformers refuses batches here; every row equals plain greedy, padded as stock."""
+    ids, mask = pad_left(repeating(4, TINY_CONFIGS["mha_untied"]["vocab_size"], seed=3)
+                         + [[7, 8, 9]])
+    ref = hf_models["mha_untied"].generate(ids, attention_mask=mask, max_new_tokens=30,
+                                           do_sample=False)
+    engine = hf_paged.from_pretrained(checkpoints["mha_untied"], **SMALL)
+    out = engine.generate(ids, attention_mask=mask, max_new_tokens=30,
+                          prompt_lookup_num_tokens=3, max_matching_ngram_size=3)
+    assert torch.equal(out, ref)
+    stats = engine.stats()
+    assert stats["num_accepted_tokens"] > 0 and stats["num_free_blocks"] == stats["num_blocks"]
+
+
+@pytest.mark.parametrize("wrong", [0, 2, 1])
+@pytest.mark.parametrize("max_new_tokens", [2, 3, 7, 25])
+def test_drafts_right_half_right_or_wrong(checkpoints, wrong, max_new_tokens):
+    prompts = repeating(3, 1000, seed=wrong)
+    plain = EngineCore.from_pretrained(checkpoints["gqa_tied"], **SMALL)
+    free = plain.generate_tokens(prompts, SamplingParams(max_new_tokens=40))
+    engine = EngineCore.from_pretrained(checkpoints["gqa_tied"], **SMALL)
+    proposer = Scripted({}, wrong)
+    spec = Speculation(proposer, num_tokens=5)
+    seqs = [engine.add_request(p, SamplingParams(max_new_tokens=max_new_tokens,
+                                                 speculation=spec)) for p in prompts]
+    proposer.continuations = {s.request_id: p + f for s, p, f in zip(seqs, prompts, free)}
+    engine.run(seqs)
+    assert [s.output_token_ids for s in seqs] == [f[:max_new_tokens] for f in free]
+    stats = engine.stats()
+    if max_new_tokens > 2:
+        assert stats["num_draft_tokens"] > 0
+        assert (stats["num_accepted_tokens"] == stats["num_draft_tokens"]) == (wrong == 0)
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+    assert sorted(proposer.released) == sorted(s.seq_id for s in seqs)
+
+
+def test_eos_inside_a_draft_ends_the_request_there(checkpoints):
+    prompts = repeating(2, 1000, seed=5)
+    plain = EngineCore.from_pretrained(checkpoints["gqa_tied"], **SMALL)
+    free = plain.generate_tokens(prompts, SamplingParams(max_new_tokens=30))
+    eos = (free[0][6], free[1][9])
+    stops = plain.generate_tokens(prompts, SamplingParams(max_new_tokens=30, eos_token_ids=eos))
+    engine = EngineCore.from_pretrained(checkpoints["gqa_tied"], **SMALL)
+    proposer = Scripted({})
+    spec = Speculation(proposer, num_tokens=8)
+    seqs = [engine.add_request(p, SamplingParams(max_new_tokens=30, eos_token_ids=eos,
+                                                 speculation=spec)) for p in prompts]
+    proposer.continuations = {s.request_id: p + f for s, p, f in zip(seqs, prompts, free)}
+    engine.run(seqs)
+    assert [s.output_token_ids for s in seqs] == stops
+    assert all(s.finish_reason == "stop" for s in seqs)
+    # Every draft past the EOS was proposed and agreed with, then dropped with the request.
+    assert engine.stats()["num_accepted_tokens"] > sum(len(s) for s in stops) - 2 * len(stops)
+
+
+def test_preemption_and_prefix_hits_while_speculating(checkpoints, hf_models):
+    vocab = TINY_CONFIGS["mha_untied"]["vocab_size"]
+    ids, mask = left_padded([20, 25, 30, 35], vocab, seed=2)
+    ids = torch.cat([ids, ids], dim=0)  # the second four hit the prefix cache
+    mask = torch.cat([mask, mask], dim=0)
+    ref = hf_models["mha_untied"].generate(ids, attention_mask=mask, max_new_tokens=30,
+                                           do_sample=False)
+    # 14 blocks of 8 tokens: one sequence needs up to 9, so they cannot all run together.
+    engine = hf_paged.from_pretrained(checkpoints["mha_untied"], block_size=8, num_kv_blocks=14,
+                                      max_model_len=160, speculative_method="ngram",
+                                      num_speculative_tokens=4, prompt_lookup_max=1)
+    out = engine.generate(ids, attention_mask=mask, max_new_tokens=30)
+    assert torch.equal(out, ref)
+    stats = engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    assert stats["num_accepted_tokens"] > 0
+    assert stats["num_free_blocks"] == 14
+
+
+class StopAfterToken(StoppingCriteria):
+    """Stops a row once it generated ``token`` (a criterion transformers runs each step)."""
+
+    def __init__(self, token: int, width: int):
+        self.token, self.width = token, width
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids[:, self.width:] == self.token).any(dim=1)
+
+
+def test_stopping_criteria_inside_drafts(checkpoints, hf_models):
+    stock = hf_models["gqa_tied"]
+    ids = torch.tensor(repeating(1, 1000, seed=7))
+    free = stock.generate(ids, max_new_tokens=30, do_sample=False)
+    token = int(free[0, ids.shape[1] + 20])
+    criteria = [StopAfterToken(token, ids.shape[1])]
+    ref = stock.generate(ids, max_new_tokens=30, do_sample=False, stopping_criteria=criteria)
+    engine = hf_paged.from_pretrained(checkpoints["gqa_tied"], **SMALL)
+    out = engine.generate(ids, max_new_tokens=30, stopping_criteria=criteria,
+                          prompt_lookup_num_tokens=6)
+    assert torch.equal(out, ref)
+    assert engine.stats()["num_accepted_tokens"] > 0
+
+
+def test_abort_while_speculating_frees_everything(checkpoints):
+    engine = EngineCore.from_pretrained(checkpoints["gqa_tied"], speculative_method="ngram",
+                                        **SMALL)
+    stream = engine.stream(repeating(3, 1000, seed=1), SamplingParams(max_new_tokens=60))
+    next(stream)
+    next(stream)
+    stream.close()
+    stats = engine.stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+    assert engine.generate_tokens([[5, 6, 7]], SamplingParams(max_new_tokens=3))
+
+
+def test_speculation_steps_aside_for_large_batches(checkpoints):
+    prompts = repeating(6, 1000, seed=4)
+    plain = EngineCore.from_pretrained(checkpoints["gqa_tied"], **SMALL)
+    params = [SamplingParams(max_new_tokens=n) for n in (8, 10, 30, 30, 30, 30)]
+    ref = plain.generate_tokens(prompts, params)
+    engine = EngineCore.from_pretrained(checkpoints["gqa_tied"], speculative_method="ngram",
+                                        speculative_max_batch=4, **SMALL)
+    seqs = engine.add_requests(prompts, params)
+    sizes = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        batch = engine._last_batch
+        if batch is not None and any(batch.num_draft_tokens):
+            sizes.append(len(engine.scheduler.running))
+    assert [s.output_token_ids for s in seqs] == ref
+    assert sizes and max(sizes) <= 4  # drafts only once few enough requests ran
