@@ -30,6 +30,8 @@ SAMPLED = dict(CALL, generate=dict(max_new_tokens=12, do_sample=True, temperatur
 SCORED = dict(CALL, generate=dict(max_new_tokens=4, output_scores=True,
                                   return_dict_in_generate=True))
 BEAMS = dict(CALL, generate=dict(max_new_tokens=8, num_beams=3, num_return_sequences=2))
+LOOKUP = dict(CALL, generate=dict(max_new_tokens=12, prompt_lookup_num_tokens=3,
+                                  max_matching_ngram_size=1))
 DP_CALL = dict(lengths=[5, 9, 14, 3, 11], seed=7, generate=dict(max_new_tokens=8))
 SPAWNED = ["gqa_tied", "mha_untied", "one_kv_head"]
 MOE = "e6_k3_raw_dense0"
@@ -71,7 +73,8 @@ def torchrun(checkpoints, moe_checkpoints, tmp_path_factory) -> list[list[dict]]
     along moe_intermediate_size, a dense layer among the sparse ones), then one engine each
     for data parallelism."""
     jobs = [dict(checkpoint=checkpoints["gqa4_untied"],
-                 engine=dict(CPU, tensor_parallel_size=2), calls=[CALL, SAMPLED, SCORED, BEAMS]),
+                 engine=dict(CPU, tensor_parallel_size=2),
+                 calls=[CALL, SAMPLED, SCORED, BEAMS, LOOKUP]),
             dict(checkpoint=moe_checkpoints[MOE], engine=dict(CPU, **TIGHT,
                                                               tensor_parallel_size=2),
                  calls=[CALL, BEAMS]),
@@ -130,11 +133,13 @@ def test_workers_of_a_killed_caller_exit_on_their_own(spawned):
 
 
 def test_torchrun_ranks_return_identical_outputs(torchrun, hf_models):
-    """Greedy and beam search equal transformers; sampled outputs (drawn on rank 0) and
-    per-step scores (its processors') are the same on both ranks."""
+    """Greedy, beam search and greedy verifying prompt-lookup drafts (on rank 0) equal
+    transformers; sampled outputs (drawn on rank 0) and per-step scores (its processors') are
+    the same on both ranks."""
     rank0, rank1 = (results[0]["outputs"] for results in torchrun)
     assert rank0 == rank1
-    greedy, sampled, scored, beams = rank0
+    greedy, sampled, scored, beams, lookup = rank0
+    assert lookup == greedy and torchrun[0][0]["stats"]["num_accepted_tokens"] > 0
     assert greedy == reference(hf_models, "gqa4_untied", CALL)
     assert beams == reference(hf_models, "gqa4_untied", BEAMS)
     assert sampled != greedy

@@ -200,3 +200,22 @@ def test_speculation_steps_aside_for_large_batches(checkpoints):
             sizes.append(len(engine.scheduler.running))
     assert [s.output_token_ids for s in seqs] == ref
     assert sizes and max(sizes) <= 4  # drafts only once few enough requests ran
+
+
+def test_forks_and_verification_in_one_step(checkpoints):
+    """A prompt forking three requests is sampled in a step that verifies another request's
+    drafts: each takes its own rows (the forked ones their leader's last)."""
+    first, second = repeating(2, 1000, seed=9)
+    plain = EngineCore.from_pretrained(checkpoints["gqa_tied"], **SMALL)
+    ref = plain.generate_tokens([first, second], SamplingParams(max_new_tokens=24))
+    engine = EngineCore.from_pretrained(checkpoints["gqa_tied"], speculative_method="ngram",
+                                        **SMALL)
+    [seq] = engine.add_requests([first], SamplingParams(max_new_tokens=24))
+    while not engine.stats()["num_draft_tokens"]:
+        engine.step()
+    forks = engine.add_forked_requests(second, SamplingParams(max_new_tokens=24), 3)
+    engine.step()
+    assert any(engine._last_batch.num_draft_tokens) and engine._last_batch.sample_copies
+    engine.run([seq, *forks])
+    assert seq.output_token_ids == ref[0]
+    assert [f.output_token_ids for f in forks] == [ref[1]] * 3
