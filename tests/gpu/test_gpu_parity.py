@@ -13,7 +13,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_paged
-from hf_paged.random_checkpoint import make_checkpoint
 from hf_paged.worker import inputs, runner
 
 pytestmark = pytest.mark.gpu
@@ -28,11 +27,6 @@ LENGTHS = [13, 100, 257, 600]
 NEW = 48
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_checkpoint("0.6b", str(tmp_path_factory.mktemp("qwen3-0.6b")), dtype="bfloat16")
-
-
 def left_padded(prompts: list[torch.Tensor]):
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), 151643, dtype=torch.long)
@@ -43,25 +37,10 @@ def left_padded(prompts: list[torch.Tensor]):
     return ids, mask
 
 
-@pytest.fixture(scope="module")
-def batch():
-    gen = torch.Generator().manual_seed(0)
-    return left_padded([torch.randint(0, 10000, (n,), generator=gen) for n in LENGTHS])
-
-
 def load_transformers(checkpoint, attn_implementation="sdpa"):
     return AutoModelForCausalLM.from_pretrained(
         checkpoint, dtype=torch.bfloat16, attn_implementation=attn_implementation
     ).cuda().eval()
-
-
-@pytest.fixture(scope="module")
-def hf_model(checkpoint):
-    model = load_transformers(checkpoint)
-    yield model
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def transformers_generate(model, batch):
@@ -71,11 +50,6 @@ def transformers_generate(model, batch):
                          do_sample=False, eos_token_id=None, return_dict_in_generate=True,
                          output_logits=True)
     return out.sequences[:, ids.shape[1] :].cpu(), torch.stack(out.logits, 1).float().cpu()
-
-
-@pytest.fixture(scope="module")
-def reference(hf_model, batch):
-    return transformers_generate(hf_model, batch)
 
 
 @torch.inference_mode()
