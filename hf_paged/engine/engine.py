@@ -62,7 +62,7 @@ class EngineCore:
         )
         self.speculator = Speculator(self.scheduler, config, default_speculation(
             config, self.device, self.dtype, max_model_len, executor.num_blocks,
-            executor.is_leader))
+            self.hf_config.vocab_size, executor.is_leader))
         self.scheduler.speculator = self.speculator
         # The step launched whose tokens are not collected yet: its batch and the executor's
         # handle of it.

@@ -146,7 +146,8 @@ class Speculator:
 
 
 def default_speculation(config: EngineConfig, device, dtype, max_model_len: int,
-                        num_blocks: int, is_leader: bool = True) -> Speculation | None:
+                        num_blocks: int, vocab_size: int, is_leader: bool = True
+                        ) -> Speculation | None:
     """The engine's own speculation (``EngineConfig.speculative_method``), for requests whose
     SamplingParams name none; a draft checkpoint loads beside the model (on the scheduling
     rank only: the others follow its steps)."""
@@ -156,9 +157,10 @@ def default_speculation(config: EngineConfig, device, dtype, max_model_len: int,
     if method == "ngram":
         proposer = NgramProposer(config.prompt_lookup_max)
     else:  # the draft proposer builds engines: imported here, after the engine module
-        from hf_paged.engine.draft_proposer import DraftProposer, draft_engine_from_checkpoint
+        from hf_paged.engine.draft_engine import draft_engine_from_checkpoint
+        from hf_paged.engine.draft_proposer import DraftProposer
         draft = draft_engine_from_checkpoint(config.speculative_model, dtype=dtype, device=device,
                                              config=config, max_model_len=max_model_len,
-                                             num_blocks=num_blocks)
+                                             num_blocks=num_blocks, vocab_size=vocab_size)
         proposer = DraftProposer(draft, owns_engine=True)
     return Speculation(proposer, config.num_speculative_tokens)

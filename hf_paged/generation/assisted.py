@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 
+from hf_paged.engine.draft_engine import draft_engine_for
+from hf_paged.engine.draft_proposer import DraftProposer
 from hf_paged.engine.ngram import NgramProposer
 from hf_paged.generation.settings import Resolved
 from hf_paged.sampling_params import SCHEDULES, Speculation
@@ -51,11 +53,9 @@ def speculation_for(engine, resolved: Resolved) -> Speculation | None:
         num = _positive("prompt_lookup_num_tokens", config.prompt_lookup_num_tokens)
         ngram = _positive("max_matching_ngram_size", config.max_matching_ngram_size or 2)
         return Speculation(NgramProposer(ngram), num)
-    from hf_paged.engine.draft_proposer import DraftProposer, draft_engine_for
-
     assistant = resolved.assistant_model
+    draft, owned = draft_engine_for(assistant, engine)  # checks the assistant first
     knobs = assistant_settings(assistant)
-    draft, owned = draft_engine_for(assistant, engine)
     threshold = knobs.assistant_confidence_threshold
     return Speculation(
         DraftProposer(draft, owns_engine=owned),

@@ -147,8 +147,6 @@ def resolve(
     if mode not in SUPPORTED_MODES or (mode is GenerationMode.ASSISTED_GENERATION and (
             config.use_mtp or config.assistant_early_exit is not None)):
         raise ValueError(unsupported_mode_message(mode, config))
-    if mode is GenerationMode.ASSISTED_GENERATION and config.prompt_lookup_num_tokens is None:
-        _check_assistant(assistant, hf_config)
     if config.guidance_scale not in (None, 1, 1.0):
         raise ValueError(
             f"guidance_scale is not supported by hf_paged: {_REFUSED['negative_prompt_ids']}")
@@ -208,19 +206,6 @@ def resolve(
         tokenizer=tokenizer,
     )
     return Resolved(config, input_ids, attention_mask, processors, criteria, device, assistant)
-
-
-def _check_assistant(assistant, hf_config: PretrainedConfig) -> None:
-    """An assistant is a causal LM of the model's vocabulary (same tokenizer)."""
-    if not callable(getattr(assistant, "generate", None)) or not hasattr(assistant, "config"):
-        raise ValueError("assistant_model must be a transformers (or hf_paged) causal language "
-                         f"model, got {type(assistant).__name__}")
-    vocab = getattr(assistant.config, "vocab_size", None)
-    if vocab != hf_config.vocab_size:
-        raise ValueError(
-            f"assistant_model has a vocabulary of {vocab} tokens, the model {hf_config.vocab_size}:"
-            " an assistant must share the model's tokenizer (universal assisted generation "
-            "with assistant_tokenizer is not supported)")
 
 
 def _check_input_ids(input_ids) -> torch.Tensor:

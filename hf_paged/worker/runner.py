@@ -49,6 +49,8 @@ class LaunchedStep:
     done: torch.cuda.Event | None
     # Group members' rows: (top scores, their token ids, whole score rows, whole logit rows).
     candidates: tuple | None = None
+    # With ``StepPlan.report_probs``: each token's probability, beside ``tokens``.
+    probs: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -71,6 +73,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             self.host_tokens = [
                 torch.zeros(config.max_num_seqs, dtype=torch.long).pin_memory() for _ in "ab"
+            ]
+            self.host_probs = [
+                torch.zeros(config.max_num_seqs, dtype=torch.float32).pin_memory() for _ in "ab"
             ]
         self.decode_graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
@@ -154,30 +159,43 @@ class ModelRunner:
         logits, drawn = self.forward(inputs, settings)
         if logits is None:  # only partial prefill chunks: nothing to sample yet
             return LaunchedStep(None, None)
-        tokens = candidates = None
+        tokens = candidates = probs = None
         try:
             if plan.sample_copies or any(r.candidates is not None for r in rows):
                 logits, drawn, rows, candidates = self.sampler.split_rows(plan, logits, drawn,
                                                                           rows)
             elif plan.num_draft_tokens:
                 rows = per_draw(rows, draw_counts(plan))
+            # Taken before sampling, which may process float32 logits in place: the raw
+            # logits' softmax, as transformers' ConfidenceCriteria reads a greedy assistant's.
+            scores = torch.softmax(logits, -1, dtype=torch.float32) if plan.report_probs \
+                else None
             tokens = self.sampler.sample(logits, rows, drawn)
+            if scores is not None:
+                probs = scores.gather(-1, tokens[:, None])[:, 0]
         finally:  # the other ranks wait for this step's tokens even if sampling failed
             if inputs.num_drawn:
                 self._share_tokens(tokens, inputs.num_drawn)
         self.preparer.sampled([r.seq_id for r in rows])
         if self.device.type != "cuda":
-            return LaunchedStep(tokens, None, candidates)
-        if len(tokens) <= len(self.host_tokens[self.flip]):
-            host = self.host_tokens[self.flip][: len(tokens)]
-            host.copy_(tokens, non_blocking=True)
-        else:  # a step verifying many drafts
-            host = _to_host(tokens)
+            return LaunchedStep(tokens, None, candidates, probs)
+        host = self._pinned_copy(tokens, self.host_tokens[self.flip])
+        if probs is not None:
+            probs = self._pinned_copy(probs, self.host_probs[self.flip])
         if candidates is not None:
             candidates = tuple(None if t is None else _to_host(t) for t in candidates)
         done = torch.cuda.Event()
         done.record()
-        return LaunchedStep(host, done, candidates)
+        return LaunchedStep(host, done, candidates, probs)
+
+    @staticmethod
+    def _pinned_copy(values: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+        """An asynchronous copy of ``values`` to the host, in ``buffer`` when it fits."""
+        if len(values) > len(buffer):  # a step verifying many drafts
+            return _to_host(values)
+        host = buffer[: len(values)]
+        host.copy_(values, non_blocking=True)
+        return host
 
     @torch.inference_mode()
     def follow(self, inputs: StepInputs) -> None:
@@ -231,17 +249,19 @@ class ModelRunner:
 
     @staticmethod
     def collect(step: LaunchedStep) -> StepResult:
-        """Wait for a launched step; return its sampled tokens and group members' candidates."""
+        """Wait for a launched step; return its sampled tokens, group members' candidates and
+        the tokens' probabilities when the plan asked for them."""
         if step.tokens is None:
             return StepResult([], [])
         if step.done is not None:
             step.done.synchronize()
+        probs = [] if step.probs is None else step.probs.tolist()
         if step.candidates is None:
-            return StepResult(step.tokens.tolist(), [])
+            return StepResult(step.tokens.tolist(), [], probs)
         top, ids, scores, logits = step.candidates
         rows = [(None, None)] * len(top) if scores is None else list(zip(scores, logits))
         return StepResult(step.tokens.tolist(),
-                          [(t, i, *r) for t, i, r in zip(top, ids, rows)])
+                          [(t, i, *r) for t, i, r in zip(top, ids, rows)], probs)
 
     def release(self, seq_ids: list[int]) -> None:
         """Forget finished or aborted sequences."""
