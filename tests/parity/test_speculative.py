@@ -219,3 +219,45 @@ def test_forks_and_verification_in_one_step(checkpoints):
     engine.run([seq, *forks])
     assert seq.output_token_ids == ref[0]
     assert [f.output_token_ids for f in forks] == [ref[1]] * 3
+
+
+@pytest.mark.parametrize("kind", ["stock", "hf_paged"])
+def test_assistant_model_matches_transformers_assisted_generate(checkpoints, hf_models, kind):
+    """Another model of the vocabulary drafts (mostly wrong); transformers' own assisted
+    generate is the oracle for one prompt, plain greedy for a padded batch."""
+    stock = hf_models["gqa_tied"]
+    assistant = (hf_models["mha_untied"] if kind == "stock"
+                 else hf_paged.from_pretrained(checkpoints["mha_untied"], **SMALL))
+    ids = torch.tensor(repeating(1, 1000, seed=2))
+    plain = stock.generate(ids, max_new_tokens=24, do_sample=False)
+    oracle = stock.generate(ids, max_new_tokens=24, do_sample=False,
+                            assistant_model=hf_models["mha_untied"])
+    engine = hf_paged.from_pretrained(checkpoints["gqa_tied"], **SMALL)
+    out = engine.generate(ids, max_new_tokens=24, assistant_model=assistant)
+    assert torch.equal(oracle, plain) and torch.equal(out, plain)
+    assert engine.stats()["num_draft_tokens"] > 0
+    batch, mask = left_padded([3, 11, 26], TINY_CONFIGS["gqa_tied"]["vocab_size"], seed=6)
+    ref = stock.generate(batch, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    out = engine.generate(batch, attention_mask=mask, max_new_tokens=20,
+                          assistant_model=assistant)
+    assert torch.equal(out, ref)
+
+
+def test_the_model_as_its_own_assistant_is_always_right(checkpoints, hf_models):
+    """A stock copy of the checkpoint drafts what the model would choose: every draft is
+    accepted; the "heuristic" schedule then grows the draft length and keeps it on the
+    assistant for its next call, as transformers does."""
+    ids, mask = left_padded([5, 14], TINY_CONFIGS["gqa_tied"]["vocab_size"], seed=8)
+    ref = hf_models["gqa_tied"].generate(ids, attention_mask=mask, max_new_tokens=30,
+                                         do_sample=False)
+    assistant = hf_paged.from_pretrained(checkpoints["gqa_tied"], **SMALL)
+    assistant.generation_config.num_assistant_tokens = 3
+    assistant.generation_config.num_assistant_tokens_schedule = "heuristic"
+    engine = hf_paged.from_pretrained(checkpoints["gqa_tied"], **SMALL)
+    out = engine.generate(ids, attention_mask=mask, max_new_tokens=30, assistant_model=assistant)
+    assert torch.equal(out, ref)
+    stats = engine.stats()
+    assert stats["num_accepted_tokens"] == stats["num_draft_tokens"] > 0
+    assert assistant.generation_config.num_assistant_tokens > 3
+    free = assistant.block_manager
+    assert free.num_free_blocks == free.num_blocks  # the call's draft sequences are gone
