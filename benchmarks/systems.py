@@ -62,7 +62,8 @@ def check_lengths(generated: list[int], workload: Workload) -> int:
 
 
 class PagedSystem:
-    COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
+    COUNTERS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
+                "num_draft_tokens", "num_accepted_tokens", "num_verify_steps")
 
     def __init__(self, path: str, dtype: torch.dtype, device: torch.device,
                  sampling: dict[str, Any] | None = None, **options: Any):

@@ -114,8 +114,14 @@ def make_checkpoint(
     """Write a random checkpoint of a named shape (``SHAPES``; ``layers`` overrides its layer
     count), with its generation config and tokenizer, to ``out_dir``; the weights are drawn on
     ``device``."""
-    config = shape_config(shape, dtype, layers)
-    model = random_qwen3(config, seed, device=device)
+    return save_checkpoint(random_qwen3(shape_config(shape, dtype, layers), seed, device=device),
+                           out_dir)
+
+
+def save_checkpoint(model: PreTrainedModel, out_dir: str) -> str:
+    """Write ``model`` (safetensors) with a generation config of its special tokens and a
+    tokenizer (``train_tokenizer``) to ``out_dir``."""
+    config = model.config
     model.save_pretrained(out_dir)
     GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,

@@ -3,7 +3,7 @@
 #
 #   scripts/gpu_run.sh [STEP...]      STEP: tests w1 w2 w3 preempt profile dropin w4 beam
 #                                     tp-tests startup lm-eval serving moe moe-w1 moe-w2
-#                                     moe-prof moe-kernels (default: the first four)
+#                                     moe-prof moe-kernels speculation (default: the first four)
 #
 # Everything printed also goes to $OUT/run.log, and the result JSONs, README-table.md and
 # throughput.png are copied into $OUT, when OUT is set. Each step runs under a time limit (a
@@ -57,6 +57,15 @@
 #       `T_MOE_W2=400 scripts/gpu_run.sh moe-w2 moe-prof`, and later calls
 #       `BASELINES=reuse scripts/gpu_run.sh moe`
 #   moe-kernels: the MoE kernels on their own (benchmarks.bench_moe); T_MOE_K=120
+#   speculation: W6 (benchmarks.bench_speculation): an 8B target and three 0.6B drafts of known
+#       acceptance (they follow a token permutation; 16 + 3 x 1.5 GB in bf16, W4's random 8B
+#       cannot serve), built once under SPEC_CKPTS=/tmp/ckpt/speculation (drawn on the GPU,
+#       each written aside and moved in whole; about a minute), then batch-1 decode plain, with
+#       each draft, with the target as its own draft and with prompt lookup, transformers'
+#       plain, assisted and prompt-lookup generation per BASELINES (64 new tokens: stock
+#       decoding is slow), and W1 on $CKPT with and without speculative_method="ngram": an
+#       estimated 4 to 5 minutes with the build, 3 to 4 without; T_SPEC=480, SPEC_ARGS (e.g.
+#       "--skip-w1 --skip-self-draft")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
@@ -176,8 +185,10 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
       moe-w1|moe-w2|moe-prof) moe "${s#moe-}" ;;
       moe-kernels) step moe-kernels "${T_MOE_K:-120}" python -m benchmarks.bench_moe \
             --results-dir "$RESULTS" ;;
+      speculation) bench speculation "${T_SPEC:-480}" bench_speculation "${SPEC_ARGS:-}" \
+            --checkpoints "${SPEC_CKPTS:-/tmp/ckpt/speculation}" "${BASELINE_ARGS[@]}" ;;
       *) echo "unknown step $s (steps: tests w1 w2 w3 preempt profile dropin w4 beam tp-tests" \
-              "startup lm-eval serving moe moe-w1 moe-w2 moe-prof moe-kernels)"
+              "startup lm-eval serving moe moe-w1 moe-w2 moe-prof moe-kernels speculation)"
          STATUS+=("$s unknown") ;;
     esac
   done

@@ -8,7 +8,14 @@ import json
 import pytest
 import torch
 
-from benchmarks import bench_latency, bench_startup, bench_throughput, common, report
+from benchmarks import (
+    bench_latency,
+    bench_speculation,
+    bench_startup,
+    bench_throughput,
+    common,
+    report,
+)
 from benchmarks.floor import MemoryCost
 from benchmarks.workloads import w2_decode
 from hf_paged.random_checkpoint import make_checkpoint
@@ -106,3 +113,34 @@ def test_moe_batch1_floor_reads_k_experts(tiny_moe, tmp_path):
     kv = (16 + 17 + 18 + 19) * cost.kv_bytes_per_token
     assert data["summary"][0]["floor"] == pytest.approx((4 * step + kv) / 1e9 * 1e3 / 4)
     assert cost.floor_bytes(w2_decode(1, 16, 4)) == pytest.approx(4 * step + kv)
+
+
+def test_speculation_end_to_end(tiny, tmp_path):
+    """Every line on tiny target and draft checkpoints (W1's on the tiny checkpoint): no line
+    fails, every output is plain greedy's and the permutation's, and the acceptance is the
+    one built in."""
+    bench_speculation.main([
+        *tiny, "--checkpoints", str(tmp_path / "ckpt"), "--target-shape", "tiny",
+        "--draft-shape", "tiny", "--changed", "0", "0.5", "--stock-changed", "0.5",
+        "--cycle-len", "4", "--long-cycle-len", "256", "--prompt-len", "12",
+        "--new-tokens", "8", "--repeats", "1", "--stock-new-tokens", "4", "--stock-repeats", "1",
+        "--w1-num-requests", "2", "--w1-max-input-len", "16", "--w1-max-output-len", "4",
+        "--results-dir", str(tmp_path)])
+    data = json.loads((tmp_path / "speculation-cpu.json").read_text())
+    lines = {**data["hf_paged"], **data["baselines"]}
+    assert not [label for label, fig in lines.items() if "error" in fig]
+    batch1 = {label: fig for label, fig in lines.items() if not label.startswith("w1")}
+    assert all(fig["follows_permutation"] for fig in batch1.values())
+    assert all(fig["matches_plain"] for label, fig in batch1.items()
+               if not label.startswith("plain"))
+    paged = data["hf_paged"]
+    for label in ("draft_tiny_f0", "self_draft", "prompt_lookup_repeating"):
+        assert paged[label]["acceptance"] == 1.0 and paged[label]["speedup_vs_plain"]
+    assert paged["draft_tiny_f0.5"]["acceptance"] < 1.0
+    assert paged["prompt_lookup_random"]["num_accepted_tokens"] == 0
+    assert metrics(tmp_path / "speculation-cpu.json") == [
+        "output tok/s, W1", "output tok/s, W1 + ngram speculation", "batch-1 tok/s, plain",
+        "batch-1 tok/s, plain, repeating prompts", "batch-1 tok/s, tiny draft, 100% agreement",
+        "batch-1 tok/s, tiny draft, 50% agreement", "batch-1 tok/s, target as its own draft",
+        "batch-1 tok/s, prompt lookup, repeating prompts",
+        "batch-1 tok/s, prompt lookup, random prompts"]
