@@ -56,9 +56,20 @@ class _Drafting:
     fresh: bool  # no cache yet: its first allocation takes prefix-cache hits
     drafts: list[int] = field(default_factory=list)
     done: bool = False
+    pending: int = 0  # drafts drawn by launched steps, not collected yet
+
+    @property
+    def wants_step(self) -> bool:
+        """Whether a step should draw another draft for it (or finish its catch-up chunk)."""
+        return not self.done and len(self.drafts) + self.pending < self.limit
 
     def take(self, token: int, prob: float | None) -> None:
-        """Keep a drafted token; stop at the limit, after an EOS or a low-confidence draft."""
+        """Keep a drafted token; stop at the limit, after an EOS or a low-confidence draft.
+        A draft drawn after it stopped (its step was launched before the stop was known) is
+        dropped."""
+        self.pending -= 1
+        if self.done:
+            return
         self.drafts.append(token)
         self.draft.token_ids.append(token)
         self.done = (len(self.drafts) == self.limit or token in self.eos
@@ -89,10 +100,19 @@ class DraftProposer(Proposer):
         work = [self._start(seq, limit) for seq, limit in zip(seqs, limits)]
         live = [w for w in work if w is not None]
         busy = {w.key for w in live}
+        launched = None
         try:
-            while live:
-                self._step(live, busy)
-                live = [w for w in live if not w.done]
+            # Each step is launched before the previous one is collected: its inputs are the
+            # previous step's draws, read on the device (pending tokens), so the host builds
+            # step N+1 while the device runs step N. A stop (EOS, confidence) is seen one step
+            # late; that step's draw is dropped.
+            while True:
+                step = self._launch([w for w in live if w.wants_step], busy)
+                if launched is not None:
+                    self._take(*launched)
+                if step is None:
+                    break
+                launched = step
         except BaseException:  # the call's draft caches are in an unknown state: rebuilt later
             self.release(list(busy))
             raise
@@ -122,13 +142,15 @@ class DraftProposer(Proposer):
         eos = () if params.ignore_eos else params.eos_token_ids
         return _Drafting(seq.seq_id, draft, limit, eos, threshold, fresh)
 
-    def _step(self, live: list[_Drafting], busy: set[int]) -> None:
-        """One draft step: every live sequence's uncomputed tokens, as far as the token
-        budget and ``max_num_seqs`` allow, each drawing a token when its chunk reaches its
-        end."""
+    def _launch(self, live: list[_Drafting], busy: set[int]) -> tuple | None:
+        """Launch one draft step: every live sequence's uncomputed tokens (its pending draft,
+        once drafting), as far as the token budget and ``max_num_seqs`` allow, each drawing a
+        token when its chunk reaches its end. Returns the launched step, the sequences that
+        draw in it and whether it reports probabilities; None when there is nothing to
+        launch."""
         config = self.engine.config
         budget = config.max_num_batched_tokens
-        batch, stepped = ScheduledBatch(), []
+        batch, drawing = ScheduledBatch(), []
         for w in live:
             if len(batch.seqs) == config.max_num_seqs or not budget:
                 break
@@ -137,11 +159,13 @@ class DraftProposer(Proposer):
             # could evict the blocks matched.
             hits = self.block_manager.match_prefix(draft) if w.fresh else []
             cached = len(hits) * self.block_manager.block_size
-            n = min(len(draft) - draft.num_computed_tokens - cached, budget)
+            end = len(draft) + w.pending
+            n = min(end - draft.num_computed_tokens - cached, budget)
             if not self._allocate(draft, n, hits, busy):
                 self.num_no_room += 1
                 w.done = True
-                self.release([w.key])
+                if not w.pending:  # else its launched step still reads its blocks
+                    self.release([w.key])
                 continue
             w.fresh = False
             start = draft.num_computed_tokens  # prefix-cache hits count as computed
@@ -149,21 +173,28 @@ class DraftProposer(Proposer):
             batch.seqs.append(draft)
             batch.starts.append(start)
             batch.num_tokens.append(n)
-            batch.sample.append(start + n == len(draft))
-            stepped.append(w)
+            batch.sample.append(start + n == end)
+            if start + n == end:
+                drawing.append(w)
             budget -= n
         if not batch.seqs:
-            return
+            return None
         batch.block_copies = self.block_manager.take_copies()
         plan = batch.plan()
-        plan.report_probs = any(w.threshold is not None for w in stepped)
-        result = self.executor.collect(self.executor.launch(plan))
+        plan.report_probs = any(w.threshold is not None for w in drawing)
+        handle = self.executor.launch(plan)
+        for w in drawing:
+            w.pending += 1
         self.num_steps += 1
-        sampled = [w for w, sample in zip(stepped, batch.sample) if sample]
-        probs = result.probs or [None] * len(sampled)
-        for w, token, prob in zip(sampled, result.tokens, probs):
+        return handle, drawing, plan.report_probs
+
+    def _take(self, handle, drawing: list[_Drafting], probs_reported: bool) -> None:
+        """Collect a launched draft step and hand each sequence its draw."""
+        result = self.executor.collect(handle)
+        probs = result.probs if probs_reported else [None] * len(drawing)
+        for w, token, prob in zip(drawing, result.tokens, probs):
             w.take(token, prob)
-        self.num_drafted_tokens += len(sampled)
+        self.num_drafted_tokens += len(drawing)
 
     def _allocate(self, draft: Sequence, n: int, hits: list[int], busy: set[int]) -> bool:
         """``allocate``, after freeing the draft sequences outside this call if it fails

@@ -39,7 +39,7 @@ from collections import deque
 from hf_paged.engine.batch import ScheduledBatch
 from hf_paged.engine.block_manager import BlockManager
 from hf_paged.engine.sequence import Sequence, SequenceGroup, Status
-from hf_paged.engine.speculative import Speculator, accepted, can_speculate
+from hf_paged.engine.speculative import Speculator, accepted, drafts_next
 
 
 class Scheduler:
@@ -417,7 +417,7 @@ class Scheduler:
         batch.num_tokens.append(n)
         batch.sample.append(sample)
         batch.num_draft_tokens.append(drafts)
-        if sample and self.speculator is not None and can_speculate(seq) \
+        if sample and self.speculator is not None and drafts_next(seq) \
                 and self.speculator.active:
             batch.speculative = True  # its next step may draft: it needs this one's tokens
         seq.num_computed_tokens = start + n

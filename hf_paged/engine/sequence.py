@@ -53,6 +53,10 @@ class Sequence:
         self.speculation = None
         self.draft_length = 0
         self.draft_token_ids: list[int] = []
+        # Steps it sits out of drafting after its proposer found nothing (``draft_misses``
+        # times in a row): those steps keep the host/device overlap.
+        self.draft_pause = 0
+        self.draft_misses = 0
 
     @property
     def sampling(self) -> RowSampling:

@@ -15,6 +15,8 @@ the output distributed as plain sampling.
 Speculation steps aside for requests whose logits the caller processes or penalises (their
 processors would have to run once per draft position), and for every request while more than
 ``speculative_max_batch`` requests run: a large batch decodes near the compute bound already.
+A request whose proposer found nothing sits out a few steps (more after each miss in a row),
+which keep the host/device overlap that drafting gives up.
 """
 
 from __future__ import annotations
@@ -39,6 +41,11 @@ def accepted(drafts: list[int], drawn: list[int]) -> list[int]:
     return drawn[: kept + 1]
 
 
+def drafts_next(seq: Sequence) -> bool:
+    """Whether ``seq`` may draft at its next step (its tokens are then needed on the host)."""
+    return can_speculate(seq) and not seq.draft_pause
+
+
 def can_speculate(seq: Sequence) -> bool:
     """Whether ``seq``'s settings allow verifying drafts on the model's raw logits."""
     params = seq.params
@@ -46,6 +53,9 @@ def can_speculate(seq: Sequence) -> bool:
     return (seq.speculation is not None and seq.group is None
             and params.repetition_penalty == 1.0
             and (hooks is None or not hooks.processes_logits))
+
+
+MAX_PAUSE = 3  # most steps a request sits out of drafting after finding nothing
 
 
 class Speculator:
@@ -84,6 +94,9 @@ class Speculator:
             return
         by_proposer: dict[int, tuple[Proposer, list[Sequence], list[int]]] = {}
         for seq in running:
+            if seq.draft_pause:
+                seq.draft_pause -= 1
+                continue
             limit = self._limit(seq)
             if limit > 0:
                 proposer = seq.speculation.proposer
@@ -93,6 +106,11 @@ class Speculator:
         for proposer, seqs, limits in by_proposer.values():
             for seq, drafts in zip(seqs, proposer.propose(seqs, limits)):
                 seq.draft_token_ids = list(drafts[: self._limit(seq)])
+                # Nothing to draft: sit out 1, then 3 steps, so that a request its
+                # proposer cannot help (prompt lookup over text that never repeats) decodes
+                # nearly as fast as without speculation.
+                seq.draft_misses = 0 if seq.draft_token_ids else seq.draft_misses + 1
+                seq.draft_pause = min(2 ** seq.draft_misses - 1, MAX_PAUSE)
 
     def _limit(self, seq: Sequence) -> int:
         """How many tokens ``seq`` may draft this step (0: none)."""

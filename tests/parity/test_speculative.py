@@ -261,3 +261,19 @@ def test_the_model_as_its_own_assistant_is_always_right(checkpoints, hf_models):
     assert assistant.generation_config.num_assistant_tokens > 3
     free = assistant.block_manager
     assert free.num_free_blocks == free.num_blocks  # the call's draft sequences are gone
+
+
+def test_a_request_with_nothing_to_draft_keeps_most_steps_overlapped(checkpoints):
+    """Prompt lookup that never finds a match: after each miss the request sits out of
+    drafting, so at most one step in four waits for its tokens before the next is scheduled."""
+    engine = EngineCore.from_pretrained(checkpoints["gqa_tied"], **SMALL)
+    proposer = Scripted({})  # no continuation known: no drafts, ever
+    seq = engine.add_request(list(range(10, 30)), SamplingParams(
+        max_new_tokens=40, speculation=Speculation(proposer, num_tokens=4)))
+    proposer.continuations = {seq.request_id: []}
+    waited = []
+    while not seq.is_finished:
+        engine.step()
+        if engine._last_batch is not None and seq in engine._last_batch.seqs:
+            waited.append(engine._last_batch.feeds_next_step)
+    assert len(waited) >= 30 and sum(waited) <= len(waited) / 4 + 3
