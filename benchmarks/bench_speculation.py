@@ -149,14 +149,25 @@ def w1_lines(result: common.ResultFile, args: argparse.Namespace, device: torch.
         "temperature": args.w1_temperature, "checkpoint": args.model}
     options = common.engine_options(args.engine_option)
     ngram = {"speculative_method": "ngram", "num_speculative_tokens": args.num_draft_tokens}
-    for label, extra in (("w1", {}), ("w1_ngram", ngram)):
-        print(f"speculation {label}")
-        build = partial(PagedSystem, args.model, dtype, device,
-                        sampling={"temperature": args.w1_temperature}, **{**options, **extra})
-        result["hf_paged"][label] = common.guarded(label, partial(
-            measure_throughput, build, workload, 64, cost,
-            result["w1_floor"]["bandwidth_bytes_per_s"], device))
-        result.save()
+    lines = [("w1", {}), ("w1_ngram", ngram)]
+    # Two rounds, the second in the other order, each line's best run kept: the two lines
+    # differ by less than run-to-run noise (a fresh engine each run).
+    for round_ in range(2):
+        for label, extra in lines if round_ == 0 else lines[::-1]:
+            print(f"speculation {label} (run {round_ + 1})")
+            build = partial(PagedSystem, args.model, dtype, device,
+                            sampling={"temperature": args.w1_temperature}, **{**options, **extra})
+            figures = common.guarded(label, partial(
+                measure_throughput, build, workload, 64, cost,
+                result["w1_floor"]["bandwidth_bytes_per_s"], device))
+            best = result["hf_paged"].get(label)
+            runs = [*(best or {}).get("runs_output_tokens_per_s", []),
+                    figures.get("output_tokens_per_s")]
+            if best is None or figures.get("output_tokens_per_s", 0) > best.get(
+                    "output_tokens_per_s", 0):
+                best = figures
+            result["hf_paged"][label] = dict(best, runs_output_tokens_per_s=runs)
+            result.save()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -417,8 +417,8 @@ class Scheduler:
         batch.num_tokens.append(n)
         batch.sample.append(sample)
         batch.num_draft_tokens.append(drafts)
-        if sample and self.speculator is not None and drafts_next(seq) \
-                and self.speculator.active:
+        if sample and self.speculator is not None and self.speculator.active \
+                and drafts_next(seq):
             batch.speculative = True  # its next step may draft: it needs this one's tokens
         seq.num_computed_tokens = start + n
         seq.num_pending += sample and seq.group is None

@@ -67,6 +67,7 @@ class Speculator:
         self.max_model_len = scheduler.max_model_len
         self.default = default  # for requests whose SamplingParams name none
         self.proposers: dict[int, Proposer] = {}  # every proposer a request used, by id
+        self.drafted: list[Sequence] = []  # the requests given drafts by the last ``propose``
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_verify_steps = 0
@@ -87,11 +88,12 @@ class Speculator:
     def propose(self) -> None:
         """Give each running request that may speculate this step its drafts
         (``seq.draft_token_ids``), one proposer call for all the requests that share it."""
-        running = self.scheduler.running
-        for seq in running:  # drafts of a step that left a request out are stale
+        for seq in self.drafted:  # drafts of a step that left a request out are stale
             seq.draft_token_ids = []
+        self.drafted = []
         if not self.active:
             return
+        running = self.scheduler.running
         by_proposer: dict[int, tuple[Proposer, list[Sequence], list[int]]] = {}
         for seq in running:
             if seq.draft_pause:
@@ -106,6 +108,7 @@ class Speculator:
         for proposer, seqs, limits in by_proposer.values():
             for seq, drafts in zip(seqs, proposer.propose(seqs, limits)):
                 seq.draft_token_ids = list(drafts[: self._limit(seq)])
+                self.drafted.append(seq)
                 # Nothing to draft: sit out 1, then 3 steps, so that a request its
                 # proposer cannot help (prompt lookup over text that never repeats) decodes
                 # nearly as fast as without speculation.
