@@ -277,3 +277,21 @@ def test_a_request_with_nothing_to_draft_keeps_most_steps_overlapped(checkpoints
         if engine._last_batch is not None and seq in engine._last_batch.seqs:
             waited.append(engine._last_batch.feeds_next_step)
     assert len(waited) >= 30 and sum(waited) <= len(waited) / 4 + 3
+
+
+def test_stop_string_inside_accepted_drafts(tiny_checkpoint, tokenizer, stock_model):
+    """A stop string completed by a token in the middle of a verified step's kept drafts ends
+    the request there, as stock transformers stops one token at a time."""
+    ids = tokenizer("the cat sat on the mat. the cat sat on the mat. the cat",
+                    return_tensors="pt").input_ids
+    free = stock_model.generate(ids, max_new_tokens=30, do_sample=False)[0, ids.shape[1]:]
+    # The last three tokens of the first run of one token repeated five times after step 10.
+    run = next(j for j in range(10, 25) if len(set(free[j:j + 5].tolist())) == 1)
+    stop = tokenizer.decode(free[run + 2: run + 5])
+    assert stop.strip()
+    kwargs = dict(max_new_tokens=30, stop_strings=[stop], tokenizer=tokenizer)
+    ref = stock_model.generate(ids, do_sample=False, **kwargs)
+    engine = hf_paged.from_pretrained(tiny_checkpoint, **SMALL)
+    out = engine.generate(ids, prompt_lookup_num_tokens=4, max_matching_ngram_size=1, **kwargs)
+    assert torch.equal(out, ref) and out.shape[1] < ids.shape[1] + 30
+    assert engine.stats()["num_accepted_tokens"] > 0
