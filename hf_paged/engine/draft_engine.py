@@ -82,7 +82,8 @@ def draft_engine_for(assistant_model: object, target: EngineCore) -> tuple[Engin
     """The engine that drafts for ``target`` with ``assistant_model``, and whether the caller
     owns it (closes it when done with it).
 
-    An hf_paged model drafts on its own engine (on the target's device; not the target's own).
+    An hf_paged model drafts on its own engine (on the target's device; the target's own when
+    it is the model itself).
     A stock transformers model of a family hf_paged serves is saved and loaded into a new
     engine beside the target (``draft_options``), once: the engine is kept for the model, and
     reused while the target's options stay the same, so the caller does not own it; it is
@@ -99,11 +100,11 @@ def draft_engine_for(assistant_model: object, target: EngineCore) -> tuple[Engin
     config = engine.hf_config if own_engine else assistant_model.config
     _check_vocab("assistant_model", config, target.hf_config.vocab_size)
     if own_engine:
-        if engine is target:
-            raise ValueError("assistant_model is the model itself: a smaller model of the same "
-                             "tokenizer drafts (or use prompt_lookup_num_tokens)")
         if engine.closed:
             raise ValueError("assistant_model was closed; load it again")
+        # The model as its own assistant (transformers allows it) drafts on its own engine:
+        # draft steps run between its steps, whose tokens are then all collected, and its
+        # draft sequences share the prompts' blocks through the prefix cache.
         if engine.device != target.device:
             raise ValueError(f"assistant_model is on {engine.device}, the model on "
                              f"{target.device}: the assistant must be on the model's device")

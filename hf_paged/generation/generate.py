@@ -77,7 +77,8 @@ def generate(
         hooks = CallHooks(resolved, split.rest, criteria, pad, record_scores, record_logits)
     with assisted.speculating(engine, resolved) as speculation:
         params = _sampling_params(resolved, split, lockstep, hooks, speculation)
-        feeder = StreamFeeder(streamer, pad) if streamer is not None else None
+        chunks = speculation is not None and resolved.input_ids.shape[0] == 1
+        feeder = StreamFeeder(streamer, pad, chunks) if streamer is not None else None
         if feeder:
             feeder.start(resolved.input_ids)
         first = {}

@@ -295,3 +295,45 @@ def test_stop_string_inside_accepted_drafts(tiny_checkpoint, tokenizer, stock_mo
     out = engine.generate(ids, prompt_lookup_num_tokens=4, max_matching_ngram_size=1, **kwargs)
     assert torch.equal(out, ref) and out.shape[1] < ids.shape[1] + 30
     assert engine.stats()["num_accepted_tokens"] > 0
+
+
+def test_the_model_as_its_own_assistant_object(checkpoints, hf_models):
+    """``generate(assistant_model=model)`` with the model itself, as transformers allows: it
+    drafts on its own engine between its own steps, every draft accepted."""
+    model = hf_paged.AutoModelForCausalLM.from_pretrained(checkpoints["gqa_tied"], **SMALL)
+    model.generation_config.num_assistant_tokens = 3
+    ids, mask = left_padded([6, 19], TINY_CONFIGS["gqa_tied"]["vocab_size"], seed=12)
+    ref = hf_models["gqa_tied"].generate(ids, attention_mask=mask, max_new_tokens=20,
+                                         do_sample=False)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=20, assistant_model=model)
+    assert torch.equal(out, ref)
+    stats = model.engine.stats()
+    assert stats["num_accepted_tokens"] == stats["num_draft_tokens"] > 0
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+class Recorder:
+    def __init__(self):
+        self.puts = []
+
+    def put(self, value):
+        self.puts.append(value)
+
+    def end(self):
+        self.puts.append(None)
+
+
+def test_streamer_gets_each_steps_kept_tokens(checkpoints, hf_models):
+    """One row: ``put`` of the prompt, then ``[1, n]`` tensors of kept tokens as transformers'
+    assisted generation streams them, then ``end``; the same tokens as transformers'."""
+    ids = torch.tensor(repeating(1, 1000, seed=3))
+    mine, theirs = Recorder(), Recorder()
+    engine = hf_paged.from_pretrained(checkpoints["gqa_tied"], **SMALL)
+    engine.generate(ids, max_new_tokens=30, prompt_lookup_num_tokens=4, streamer=mine)
+    hf_models["gqa_tied"].generate(ids, max_new_tokens=30, do_sample=False,
+                                   prompt_lookup_num_tokens=4, streamer=theirs)
+    for puts in (mine.puts, theirs.puts):
+        assert torch.equal(puts[0], ids) and puts[-1] is None
+        assert all(p.dim() == 2 and p.shape[0] == 1 for p in puts[1:-1])
+    assert torch.equal(torch.cat(mine.puts[1:-1], 1), torch.cat(theirs.puts[1:-1], 1))
+    assert any(p.shape[1] > 1 for p in mine.puts[1:-1])
