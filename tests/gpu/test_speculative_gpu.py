@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hf_paged
-from tests.gpu.test_gpu_parity import check_parity, run
+from tests.gpu.test_gpu_parity import check_parity, left_padded, run
 
 pytestmark = pytest.mark.gpu
 NGRAM = dict(speculative_method="ngram", num_speculative_tokens=4, prompt_lookup_max=1)
@@ -23,14 +23,8 @@ NGRAM = dict(speculative_method="ngram", num_speculative_tokens=4, prompt_lookup
 def repeating_batch():
     """Prompts repeating a phrase, so prompt lookup drafts from the first step."""
     gen = torch.Generator().manual_seed(1)
-    rows = [torch.randint(0, 10000, (n,), generator=gen).repeat(4) for n in (9, 30, 70)]
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), 151643, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row):] = row
-        mask[i, width - len(row):] = 1
-    return ids, mask
+    return left_padded([torch.randint(0, 10000, (n,), generator=gen).repeat(4)
+                        for n in (9, 30, 70)])
 
 
 def test_float32_speculation_gives_plain_tokens(checkpoint):
