@@ -8,7 +8,12 @@ import threading
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, TextIteratorStreamer, TextStreamer
+from transformers import (
+    AutoTokenizer,
+    PreTrainedTokenizerFast,
+    TextIteratorStreamer,
+    TextStreamer,
+)
 from transformers.generation.streamers import BaseStreamer
 
 import hf_paged
@@ -81,19 +86,26 @@ def test_text_streamers_print_the_same(pair, tokenizer, capsys):
     assert texts[0] == texts[1]
 
 
-def test_stop_strings(pair, tokenizer):
-    engine, model = pair
+def test_stop_strings(tiny_checkpoint, stock_model):
+    """A stop string of one row's text (the checkpoint's own tokenizer: every id it can draw
+    decodes to text) ends that row there; the others run on."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    engine = hf_paged.from_pretrained(tiny_checkpoint, block_size=8)
     batch = tokenizer(["the lazy dog", "seven wizards quietly", "a jovial"], return_tensors="pt",
                       padding=True, padding_side="left")
-    free = model.generate(**batch, max_new_tokens=16, do_sample=False)
+    free = stock_model.generate(**batch, max_new_tokens=16, do_sample=False)
     width = batch.input_ids.shape[1]
-    text = tokenizer.decode(free[1, width + 4 : width + 6])
-    stop = text[1:4] if len(text) > 3 else text  # may straddle a token boundary
+    # Two tokens of some row, after its first two, whose text is new there.
+    row, at = next((r, j) for r in range(3) for j in range(2, 14)
+                   if (t := tokenizer.decode(free[r, width + j: width + j + 2])).strip()
+                   and t not in tokenizer.decode(free[r, width: width + j + 1]))
+    stop = tokenizer.decode(free[row, width + at: width + at + 2])
     kwargs = dict(max_new_tokens=16, stop_strings=[stop, "zzzz"], tokenizer=tokenizer)
-    ref = model.generate(**batch, **kwargs)
+    ref = stock_model.generate(**batch, **kwargs)
     out = engine.generate(**batch, **kwargs)
     assert torch.equal(out, ref)
-    assert out.shape[1] < free.shape[1] or (out[1, width + 6 :] == 0).all()
+    assert (out[row, width + at + 2:] == tokenizer.pad_token_id).all()  # the row stopped there
+    assert out.shape[1] > width + at + 2  # another row ran on
 
 
 def test_max_time_stops_all_rows(pair):
