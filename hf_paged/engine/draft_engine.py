@@ -49,7 +49,7 @@ def draft_options(config: EngineConfig, max_model_len: int, num_blocks: int,
                   device: torch.device) -> dict:
     """Engine options for a draft engine beside a target of ``config``, ``max_model_len``
     and ``num_blocks`` KV blocks, on ``device``."""
-    if device.type == "cuda":  # sized from the memory the target left, at most its blocks
+    if device.type == "cuda":  # sized from the memory the target left (startup caps it)
         memory = dict(gpu_memory_utilization=max(config.gpu_memory_utilization,
                                                  DRAFT_MEMORY_UTILIZATION))
     else:
