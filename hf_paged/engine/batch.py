@@ -27,6 +27,14 @@ class ScheduledBatch:
     num_draft_tokens: list[int] = field(default_factory=list)
     speculative: bool = False
 
+    def add(self, seq: Sequence, start: int, n: int, sample: bool, drafts: int = 0) -> None:
+        """``n`` tokens of ``seq`` from ``start``, the last ``drafts`` of them draft tokens."""
+        self.seqs.append(seq)
+        self.starts.append(start)
+        self.num_tokens.append(n)
+        self.sample.append(sample)
+        self.num_draft_tokens.append(drafts)
+
     @property
     def is_decode(self) -> bool:
         """Every sequence computes exactly its one newest token."""

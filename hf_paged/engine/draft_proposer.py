@@ -170,10 +170,7 @@ class DraftProposer(Proposer):
             w.fresh = False
             start = draft.num_computed_tokens  # prefix-cache hits count as computed
             draft.num_computed_tokens = start + n
-            batch.seqs.append(draft)
-            batch.starts.append(start)
-            batch.num_tokens.append(n)
-            batch.sample.append(start + n == end)
+            batch.add(draft, start, n, start + n == end)
             if start + n == end:
                 drawing.append(w)
             budget -= n

@@ -412,11 +412,7 @@ class Scheduler:
         start = seq.num_computed_tokens
         drafts = len(seq.draft_token_ids)
         sample = start + n == seq.num_tokens + drafts
-        batch.seqs.append(seq)
-        batch.starts.append(start)
-        batch.num_tokens.append(n)
-        batch.sample.append(sample)
-        batch.num_draft_tokens.append(drafts)
+        batch.add(seq, start, n, sample, drafts)
         if sample and self.speculator is not None and self.speculator.active \
                 and drafts_next(seq):
             batch.speculative = True  # its next step may draft: it needs this one's tokens

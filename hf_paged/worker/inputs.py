@@ -99,8 +99,10 @@ class StepPreparer:
                 slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
             cu_seqlens.append(cu_seqlens[-1] + n)
             seq_lens.append(end)
-            if sample:  # a drafting sequence draws at its newest token and each draft
+            if num_drafts:  # a verifying sequence draws at its newest token and each draft
                 logits_rows.extend(range(cu_seqlens[-1] - 1 - num_drafts, cu_seqlens[-1]))
+            elif sample:
+                logits_rows.append(cu_seqlens[-1] - 1)
         tables = self.block_tables.gather(plan.seq_ids, plan.block_tables)
         drawn = sum(1 for row, m in zip(plan.sampling, plan.sample)
                     if m and row.candidates is None)
