@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tests and the benchmarks on a CUDA machine, in one call from the repository root:
 #
-#   scripts/gpu_run.sh [STEP...]      STEP: tests w1 w2 w3 preempt profile dropin w4 beam
-#                                     tp-tests startup lm-eval serving moe moe-w1 moe-w2
+#   scripts/gpu_run.sh [STEP...]      STEP: tests w1 w2 w3 preempt profile w1-split dropin w4
+#                                     beam tp-tests startup lm-eval serving moe moe-w1 moe-w2
 #                                     moe-prof moe-kernels speculation (default: the first four)
 #
 # Everything printed also goes to $OUT/run.log, and the result JSONs, README-table.md and
@@ -35,6 +35,8 @@
 #       TP_SIZES). On several GPUs:
 #       scripts/gpu_run.sh tp-tests w4
 #   tp-tests: the tensor-parallel GPU tests and the CPU (gloo) ones; T_TP=400
+#   w1-split: W1 at Qwen3's settings stepped by hand, its time per step group (prefill, decode
+#       by batch size) against each group's floor (benchmarks.w1_split); T_SPLIT=120
 #   startup: from_pretrained on an empty Triton cache, then warm (bench_startup); T_START=240
 #   lm-eval: lm-eval's generate_until through HFLM, stock against patched (bench_lm_eval; needs
 #       lm_eval importable, e.g. from wheels on PYTHONPATH); T_LMEVAL=420, LMEVAL_ARGS
@@ -160,6 +162,8 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
             --results-dir "$RESULTS" ${LMEVAL_ARGS:-} ;;
       profile) step profile "${T_PROF:-120}" python -m benchmarks.profile_steps \
             --model "$CKPT" --results-dir "$RESULTS" ;;
+      w1-split) step w1-split "${T_SPLIT:-120}" python -m benchmarks.w1_split \
+            --model "$CKPT" --results-dir "$RESULTS" ;;
       dropin)
         step dropin-tests "${T_DROPIN_TESTS:-240}" python -m pytest tests/gpu/test_dropin_gpu.py -q \
             "${EACH_TEST[@]}"
@@ -187,7 +191,7 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
             --results-dir "$RESULTS" ;;
       speculation) bench speculation "${T_SPEC:-480}" bench_speculation "${SPEC_ARGS:-}" \
             --checkpoints "${SPEC_CKPTS:-/tmp/ckpt/speculation}" "${BASELINE_ARGS[@]}" ;;
-      *) echo "unknown step $s (steps: tests w1 w2 w3 preempt profile dropin w4 beam tp-tests" \
+      *) echo "unknown step $s (steps: tests w1 w2 w3 preempt profile w1-split dropin w4 beam tp-tests" \
               "startup lm-eval serving moe moe-w1 moe-w2 moe-prof moe-kernels speculation)"
          STATUS+=("$s unknown") ;;
     esac

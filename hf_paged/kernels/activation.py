@@ -6,13 +6,16 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_paged.kernels.gdc import pdl_options, wait_for_previous
 from hf_paged.kernels.launch import launch
 
 _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, x_s0, out_s0, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, x_s0, out_s0, inter, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -32,5 +35,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if out.numel():
         grid = (x2.shape[0], triton.cdiv(inter, _BLOCK))
         launch(_silu_and_mul_kernel, grid, x2, out, x2.stride(0), out.stride(0), inter,
-               BLOCK=_BLOCK)
+               BLOCK=_BLOCK, **pdl_options(x))
     return out.view(*x.shape[:-1], inter)

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_paged.kernels.gdc import pdl_options, wait_for_previous
 from hf_paged.kernels.launch import launch
 
 _LOG2E = 1.4426950408889634
@@ -107,8 +108,9 @@ def _attention_kernel(
     q_s0, q_s1, o_s0, o_s1, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, bt_s0,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, DECODE: tl.constexpr,
-    SPLIT: tl.constexpr, CASCADE: tl.constexpr, PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, CASCADE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if DECODE:  # at most one query token per sequence: program i serves sequence i
@@ -183,10 +185,12 @@ def _shared_prefix_kernel(
     q_s0, q_s1, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Parts ``0..P-1`` (one per program along axis 2) of every query token's attention over
     the shared prefix: the first ``shared`` keys, rounded down to whole key tiles, held in the
     blocks of ``table_ptr`` and visible to every query."""
+    wait_for_previous(PDL)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     rows = tl.arange(0, BLOCK_M)
@@ -219,8 +223,9 @@ def _shared_prefix_kernel(
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, num_heads, num_splits, o_s0, o_s1,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)  # token * num_heads + head
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
@@ -328,7 +333,7 @@ def paged_attention(
             k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             GROUP=group, BLOCK_Q=shared_m // group, BLOCK_M=shared_m, BLOCK_N=shared_n,
             BLOCK_D=block_d, HEAD_DIM=head_dim, PAGE=page, PRECISION=precision,
-            num_warps=shared_warps, num_stages=shared_stages,
+            num_warps=shared_warps, num_stages=shared_stages, **pdl_options(query),
         )
     launch(
         _attention_kernel, (programs, num_kv_heads, num_splits),
@@ -341,12 +346,13 @@ def paged_attention(
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HEAD_DIM=head_dim, PAGE=page, DECODE=decode, SPLIT=split, CASCADE=cascade,
         PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+        **pdl_options(query),
     )
     if split:
         launch(
             _combine_splits_kernel, (num_tokens * num_heads,),
             part_out, part_lse, out, num_heads, num_parts, out.stride(0), out.stride(1),
             BLOCK_S=2 * _MAX_SPLITS, BLOCK_D=block_d, HEAD_DIM=head_dim,  # one variant
-            num_warps=4,
+            num_warps=4, **pdl_options(query),
         )
     return out

@@ -8,6 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_paged.kernels.gdc import pdl_options, wait_for_previous
 from hf_paged.kernels.launch import launch
 
 
@@ -53,8 +54,9 @@ def _norm_rope_store_kernel(
     q_s0, q_s1, k_s0, k_s1, v_s0, v_s1, cos_sin_s0, cache_s0, cache_s1, cache_s2,
     num_heads, num_kv_heads, eps,
     HALF: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     # Every load is issued first: at small batches each dependent round trip to memory, not
     # the bytes, is what a step waits for.
     token = tl.program_id(0).to(tl.int64)
@@ -127,6 +129,6 @@ def norm_rope_store(
             HALF=half, PAGE=k_cache.shape[1], BLOCK_H=block_h,
             BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
             BLOCK_HALF=triton.next_power_of_2(half),
-            num_warps=4 if block_h * half >= 1024 else 1,
+            num_warps=4 if block_h * half >= 1024 else 1, **pdl_options(query),
         )
     return query, key

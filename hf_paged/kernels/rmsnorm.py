@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_paged.kernels.gdc import pdl_options, wait_for_previous
 from hf_paged.kernels.launch import launch
 
 
@@ -13,8 +14,9 @@ from hf_paged.kernels.launch import launch
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr,
     heads, x_s0, x_s1, r_s0, r_s1, o_s0, o_s1, dim, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     # One program per row; a row is (i, j) of a [rows, heads, D] view, so per-head norms can
     # read strided views of a fused projection without a copy.
     row = tl.program_id(0)
@@ -59,7 +61,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         heads, x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         o3.stride(0), o3.stride(1), dim, eps,
         HAS_RESIDUAL=residual is not None, BLOCK_D=block_d,
-        num_warps=max(1, min(8, block_d // 256)),
+        num_warps=max(1, min(8, block_d // 256)), **pdl_options(x),
     )
 
 

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_paged.kernels.gdc import pdl_options, wait_for_previous
 from hf_paged.kernels.launch import launch
 
 MAX_ROWS = 8
@@ -34,7 +35,7 @@ def _small_m_kernel(
     x_ptr, w_ptr, out_ptr, N, K, x_s0, w_s0, out_s0,
     res_ptr, res_out_ptr, norm_ptr, eps, res_s0, res_out_s0,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr,
-    NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+    NORM: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
 ):
     # GATED: the weight is [gate; up] (2N rows) and the output silu(x @ gate.T) * (x @ up.T),
     # each product rounded to the output dtype first, as silu_and_mul(F.linear(x, w)).
@@ -49,9 +50,11 @@ def _small_m_kernel(
     x_ptrs = x_ptr + row * x_s0 + ks
     res_ptrs = res_ptr + row * res_s0 + ks
     # The first chunk of the weight is loaded before anything else, so that its latency
-    # overlaps the norm's pass over the row; the loop over K starts at the second chunk.
+    # overlaps the previous kernel's end (no kernel of a step writes weights) and the norm's
+    # pass over the row; the loop over K starts at the second chunk.
     w = _load(w_ptrs, col_ok & (ks < K)[None, :], EVEN)
     u = _load(w_ptrs + N * w_s0, col_ok & (ks < K)[None, :], EVEN) if GATED else w
+    wait_for_previous(PDL)
     inv_rms = 1.0
     if NORM:  # a first pass over the row (from L2: every program reads it) for its RMS
         squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -135,7 +138,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, gated: bool,
             res_out.stride(0),
             BLOCK_N=block_n, BLOCK_K=block_k, EVEN=n % block_n == 0 and k % block_k == 0,
             GATED=gated, NORM=norm_weight is not None, RESIDUAL=residual is not None,
-            num_warps=4, num_stages=1,
+            num_warps=4, num_stages=1, **pdl_options(x),
         )
     return out
 

@@ -15,6 +15,7 @@ from benchmarks import (
     bench_throughput,
     common,
     report,
+    w1_split,
 )
 from benchmarks.floor import MemoryCost
 from benchmarks.workloads import w2_decode
@@ -144,3 +145,14 @@ def test_speculation_end_to_end(tiny, tmp_path):
         "batch-1 tok/s, tiny draft, 50% agreement", "batch-1 tok/s, target as its own draft",
         "batch-1 tok/s, prompt lookup, repeating prompts",
         "batch-1 tok/s, prompt lookup, random prompts"]
+
+
+def test_w1_split_groups_every_step(tiny, tmp_path):
+    w1_split.main([*tiny, "--num-requests", "6", "--max-input-len", "24",
+                   "--max-output-len", "12", "--results-dir", str(tmp_path)])
+    data = json.loads((tmp_path / "w1-split-cpu.json").read_text())
+    groups = data["groups"]
+    assert "prefill" in groups and "decode_1+" in groups
+    assert sum(g["tokens"] for g in groups.values()) >= data["output_tokens"]
+    assert 0 < groups["decode_1+"]["fraction_of_floor"]
+    assert sum(g["seconds"] for g in groups.values()) <= data["seconds"]
