@@ -26,8 +26,14 @@ def triton_available() -> bool:
     return _HAS_TRITON
 
 
+def triton_on(device: torch.device) -> bool:
+    """Whether Triton kernels run on ``device``: CUDA, or CPU under ``HF_PAGED_TRITON_ON_CPU``
+    (Triton's interpreter)."""
+    return _HAS_TRITON and (device.type == "cuda" or _TRITON_ON_CPU)
+
+
 def _use_triton(tensor: torch.Tensor) -> bool:
-    return _HAS_TRITON and (tensor.is_cuda or _TRITON_ON_CPU)
+    return triton_on(tensor.device)
 
 
 @functools.cache

@@ -24,17 +24,25 @@ as the splits do.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from hf_paged.kernels.attention_tiles import attend_tiles
+from hf_paged.kernels.decode_attention import (
+    MAX_SPLITS,
+    attend_new_token,
+    combine_splits_kernel,
+    decode_splits,
+    new_token_args,
+    norm_rope_rows,
+    shared_prefix_kernel,
+)
 from hf_paged.kernels.gdc import pdl_options, wait_for_previous
 from hf_paged.kernels.launch import launch
+from hf_paged.kernels.reference import NewTokens
 
 _LOG2E = 1.4426950408889634
-_MAX_SPLITS = 32
 # (query rows, keys per iteration, warps, pipeline stages); a decode program holds one token's
 # GQA group.
 _DECODE_TILE = (16, 64, 4, 2)
@@ -60,42 +68,6 @@ def _find_sequence(cu_q_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@triton.jit
-def _attend_tiles(
-    acc, m, denom, q, k_ptr, v_ptr, table, pos, kv_end, tile_lo, tile_hi,
-    k_s0, k_s1, v_s0, v_s1, scale_log2,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
-    MASKED: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """Online-softmax update of ``(acc, m, denom)`` over key tiles ``[tile_lo, tile_hi)``.
-    ``MASKED``: the tiles may hold keys past a row's position or past the context."""
-    dims = tl.arange(0, BLOCK_D)
-    for tile in range(tile_lo, tile_hi):
-        keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        kv_mask = (dims < HEAD_DIM)[None, :]
-        if MASKED:
-            kv_mask &= (keys < kv_end)[:, None]
-        # Key t lives in cache block table[t // PAGE] at offset t % PAGE.
-        block = tl.load(table + keys // PAGE, mask=keys < kv_end, other=0).to(tl.int64)
-        offset = keys % PAGE
-        k = tl.load(k_ptr + block[:, None] * k_s0 + offset[:, None] * k_s1 + dims[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + block[:, None] * v_s0 + offset[:, None] * v_s1 + dims[None, :],
-                    mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        if MASKED:
-            s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        # A row with no visible key yet keeps m = -inf: shift it by 0 rather than inf - inf.
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - shift)
-        p = tl.exp2(s - shift[:, None])
-        denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
-    return acc, m, denom
-
-
 # Arguments that vary with the batch (its size, its block-table width, the split count) are
 # not specialised on (Triton would compile a variant for 1, for multiples of 16 and for the
 # rest): a prompt of a length not seen before then needs no compilation.
@@ -106,9 +78,12 @@ def _attention_kernel(
     cu_q_ptr, seq_lens_ptr, block_tables_ptr, shared_ptr,
     scale_log2, num_seqs, num_heads, num_splits, num_parts,
     q_s0, q_s1, o_s0, o_s1, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, bt_s0,
+    kn_ptr, vn_ptr, qw_ptr, kw_ptr, positions_ptr, cos_sin_ptr, slot_ptr, eps,
+    kn_s0, kn_s1, vn_s0, vn_s1, cs_s0,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, DECODE: tl.constexpr,
-    SPLIT: tl.constexpr, CASCADE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    SPLIT: tl.constexpr, CASCADE: tl.constexpr, PRECISION: tl.constexpr, NEW_KV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
     kv_head = tl.program_id(1)
@@ -128,6 +103,8 @@ def _attention_kernel(
     if first >= q_len:
         return
     ctx = tl.load(seq_lens_ptr + seq)
+    if NEW_KV:  # the cache holds the keys before the newest one, which comes from registers
+        ctx -= 1
 
     rows = tl.arange(0, BLOCK_M)
     tok = first + rows // GROUP
@@ -139,8 +116,12 @@ def _attention_kernel(
     kv_end = ctx - q_len + tl.minimum(first + BLOCK_Q, q_len)
     pos = tl.minimum(ctx - q_len + tok, kv_end - 1)  # clamped: padding rows stay finite
     q_rows = (q_start + tok).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * q_s0 + head[:, None] * q_s1 + dims[None, :], mask=mask,
-                other=0.0)
+    q_ptrs = q_ptr + q_rows[:, None] * q_s0 + head[:, None] * q_s1 + dims[None, :]
+    if NEW_KV:
+        cs_row = cos_sin_ptr + tl.load(positions_ptr + q_start).to(tl.int64) * cs_s0
+        q = norm_rope_rows(q_ptrs, mask, qw_ptr, cs_row, eps, HEAD_DIM // 2, HEAD_DIM, BLOCK_D)
+    else:
+        q = tl.load(q_ptrs, mask=mask, other=0.0)
 
     # This program's share of the key tiles (all of them without split-K), after a shared
     # prefix that the cascade kernel covers; those wholly at or before the tile's first query
@@ -157,12 +138,18 @@ def _attention_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    acc, m, denom = _attend_tiles(
+    acc, m, denom = attend_tiles(
         acc, m, denom, q, k_ptr, v_ptr, table, pos, kv_end, tile_lo, unmasked_hi,
         k_s0, k_s1, v_s0, v_s1, scale_log2, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE, False, PRECISION)
-    acc, m, denom = _attend_tiles(
+    acc, m, denom = attend_tiles(
         acc, m, denom, q, k_ptr, v_ptr, table, pos, kv_end, unmasked_hi, tile_hi,
         k_s0, k_s1, v_s0, v_s1, scale_log2, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE, True, PRECISION)
+    if NEW_KV:
+        if split == 0:
+            acc, m, denom = attend_new_token(
+                acc, m, denom, q, seq, kv_head, k_cache_ptr, v_cache_ptr, kn_ptr, vn_ptr, kw_ptr,
+                cs_row, slot_ptr, eps, scale_log2, kn_s0, kn_s1, vn_s0, vn_s1,
+                k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, HEAD_DIM // 2, HEAD_DIM, BLOCK_D, PAGE)
 
     # A row that saw no key (an empty split, a padded sequence of length 0) comes out as zeros.
     denom = tl.where(denom == 0.0, 1.0, denom)
@@ -177,89 +164,6 @@ def _attention_kernel(
                  mask=mask)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_parts"],
-            do_not_specialize_on_alignment=["table_ptr", "shared_ptr"])
-def _shared_prefix_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, table_ptr, shared_ptr,
-    scale_log2, num_tokens, num_heads, num_parts,
-    q_s0, q_s1, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2,
-    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Parts ``0..P-1`` (one per program along axis 2) of every query token's attention over
-    the shared prefix: the first ``shared`` keys, rounded down to whole key tiles, held in the
-    blocks of ``table_ptr`` and visible to every query."""
-    wait_for_previous(PDL)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    rows = tl.arange(0, BLOCK_M)
-    tok = tl.program_id(0) * BLOCK_Q + rows // GROUP
-    head = kv_head * GROUP + rows % GROUP
-    row_ok = (rows < BLOCK_Q * GROUP) & (tok < num_tokens)
-    dims = tl.arange(0, BLOCK_D)
-    mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
-    q_rows = tok.to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * q_s0 + head[:, None] * q_s1 + dims[None, :], mask=mask,
-                other=0.0)
-    n_tiles = tl.load(shared_ptr) // BLOCK_N
-    per_split = tl.cdiv(n_tiles, tl.num_programs(2))
-    tile_lo = per_split * split
-    tile_hi = tl.minimum(tile_lo + per_split, n_tiles)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    denom = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    acc, m, denom = _attend_tiles(
-        acc, m, denom, q, k_cache_ptr + kv_head * k_s2, v_cache_ptr + kv_head * v_s2, table_ptr,
-        tok, n_tiles * BLOCK_N, tile_lo, tile_hi, k_s0, k_s1, v_s0, v_s1, scale_log2,
-        BLOCK_N, BLOCK_D, HEAD_DIM, PAGE, False, PRECISION)
-    denom = tl.where(denom == 0.0, 1.0, denom)
-    part = (q_rows * num_heads + head) * num_parts + split
-    tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc / denom[:, None],
-             mask=mask)
-    tl.store(part_lse_ptr + part, m + tl.log2(denom), mask=row_ok)
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def _combine_splits_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, num_heads, num_splits, o_s0, o_s1,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr,
-):
-    wait_for_previous(PDL)
-    row = tl.program_id(0).to(tl.int64)  # token * num_heads + head
-    splits = tl.arange(0, BLOCK_S)
-    dims = tl.arange(0, BLOCK_D)
-    split_ok = splits < num_splits
-    lse = tl.load(part_lse_ptr + row * num_splits + splits, mask=split_ok, other=float("-inf"))
-    top = tl.max(lse, axis=0)
-    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
-    parts = tl.load(
-        part_out_ptr + (row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
-        mask=split_ok[:, None] & (dims < HEAD_DIM)[None, :], other=0.0,
-    )
-    total = tl.sum(weight, axis=0)
-    out = tl.sum(weight[:, None] * parts, axis=0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + (row // num_heads) * o_s0 + (row % num_heads) * o_s1 + dims, out,
-             mask=dims < HEAD_DIM)
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # CPU tensors (Triton's interpreter): act as a 132-SM GPU would
-
-
-def _decode_splits(programs: int, max_tiles: int, device: torch.device) -> int:
-    """Split-K factor for ``programs`` (sequence, KV head) pairs: none once they fill the SMs,
-    else enough for about two programs per SM, never more than the key tiles the block table
-    can address (its width, not its contents, so the choice is fixed per graph batch)."""
-    sms = _sm_count(device)
-    if programs >= sms:
-        return 1
-    return max(1, min(_MAX_SPLITS, max_tiles, triton.cdiv(2 * sms, programs)))
-
-
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -272,6 +176,7 @@ def paged_attention(
     max_query_len: int | None = None,
     num_splits: int | None = None,
     shared_prefix: torch.Tensor | None = None,
+    new_tokens: NewTokens | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``reference.paged_attention``.
 
@@ -282,6 +187,9 @@ def paged_attention(
     ``shared_prefix`` (decode only): a one-element int32 tensor, a length that every sequence's
     context exceeds and whose keys sit in the same blocks for all, those of
     ``block_tables[0]``; with it, decode runs as a cascade (module docstring).
+    ``new_tokens`` (decode without a cascade): ``query`` is the raw query and the newest token's
+    key and value are not in the cache yet; the kernel computes ``reference.norm_rope_store``
+    for them first (``kernels.decode_attention``).
     """
     num_tokens, num_heads, head_dim = query.shape
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -294,6 +202,7 @@ def paged_attention(
 
     decode = max_query_len == 1
     cascade = decode and shared_prefix is not None
+    assert new_tokens is None or (decode and not cascade), "new_tokens: decode, no cascade"
     block_m, block_n, num_warps, num_stages = _DECODE_TILE if decode else _PREFILL_TILE
     block_m = max(block_m, triton.next_power_of_2(group))
     block_q = block_m // group
@@ -304,14 +213,14 @@ def paged_attention(
     if num_splits is None:
         num_splits = 1
         if decode:
-            num_splits = _decode_splits(num_seqs * num_kv_heads, max_tiles, query.device)
+            num_splits = decode_splits(num_seqs * num_kv_heads, max_tiles, query.device)
     shared_splits = 0
     if cascade:
         shared_m, shared_n, shared_warps, shared_stages = _SHARED_TILE
         assert shared_n == block_n  # both kernels round the shared length to the same tiles
         shared_m = max(shared_m, triton.next_power_of_2(group))
         shared_tiles = triton.cdiv(num_tokens, shared_m // group)
-        shared_splits = _decode_splits(shared_tiles * num_kv_heads, max_tiles, query.device)
+        shared_splits = decode_splits(shared_tiles * num_kv_heads, max_tiles, query.device)
     num_parts = shared_splits + num_splits
     split = num_parts > 1
     if split:
@@ -326,7 +235,7 @@ def paged_attention(
     precision = "ieee" if query.dtype == torch.float32 else "tf32"
     if cascade:
         launch(
-            _shared_prefix_kernel, (shared_tiles, num_kv_heads, shared_splits),
+            shared_prefix_kernel, (shared_tiles, num_kv_heads, shared_splits),
             query, k_cache, v_cache, part_out, part_lse, block_tables, shared_prefix,
             scale * _LOG2E, num_tokens, num_heads, num_parts,
             query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1),
@@ -343,16 +252,18 @@ def paged_attention(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        *new_token_args(new_tokens, query),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HEAD_DIM=head_dim, PAGE=page, DECODE=decode, SPLIT=split, CASCADE=cascade,
-        PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+        PRECISION=precision, NEW_KV=new_tokens is not None, num_warps=num_warps,
+        num_stages=num_stages,
         **pdl_options(query),
     )
     if split:
         launch(
-            _combine_splits_kernel, (num_tokens * num_heads,),
+            combine_splits_kernel, (num_tokens * num_heads,),
             part_out, part_lse, out, num_heads, num_parts, out.stride(0), out.stride(1),
-            BLOCK_S=2 * _MAX_SPLITS, BLOCK_D=block_d, HEAD_DIM=head_dim,  # one variant
+            BLOCK_S=2 * MAX_SPLITS, BLOCK_D=block_d, HEAD_DIM=head_dim,  # one variant
             num_warps=4, **pdl_options(query),
         )
     return out

@@ -13,7 +13,7 @@ from hf_paged.kernels.launch import launch
 
 
 @triton.jit
-def _mul(a, b, dtype: tl.constexpr):
+def mul_rounded(a, b, dtype: tl.constexpr):
     """A product rounded to ``dtype``, as a tensor op in that dtype would."""
     return (a.to(tl.float32) * b.to(tl.float32)).to(dtype)
 
@@ -38,11 +38,11 @@ def _norm_rope(x1, x2, w1, w2, cos, sin, eps, HALF: tl.constexpr):
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
     inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
     # Normalised in float32, cast back, then scaled: transformers' Qwen3RMSNorm.
-    n1 = _mul((x1 * inv_rms[:, None]).to(dtype), w1, dtype)
-    n2 = _mul((x2 * inv_rms[:, None]).to(dtype), w2, dtype)
-    out1 = (_mul(n1, cos, dtype).to(tl.float32) - _mul(n2, sin, dtype).to(tl.float32)).to(dtype)
-    out2 = (_mul(n2, cos, dtype).to(tl.float32) + _mul(n1, sin, dtype).to(tl.float32)).to(dtype)
-    return out1, out2
+    n1 = mul_rounded((x1 * inv_rms[:, None]).to(dtype), w1, dtype)
+    n2 = mul_rounded((x2 * inv_rms[:, None]).to(dtype), w2, dtype)
+    c1, s2 = mul_rounded(n1, cos, dtype).to(tl.float32), mul_rounded(n2, sin, dtype).to(tl.float32)
+    c2, s1 = mul_rounded(n2, cos, dtype).to(tl.float32), mul_rounded(n1, sin, dtype).to(tl.float32)
+    return (c1 - s2).to(dtype), (c2 + s1).to(dtype)
 
 
 # The per-token indices may be views into a graph's packed inputs at any offset: their

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_paged.kernels import triton_available
+from hf_paged.kernels import triton_available, triton_on
 from hf_paged.kernels.flash_attn import PAGE_MULTIPLE, flash_attn_available
 
 
@@ -13,7 +13,7 @@ def resolve_backend(backend: str | None, device: torch.device, block_size: int) 
     and ``block_size`` allow it."""
     if backend is None:
         return "triton" if device.type == "cuda" and triton_available() else "sdpa"
-    if backend == "triton" and (device.type != "cuda" or not triton_available()):
+    if backend == "triton" and not triton_on(device):
         raise ValueError("attention_backend 'triton' needs a CUDA device and the triton package")
     if backend == "flash_attn":
         if device.type != "cuda" or not flash_attn_available():

@@ -1,6 +1,7 @@
 """The engine with every op it can send to Triton sent there (the interpreter, on CPU): the
-kernels as the model wires them (the fused norms and activation, and the small-M projections
-of decode rows) give the tokens of the plain-torch path, in float16."""
+kernels as the model wires them (the fused norms and activation, the small-M projections of
+decode rows, and the Triton attention backend, whose decode kernel computes the newest
+token's norm, RoPE and cache store itself) give the tokens of the plain-torch path."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ def kernel_and_twin_tokens(monkeypatch, path: str, dtype: torch.dtype,
 
     def tokens(through_triton: bool) -> torch.Tensor:
         monkeypatch.setattr(kernels, "_TRITON_ON_CPU", through_triton)
-        with hf_paged.from_pretrained(path, device="cpu", dtype=dtype) as engine:
+        backend = "triton" if through_triton else "sdpa"
+        with hf_paged.from_pretrained(path, device="cpu", dtype=dtype,
+                                      attention_backend=backend) as engine:
             for module in engine.model.layers.modules() if small_m else ():
                 if isinstance(module, _ParallelLinear):
                     module.small_m_rows = MAX_ROWS
