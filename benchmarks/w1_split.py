@@ -4,7 +4,8 @@ size), each group's seconds set against its own floor.
     python -m benchmarks.w1_split --model /tmp/ckpt/0.6b
 
 A step's time is the wall time from one ``engine.step()`` return to the next, charged to the
-batch that call launched (in steady state the period of that step). A decode step's floor is
+batch that call launched (in steady state the period of that step); the profiled steps are a
+group of their own. A decode step's floor is
 the bytes it must read, the weights once and the KV cache of each sequence's context, over the
 device's peak bandwidth (``benchmarks.floor``); prefill steps have no memory floor of their own
 (W1's floor counts none of them), so their seconds are what prefill adds to it. Sampling at
@@ -55,14 +56,18 @@ def split_run(engine, workload, cost: MemoryCost, bandwidth: float) -> dict:
     index = 0
     start = last = time.perf_counter()
     while engine.has_unfinished_requests():
-        if profiling and index in PROFILED_STEPS:
+        profiled = profiling and index in PROFILED_STEPS
+        if profiled:
             kernels_of_step(engine, kernels)
         else:
             engine.step()
         index += 1
         now = time.perf_counter()
         launched = engine.in_flight[0] if engine.in_flight is not None else None
-        if launched is not None:
+        if profiled:  # synchronised and profiled: its time is not a step period
+            groups["profiled"]["steps"] += 1
+            groups["profiled"]["seconds"] += now - last
+        elif launched is not None:
             group = groups[group_of(launched)]
             group["steps"] += 1
             group["seconds"] += now - last
@@ -109,14 +114,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--max-output-len", type=int, default=1024)
+    parser.add_argument("--engine-option", "-E", action="append", default=[],
+                        metavar="NAME=VALUE", help="an EngineConfig setting (repeatable)")
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     cost = MemoryCost.from_checkpoint(args.model, dtype)
     bandwidth = floor_settings(device, None, cost)["bandwidth_bytes_per_s"]
     workload = w1(args.num_requests, args.max_input_len, args.max_output_len,
                   common.max_token_id(args.model))
+    options = common.engine_options(args.engine_option)
     engine = hf_paged.from_pretrained(args.model, dtype=dtype, device=device,
-                                      progress_bar=False)
+                                      progress_bar=False, **options)
     try:
         warm = warmup_requests(workload.head(8))  # other prompts: no prefix-cache hits
         engine.generate_tokens(warm.prompts, SamplingParams(max_new_tokens=16))
@@ -125,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
         engine.close()
     result = {"workload": "w1-split", "device": common.device_info(device),
               "git_commit": common.git_commit(), "checkpoint": args.model,
-              "sampling": QWEN3_SAMPLING, "bandwidth_bytes_per_s": bandwidth,
+              "sampling": QWEN3_SAMPLING, "engine_options": options,
+              "bandwidth_bytes_per_s": bandwidth,
               "output_tokens": sum(workload.max_new_tokens),
               "output_tokens_per_s": sum(workload.max_new_tokens) / run["seconds"], **run}
     common.write_result(args.results_dir / f"{args.name}-{result['device']['slug']}.json",

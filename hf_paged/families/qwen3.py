@@ -33,7 +33,6 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from hf_paged import kernels
-from hf_paged.kernels.reference import NewTokens
 from hf_paged.modeling.attention import AttentionMetadata, attention_function
 from hf_paged.modeling.embedding import ParallelLMHead, VocabParallelEmbedding
 from hf_paged.modeling.linear import (
@@ -150,8 +149,6 @@ class Qwen3PagedAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
         self.attend = attention_function(backend)
-        # Triton's decode kernel takes the newest token's norm, RoPE and cache store itself.
-        self.fuse_decode_inputs = backend == "triton"
         self.k_cache = self.v_cache = torch.empty(0)
 
     def forward(
@@ -162,23 +159,16 @@ class Qwen3PagedAttention(nn.Module):
         qkv, residual = self.qkv_proj.normed(hidden, residual, norm)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.reshape(-1, self.num_heads, self.head_dim)
-        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        new = None
-        if self.fuse_decode_inputs and meta.max_query_len == 1 and meta.shared_prefix is None:
-            new = {"new_tokens": NewTokens(k, v, self.q_norm.weight, self.k_norm.weight,
-                                           self.q_norm.eps, positions, rotary.cos_sin_cache,
-                                           meta.slot_mapping)}
-        else:
-            q, _ = kernels.norm_rope_store(
-                q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
-                positions, rotary.cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping,
-            )
+        q, _ = kernels.norm_rope_store(
+            q.reshape(-1, self.num_heads, self.head_dim),
+            k.reshape(-1, self.num_kv_heads, self.head_dim),
+            v.reshape(-1, self.num_kv_heads, self.head_dim),
+            self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+            positions, rotary.cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping,
+        )
         out = self.attend(
             q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
             self.scale, max_query_len=meta.max_query_len, shared_prefix=meta.shared_prefix,
-            **(new or {}),
         )
         return self.o_proj(out.reshape(-1, q_size)), residual
 

@@ -13,7 +13,7 @@ from hf_paged.kernels.launch import launch
 
 
 @triton.jit
-def mul_rounded(a, b, dtype: tl.constexpr):
+def _mul(a, b, dtype: tl.constexpr):
     """A product rounded to ``dtype``, as a tensor op in that dtype would."""
     return (a.to(tl.float32) * b.to(tl.float32)).to(dtype)
 
@@ -38,11 +38,11 @@ def _norm_rope(x1, x2, w1, w2, cos, sin, eps, HALF: tl.constexpr):
     x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
     inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
     # Normalised in float32, cast back, then scaled: transformers' Qwen3RMSNorm.
-    n1 = mul_rounded((x1 * inv_rms[:, None]).to(dtype), w1, dtype)
-    n2 = mul_rounded((x2 * inv_rms[:, None]).to(dtype), w2, dtype)
-    c1, s2 = mul_rounded(n1, cos, dtype).to(tl.float32), mul_rounded(n2, sin, dtype).to(tl.float32)
-    c2, s1 = mul_rounded(n2, cos, dtype).to(tl.float32), mul_rounded(n1, sin, dtype).to(tl.float32)
-    return (c1 - s2).to(dtype), (c2 + s1).to(dtype)
+    n1 = _mul((x1 * inv_rms[:, None]).to(dtype), w1, dtype)
+    n2 = _mul((x2 * inv_rms[:, None]).to(dtype), w2, dtype)
+    out1 = (_mul(n1, cos, dtype).to(tl.float32) - _mul(n2, sin, dtype).to(tl.float32)).to(dtype)
+    out2 = (_mul(n2, cos, dtype).to(tl.float32) + _mul(n1, sin, dtype).to(tl.float32)).to(dtype)
+    return out1, out2
 
 
 # The per-token indices may be views into a graph's packed inputs at any offset: their
@@ -56,16 +56,11 @@ def _norm_rope_store_kernel(
     HALF: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr,
     BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
 ):
-    wait_for_previous(PDL)
     # Every load is issued first: at small batches each dependent round trip to memory, not
-    # the bytes, is what a step waits for.
+    # the bytes, is what a step waits for. What no kernel of the step writes (the norms'
+    # weights, the step's positions and slots, the rotary table) is read before waiting for
+    # the previous kernel (``kernels.gdc``); q, k and v, its outputs, after.
     token = tl.program_id(0).to(tl.int64)
-    q_first, q_mask, q1, q2 = _load_heads(q_ptr, token, q_s0, q_s1, num_heads,
-                                          HALF, BLOCK_H, BLOCK_HALF)
-    k_first, kv_mask, k1, k2 = _load_heads(k_ptr, token, k_s0, k_s1, num_kv_heads,
-                                           HALF, BLOCK_HKV, BLOCK_HALF)
-    _, _, v1, v2 = _load_heads(v_ptr, token, v_s0, v_s1, num_kv_heads,
-                               HALF, BLOCK_HKV, BLOCK_HALF)
     dims = tl.arange(0, BLOCK_HALF)[None, :]
     half_ok = dims < HALF
     qw1 = tl.load(q_weight_ptr + dims, mask=half_ok, other=0.0)
@@ -78,6 +73,13 @@ def _norm_rope_store_kernel(
     # The table is float32; the reference casts cos/sin to the input dtype first.
     cos = tl.load(row, mask=half_ok).to(q_ptr.dtype.element_ty)
     sin = tl.load(row + HALF, mask=half_ok).to(q_ptr.dtype.element_ty)
+    wait_for_previous(PDL)
+    q_first, q_mask, q1, q2 = _load_heads(q_ptr, token, q_s0, q_s1, num_heads,
+                                          HALF, BLOCK_H, BLOCK_HALF)
+    k_first, kv_mask, k1, k2 = _load_heads(k_ptr, token, k_s0, k_s1, num_kv_heads,
+                                           HALF, BLOCK_HKV, BLOCK_HALF)
+    _, _, v1, v2 = _load_heads(v_ptr, token, v_s0, v_s1, num_kv_heads,
+                               HALF, BLOCK_HKV, BLOCK_HALF)
     q1, q2 = _norm_rope(q1, q2, qw1, qw2, cos, sin, eps, HALF)
     tl.store(q_first, q1, mask=q_mask)
     tl.store(q_first + HALF, q2, mask=q_mask)

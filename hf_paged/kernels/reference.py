@@ -7,27 +7,8 @@ twin here with the same signature and is tested against it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
-
-
-@dataclass
-class NewTokens:
-    """A decode step's newest token per sequence before its attention inputs are computed
-    (``paged_attention``'s ``new_tokens``): raw ``key``/``value`` ``[T, Hkv, D]`` (views of the
-    fused projection), the q/k norms' weights and epsilon, positions, the rotary
-    ``cos_sin_cache`` (``rope``) and the cache slots (-1: padding, not stored)."""
-
-    key: torch.Tensor
-    value: torch.Tensor
-    q_weight: torch.Tensor
-    k_weight: torch.Tensor
-    eps: float
-    positions: torch.Tensor
-    cos_sin_cache: torch.Tensor
-    slot_mapping: torch.Tensor
 
 
 def store_kv(
@@ -66,7 +47,6 @@ def paged_attention(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
-    new_tokens: NewTokens | None = None,
 ) -> torch.Tensor:
     """Causal attention of variable-length queries over their paged context.
 
@@ -76,14 +56,7 @@ def paged_attention(
     new tokens sits at position ``seq_lens[b] - q + i`` and attends to keys ``0..position``.
     ``block_tables[b, j]`` is the cache block holding positions ``j*B .. j*B+B-1``.
     Grouped-query heads: query head ``h`` reads KV head ``h // (H // Hkv)``.
-    With ``new_tokens`` (one query token per sequence), ``query`` and the newest keys and
-    values are raw: ``norm_rope_store`` computes and stores them first.
     """
-    if new_tokens is not None:
-        new = new_tokens
-        query, _ = norm_rope_store(query, new.key, new.value, new.q_weight, new.k_weight,
-                                   new.eps, new.positions, new.cos_sin_cache, k_cache, v_cache,
-                                   new.slot_mapping)
     block_size = k_cache.shape[1]
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
     out = torch.empty_like(query)
