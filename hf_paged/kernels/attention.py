@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_paged.kernels.attention_tiles import attend_tile, attend_tiles, load_tile
+from hf_paged.kernels.attention_tiles import attend_tiles
 from hf_paged.kernels.decode_attention import (
     MAX_SPLITS,
     combine_splits_kernel,
@@ -42,9 +42,6 @@ _LOG2E = 1.4426950408889634
 # (query rows, keys per iteration, warps, pipeline stages); a decode program holds one token's
 # GQA group.
 _DECODE_TILE = (16, 64, 4, 2)
-# Keys per iteration of an unsplit decode program (a batch that fills the GPU): at W1's
-# batch-256 steps on an H100, 128 read the cache at 96.8% of the copy bandwidth, 64 at 94.2%.
-_WIDE_DECODE_KEYS = 128
 _PREFILL_TILE = (64, 64, 4, 3)
 _SHARED_TILE = (64, 64, 4, 3)  # cascade decode's shared prefix: BLOCK_M // GROUP tokens a tile
 # Per-sequence index arguments, read a few int32 at a time: their alignment is left out of the
@@ -79,8 +76,7 @@ def _attention_kernel(
     q_s0, q_s1, o_s0, o_s1, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, bt_s0,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, DECODE: tl.constexpr,
-    SPLIT: tl.constexpr, CASCADE: tl.constexpr, PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
-    PDL: tl.constexpr,
+    SPLIT: tl.constexpr, CASCADE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -121,14 +117,6 @@ def _attention_kernel(
     k_ptr = k_cache_ptr + kv_head * k_s2
     v_ptr = v_cache_ptr + kv_head * v_s2
     table = block_tables_ptr + seq.to(tl.int64) * bt_s0
-    if PREFETCH:
-        # The keys before this step's were written by earlier steps, and the block table, the
-        # lengths and the query offsets by the host: the first tile of them is read before
-        # waiting for the previous kernel (``kernels.gdc``), which writes this step's keys and
-        # the queries.
-        pre = (first < q_len) & (tile_lo < tl.minimum(unmasked_hi, (ctx - q_len) // BLOCK_N))
-        keys, k, v = load_tile(k_ptr, v_ptr, table, tile_lo, tl.where(pre, kv_end, 0),
-                               k_s0, k_s1, v_s0, v_s1, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE, True)
     wait_for_previous(PDL)  # every program waits, even one with nothing to do
     if first >= q_len:
         return
@@ -137,11 +125,6 @@ def _attention_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if PREFETCH:
-        if pre:
-            acc, m, denom = attend_tile(acc, m, denom, q, keys, k, v, pos, scale_log2, False,
-                                        PRECISION)
-        tile_lo += pre.to(tl.int32)
     acc, m, denom = attend_tiles(
         acc, m, denom, q, k_ptr, v_ptr, table, pos, kv_end, tile_lo, unmasked_hi,
         k_s0, k_s1, v_s0, v_s1, scale_log2, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE, False, PRECISION)
@@ -207,8 +190,6 @@ def paged_attention(
         num_splits = 1
         if decode:
             num_splits = decode_splits(num_seqs * num_kv_heads, max_tiles, query.device)
-    if decode and num_splits == 1 and not cascade:
-        block_n = _WIDE_DECODE_KEYS
     shared_splits = 0
     if cascade:
         shared_m, shared_n, shared_warps, shared_stages = _SHARED_TILE
@@ -249,8 +230,8 @@ def paged_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HEAD_DIM=head_dim, PAGE=page, DECODE=decode, SPLIT=split, CASCADE=cascade,
-        PRECISION=precision, PREFETCH=decode and num_splits > 1, num_warps=num_warps,
-        num_stages=num_stages, **pdl_options(query),
+        PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+        **pdl_options(query),
     )
     if split:
         launch(

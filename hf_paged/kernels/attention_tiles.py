@@ -8,45 +8,6 @@ import triton.language as tl
 
 
 @triton.jit
-def load_tile(k_ptr, v_ptr, table, tile, kv_end, k_s0, k_s1, v_s0, v_s1,
-              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-              PAGE: tl.constexpr, MASKED: tl.constexpr):
-    """Key tile ``tile``'s key positions, keys and values. ``MASKED``: the tile may hold keys
-    at or past ``kv_end``, which are not read (zeros)."""
-    dims = tl.arange(0, BLOCK_D)
-    keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    kv_mask = (dims < HEAD_DIM)[None, :]
-    if MASKED:
-        kv_mask &= (keys < kv_end)[:, None]
-    # Key t lives in cache block table[t // PAGE] at offset t % PAGE.
-    block = tl.load(table + keys // PAGE, mask=keys < kv_end, other=0).to(tl.int64)
-    offset = keys % PAGE
-    k = tl.load(k_ptr + block[:, None] * k_s0 + offset[:, None] * k_s1 + dims[None, :],
-                mask=kv_mask, other=0.0)
-    v = tl.load(v_ptr + block[:, None] * v_s0 + offset[:, None] * v_s1 + dims[None, :],
-                mask=kv_mask, other=0.0)
-    return keys, k, v
-
-
-@triton.jit
-def attend_tile(acc, m, denom, q, keys, k, v, pos, scale_log2, MASKED: tl.constexpr,
-                PRECISION: tl.constexpr):
-    """Online-softmax update of ``(acc, m, denom)`` by one loaded key tile. ``MASKED``: keys
-    past a row's position ``pos`` are left out."""
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-    if MASKED:
-        s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    # A row with no visible key yet keeps m = -inf: shift it by 0 rather than inf - inf.
-    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m - shift)
-    p = tl.exp2(s - shift[:, None])
-    denom = denom * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return acc, m_new, denom
-
-
-@triton.jit
 def attend_tiles(
     acc, m, denom, q, k_ptr, v_ptr, table, pos, kv_end, tile_lo, tile_hi,
     k_s0, k_s1, v_s0, v_s1, scale_log2,
@@ -55,9 +16,28 @@ def attend_tiles(
 ):
     """Online-softmax update of ``(acc, m, denom)`` over key tiles ``[tile_lo, tile_hi)``.
     ``MASKED``: the tiles may hold keys past a row's position or past the context."""
+    dims = tl.arange(0, BLOCK_D)
     for tile in range(tile_lo, tile_hi):
-        keys, k, v = load_tile(k_ptr, v_ptr, table, tile, kv_end, k_s0, k_s1, v_s0, v_s1,
-                               BLOCK_N, BLOCK_D, HEAD_DIM, PAGE, MASKED)
-        acc, m, denom = attend_tile(acc, m, denom, q, keys, k, v, pos, scale_log2, MASKED,
-                                    PRECISION)
+        keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        kv_mask = (dims < HEAD_DIM)[None, :]
+        if MASKED:
+            kv_mask &= (keys < kv_end)[:, None]
+        # Key t lives in cache block table[t // PAGE] at offset t % PAGE.
+        block = tl.load(table + keys // PAGE, mask=keys < kv_end, other=0).to(tl.int64)
+        offset = keys % PAGE
+        k = tl.load(k_ptr + block[:, None] * k_s0 + offset[:, None] * k_s1 + dims[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + block[:, None] * v_s0 + offset[:, None] * v_s1 + dims[None, :],
+                    mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        if MASKED:
+            s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        # A row with no visible key yet keeps m = -inf: shift it by 0 rather than inf - inf.
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - shift)
+        p = tl.exp2(s - shift[:, None])
+        denom = denom * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
     return acc, m, denom
