@@ -23,6 +23,7 @@ import argparse
 import json
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -93,16 +94,8 @@ def profile_case(engine, make_prompts, new_tokens: int, measure_steps) -> dict:
         attribute(engine, owner).__dict__.pop(name)
 
     kernels: dict[str, float] = defaultdict(float)
-
-    def profiled_step(step):
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            step()
-            torch.cuda.synchronize()
-        for e in prof.key_averages():
-            if e.device_type == DeviceType.CUDA:
-                kernels[e.key] += e.device_time_total / 1e3  # ms
-
-    run_case(engine, make_prompts(), new_tokens, measure_steps, profiled_step)
+    run_case(engine, make_prompts(), new_tokens, measure_steps,
+             lambda step: add_kernel_times(step, kernels))
     n = max(steps[0], 1)
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:10]
     return {
@@ -114,6 +107,17 @@ def profile_case(engine, make_prompts, new_tokens: int, measure_steps) -> dict:
         "device_kernel_ms_per_step": sum(kernels.values()) / n,
         "top_kernels_ms_per_step": {k: v / n for k, v in top},
     }
+
+
+def add_kernel_times(step: Callable[[], object], kernels: dict[str, float]) -> None:
+    """Run ``step()`` under the profiler, synchronised, adding its CUDA kernels' times (ms)
+    to ``kernels`` by name."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    for e in prof.key_averages():
+        if e.device_type == DeviceType.CUDA:
+            kernels[e.key] += e.device_time_total / 1e3
 
 
 def _collective(kernel: str) -> bool:

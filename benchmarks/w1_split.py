@@ -23,12 +23,11 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
 
 import hf_paged
 from benchmarks import common
 from benchmarks.floor import MemoryCost, floor_settings
+from benchmarks.profile_steps import add_kernel_times
 from benchmarks.workloads import w1, warmup_requests
 from hf_paged.sampling_params import SamplingParams
 
@@ -58,7 +57,8 @@ def split_run(engine, workload, cost: MemoryCost, bandwidth: float) -> dict:
     while engine.has_unfinished_requests():
         profiled = profiling and index in PROFILED_STEPS
         if profiled:
-            kernels_of_step(engine, kernels)
+            torch.cuda.synchronize()  # the step's kernels alone, not the previous one's
+            add_kernel_times(engine.step, kernels)
         else:
             engine.step()
         index += 1
@@ -90,18 +90,6 @@ def split_run(engine, workload, cost: MemoryCost, bandwidth: float) -> dict:
             g["ms_per_step"] = 1e3 * g["seconds"] / g["steps"]
         out["groups"][name] = g
     return out
-
-
-def kernels_of_step(engine, kernels: dict[str, float]) -> None:
-    """One step under the profiler, synchronised: the kernels of the step it collects (and of
-    those it launches, to the point they reach), added to ``kernels`` in ms."""
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.step()
-        torch.cuda.synchronize()
-    for event in prof.key_averages():
-        if event.device_type == DeviceType.CUDA:
-            kernels[event.key] += event.device_time_total / 1e3
 
 
 def main(argv: list[str] | None = None) -> None:

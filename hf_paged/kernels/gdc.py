@@ -34,13 +34,13 @@ def wait_for_previous(PDL: tl.constexpr):
 
 
 @functools.cache
-def _supported(device: torch.device) -> bool:
-    return (device.type == "cuda" and os.environ.get("HF_PAGED_PDL", "1") != "0"
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+def _options(device: torch.device) -> dict[str, bool]:
+    on = (device.type == "cuda" and os.environ.get("HF_PAGED_PDL", "1") != "0"
+          and torch.cuda.get_device_capability(device)[0] >= 9)
+    return {"PDL": on, "launch_pdl": on}
 
 
 def pdl_options(tensor: torch.Tensor) -> dict[str, bool]:
     """Launch options for a kernel with a ``PDL`` constant that calls ``wait_for_previous``,
-    on ``tensor``'s device."""
-    on = _supported(tensor.device)
-    return {"PDL": on, "launch_pdl": on}
+    on ``tensor``'s device (one cached dict a device: launches only unpack it)."""
+    return _options(tensor.device)
