@@ -1,10 +1,12 @@
 """Paged decode attention against the memory bandwidth: at W1-like batches (256 sequences,
 contexts drawn from 100 to 2,048 tokens, bf16, the engine's block size), the kernel's time
 over the bytes it must read (every sequence's K and V once, the queries) and write (the
-outputs), as a fraction of the device's measured copy bandwidth. Writes
-``attention-decode-<device>.json``.
+outputs), as a fraction of the device's measured copy bandwidth. With ``--sweep-batches``, also
+smaller batches (W1's tail: fewer sequences, longer contexts) at the split-K policy's choice and
+at each of ``--splits``. Writes ``attention-decode-<device>.json``.
 
 usage: python -m benchmarks.bench_attention [--batch 256] [--repeats 50]
+           [--sweep-batches 16 32 64 128 --sweep-context 800 2048 --splits 1 2 4 8]
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from benchmarks.common import device_info, git_commit, write_result
 from benchmarks.floor import measure_copy_bandwidth
 from benchmarks.timing import graph_seconds
 from hf_paged.config import EngineConfig
-from hf_paged.kernels.attention import paged_attention
+from hf_paged.kernels.attention import DECODE_TILE, paged_attention
+from hf_paged.kernels.decode_attention import decode_splits
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAD_DIM = 128
@@ -46,10 +49,47 @@ def decode_batch(lengths: list[int], heads: int, kv_heads: int, page: int, devic
     return query, *cache, cu, seq_lens, tables.to(device)
 
 
-def kernel_seconds(args: tuple, repeats: int) -> float:
+def kernel_seconds(args: tuple, repeats: int, num_splits: int | None = None) -> float:
     """Mean time of one decode attention call, replayed from a CUDA graph."""
     scale = HEAD_DIM**-0.5
-    return graph_seconds(lambda: paged_attention(*args, scale, max_query_len=1), repeats)
+    return graph_seconds(
+        lambda: paged_attention(*args, scale, max_query_len=1, num_splits=num_splits), repeats)
+
+
+def fraction(lengths: list[int], heads: int, kv_heads: int, seconds: float,
+             bandwidth: float) -> tuple[int, float]:
+    """Bytes the call must move (every sequence's K and V once, queries in, outputs out), and
+    the fraction of ``bandwidth`` that moving them in ``seconds`` reaches."""
+    kv_bytes = sum(lengths) * kv_heads * HEAD_DIM * 2 * 2  # K and V, bf16
+    io_bytes = 2 * len(lengths) * heads * HEAD_DIM * 2
+    return kv_bytes + io_bytes, (kv_bytes + io_bytes) / seconds / bandwidth
+
+
+def split_sweep(args, page: int, device, bandwidth: float) -> list[dict]:
+    """Each ``--sweep-batches`` batch (16/8 heads) at the policy's split count and at each of
+    ``--splits``."""
+    rng = random.Random(1)
+    heads, kv_heads = SHAPES[0]
+    rows = []
+    for size in args.sweep_batches:
+        lengths = [rng.randint(*args.sweep_context) for _ in range(size)]
+        batch = decode_batch(lengths, heads, kv_heads, page, device)
+        max_tiles = -(-batch[-1].shape[1] * page // DECODE_TILE[1])
+        policy = decode_splits(size * kv_heads, max_tiles, device)
+        figures = {}
+        for splits in [None, *args.splits]:
+            seconds = kernel_seconds(batch, args.repeats, splits)
+            figures["policy" if splits is None else str(splits)] = {
+                "kernel_us": round(seconds * 1e6, 2),
+                "fraction_of_copy_bandwidth": round(
+                    fraction(lengths, heads, kv_heads, seconds, bandwidth)[1], 3)}
+        rows.append({"batch": size, "query_heads": heads, "kv_heads": kv_heads,
+                     "policy_splits": policy, "by_splits": figures})
+        print(f"batch {size}: policy {policy} splits; "
+              + ", ".join(f"{k}: {v['fraction_of_copy_bandwidth']:.1%}"
+                          for k, v in figures.items()), flush=True)
+        del batch
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -58,6 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--min-context", type=int, default=100)
     parser.add_argument("--max-context", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--sweep-batches", type=int, nargs="*", default=[])
+    parser.add_argument("--sweep-context", type=int, nargs=2, default=[800, 2048])
+    parser.add_argument("--splits", type=int, nargs="*", default=[1, 2, 4, 8])
     parser.add_argument("--results-dir", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
@@ -69,16 +112,13 @@ def main(argv: list[str] | None = None) -> None:
     for heads, kv_heads in SHAPES:
         batch = decode_batch(lengths, heads, kv_heads, page, device)
         seconds = kernel_seconds(batch, args.repeats)
-        kv_bytes = sum(lengths) * kv_heads * HEAD_DIM * 2 * 2  # K and V, bf16
-        io_bytes = 2 * args.batch * heads * HEAD_DIM * 2  # queries read, outputs written
-        achieved = (kv_bytes + io_bytes) / seconds
+        moved, share = fraction(lengths, heads, kv_heads, seconds, bandwidth)
         rows.append({"query_heads": heads, "kv_heads": kv_heads, "head_dim": HEAD_DIM,
-                     "kernel_us": round(seconds * 1e6, 2), "bytes": kv_bytes + io_bytes,
-                     "achieved_bytes_per_s": achieved,
-                     "fraction_of_copy_bandwidth": round(achieved / bandwidth, 3)})
+                     "kernel_us": round(seconds * 1e6, 2), "bytes": moved,
+                     "achieved_bytes_per_s": moved / seconds,
+                     "fraction_of_copy_bandwidth": round(share, 3)})
         print(f"decode attention {heads}/{kv_heads} heads: {seconds * 1e6:.1f} us, "
-              f"{achieved / 1e12:.2f} TB/s, {achieved / bandwidth:.1%} of copy bandwidth",
-              flush=True)
+              f"{moved / seconds / 1e12:.2f} TB/s, {share:.1%} of copy bandwidth", flush=True)
         del batch
     info = device_info(device)
     result = {
@@ -87,6 +127,9 @@ def main(argv: list[str] | None = None) -> None:
         "total_context_tokens": sum(lengths), "block_size": page, "dtype": "bfloat16",
         "copy_bandwidth_bytes_per_s": bandwidth, "shapes": rows,
     }
+    if args.sweep_batches:
+        result["split_sweep"] = {"context_tokens": args.sweep_context,
+                                 "batches": split_sweep(args, page, device, bandwidth)}
     path = args.results_dir / f"attention-decode-{info['slug']}.json"
     write_result(path, result)
     print(f"wrote {path}")

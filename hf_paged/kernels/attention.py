@@ -41,7 +41,7 @@ from hf_paged.kernels.launch import launch
 _LOG2E = 1.4426950408889634
 # (query rows, keys per iteration, warps, pipeline stages); a decode program holds one token's
 # GQA group.
-_DECODE_TILE = (16, 64, 4, 2)
+DECODE_TILE = (16, 64, 4, 2)
 _PREFILL_TILE = (64, 64, 4, 3)
 _SHARED_TILE = (64, 64, 4, 3)  # cascade decode's shared prefix: BLOCK_M // GROUP tokens a tile
 # Per-sequence index arguments, read a few int32 at a time: their alignment is left out of the
@@ -179,7 +179,7 @@ def paged_attention(
 
     decode = max_query_len == 1
     cascade = decode and shared_prefix is not None
-    block_m, block_n, num_warps, num_stages = _DECODE_TILE if decode else _PREFILL_TILE
+    block_m, block_n, num_warps, num_stages = DECODE_TILE if decode else _PREFILL_TILE
     block_m = max(block_m, triton.next_power_of_2(group))
     block_q = block_m // group
     # General path: sequence b's query tiles start at cu_q[b] // block_q + b (see

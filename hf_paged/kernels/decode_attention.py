@@ -90,10 +90,15 @@ def _sm_count(device: torch.device) -> int:
 
 
 def decode_splits(programs: int, max_tiles: int, device: torch.device) -> int:
-    """Split-K factor for ``programs`` (sequence, KV head) pairs: none once they fill the SMs,
-    else enough for about two programs per SM, never more than the key tiles the block table
-    can address (its width, not its contents, so the choice is fixed per graph batch)."""
+    """Split-K factor for ``programs`` (sequence, KV head) pairs: none from two programs per SM
+    on, else enough for about four per SM, never more than the key tiles the block table can
+    address (its width, not its contents, so the choice is fixed per graph batch).
+
+    Measured on an H100 (132 SMs) with contexts of 800-2,048 tokens: 128, 192 and 256 programs
+    reached 74%, 74% and 85% of copy bandwidth split 4, 3 and 2 ways (this rule's choices),
+    against 47%, 61% and 75% unsplit; from 384 programs on, splitting lost (91% unsplit, 86-89%
+    split)."""
     sms = _sm_count(device)
-    if programs >= sms:
+    if programs >= 2 * sms:
         return 1
-    return max(1, min(MAX_SPLITS, max_tiles, triton.cdiv(2 * sms, programs)))
+    return max(1, min(MAX_SPLITS, max_tiles, round(4 * sms / programs)))

@@ -15,11 +15,14 @@ reference's sort keeps an arbitrary subset of them). The draw is an exponential 
 
 With a small ``top_k`` (at most ``KMAX``, as every Qwen3 checkpoint's ``top_k=20``) one pass
 over the row instead keeps each lane's maximum over the row's tiles. The ``k`` largest logits
-lie in the ``k`` lanes of largest maximum (a lane holding one of them has a maximum at least
-as large, and fewer than ``k`` lanes can hold a larger one), so gathering the ``KMAX`` best
-lanes' columns and taking their ``KMAX`` largest (key, index) pairs gives the row's: the k-th
-is the top-k threshold, and top-p and the race run over those candidates in registers. One
-read of the row, and two register sorts, instead of two dozen reads.
+lie in the lanes whose maximum reaches the ``k``-th largest lane maximum (a lane holding one of
+them has a maximum at least that large), so gathering those lanes' columns and searching them
+for their own ``k``-th largest key gives the row's top-k threshold; top-p and the race then run
+over the kept candidates in registers. One read of the row, and searches over register tensors
+in place of sorts (a 4,096-lane sort cost the kernel more than reading the row). Lanes and
+candidates are compacted through a small scratch row (their order: lane, then tile).
+
+Greedy rows (temperature 0) take the argmax, lowest index on ties, in the same launch.
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ from hf_paged.kernels.launch import launch
 _TILE = (4096, 8, 16)
 # Candidates kept by the one-pass top-k path: top_k up to this takes it.
 KMAX = 64
-_NO_CANDIDATE = tl.constexpr(-(2**63))
 
 
 @triton.jit
@@ -49,17 +51,44 @@ def _tile(row_ptr, start, vocab, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
+def _probes(lo, hi, PROBES: tl.constexpr):
+    """``PROBES`` increasing keys in ``(lo, hi]``, the last one ``hi``."""
+    steps = tl.arange(0, PROBES).to(tl.int64) + 1
+    return lo + ((hi - lo) * steps + PROBES - 1) // PROBES
+
+
+@triton.jit
+def _narrow(lo, hi, probes, below):
+    """The interval after one pass: ``hi`` the smallest probe where the test holds (``below``),
+    ``lo`` the largest where it fails."""
+    hi = tl.min(tl.where(below, probes, hi), axis=0)
+    lo = tl.max(tl.where(below, lo, probes), axis=0)
+    return lo, hi
+
+
+@triton.jit
+def _kth_key(keys, k, PROBES: tl.constexpr):
+    """The ``k``-th largest of the int32 ``keys`` (a 1-D register tensor holding at least ``k``
+    real keys; fillers at ``-2**31`` never count)."""
+    lo = tl.full([], -(2**31) - 1, tl.int64)
+    hi = tl.full([], 2**31 - 1, tl.int64)
+    while hi - lo > 1:
+        probes = _probes(lo, hi, PROBES)
+        above = tl.sum((keys[None, :] > probes[:, None].to(tl.int32)).to(tl.int32), axis=1)
+        lo, hi = _narrow(lo, hi, probes, above < k)
+    return hi
+
+
+@triton.jit
 def _threshold(row_ptr, vocab, lo, hi, floor, row_max, log2e_over_t, bound,
                WEIGHTED: tl.constexpr, BLOCK_V: tl.constexpr, PROBES: tl.constexpr):
     """Smallest key ``v`` in ``(lo, hi]`` such that the tokens with key above ``v`` count, or
     when ``WEIGHTED`` those also at least ``floor`` weigh ``exp((x - row_max) / T)``, less than
     ``bound``. The test must fail at ``lo``; it is monotone in ``v``, so the answer is ``hi``
     if it never holds inside."""
-    steps = tl.arange(0, PROBES).to(tl.int64) + 1
     floor = floor.to(tl.int32)
     while hi - lo > 1:
-        # PROBES increasing keys in (lo, hi], the last one hi.
-        probes = (lo + ((hi - lo) * steps + PROBES - 1) // PROBES).to(tl.int32)
+        probes = _probes(lo, hi, PROBES)
         # Per-lane sums, reduced once after the pass.
         mass = tl.zeros([PROBES, BLOCK_V], tl.float32)
         for start in range(0, vocab, BLOCK_V):
@@ -68,10 +97,8 @@ def _threshold(row_ptr, vocab, lo, hi, floor, row_max, log2e_over_t, bound,
                 weight = tl.where(ok & (key >= floor), tl.exp2((x - row_max) * log2e_over_t), 0.0)
             else:
                 weight = tl.where(ok, 1.0, 0.0)
-            mass += tl.where(key[None, :] > probes[:, None], weight[None, :], 0.0)
-        below = tl.sum(mass, axis=1) < bound
-        hi = tl.min(tl.where(below, probes.to(tl.int64), hi), axis=0)
-        lo = tl.max(tl.where(below, lo, probes.to(tl.int64)), axis=0)
+            mass += tl.where(key[None, :] > probes[:, None].to(tl.int32), weight[None, :], 0.0)
+        lo, hi = _narrow(lo, hi, probes, tl.sum(mass, axis=1) < bound)
     return hi
 
 
@@ -80,22 +107,25 @@ def _threshold(row_ptr, vocab, lo, hi, floor, row_max, log2e_over_t, bound,
 @triton.jit(do_not_specialize_on_alignment=["temperature_ptr", "top_k_ptr", "top_p_ptr",
                                             "min_p_ptr", "seed_ptr"])
 def _sample_kernel(
-    logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, out_ptr, vocab,
-    stride, BLOCK_V: tl.constexpr, PROBES: tl.constexpr, K: tl.constexpr, NT: tl.constexpr,
+    logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, scratch_ptr, out_ptr,
+    vocab, stride, BLOCK_V: tl.constexpr, PROBES: tl.constexpr, K: tl.constexpr,
+    NT: tl.constexpr,
 ):
     row = tl.program_id(0)
     temperature = tl.load(temperature_ptr + row)
-    if temperature <= 0:  # greedy row: the caller's argmax stands
+    row_ptr = logits_ptr + row.to(tl.int64) * stride
+    if temperature <= 0:
+        _argmax(row_ptr, vocab, out_ptr + row, BLOCK_V)
         return
     log2e_over_t = 1.4426950408889634 / temperature
     top_k = tl.load(top_k_ptr + row)
     top_p = tl.load(top_p_ptr + row)
     log2_min_p = tl.log2(tl.load(min_p_ptr + row))  # min_p 0: -inf, every token passes
-    row_ptr = logits_ptr + row.to(tl.int64) * stride
     done = (top_k > 0) & (top_k <= K) & (top_k < vocab)
     if done:
-        done = _sample_candidates(row_ptr, vocab, top_k, top_p, log2_min_p, temperature,
-                                  log2e_over_t, seed_ptr, out_ptr, row, BLOCK_V, K, NT)
+        done = _sample_candidates(row_ptr, scratch_ptr + row.to(tl.int64) * 2 * K, vocab, top_k,
+                                  top_p, log2_min_p, temperature, log2e_over_t, seed_ptr,
+                                  out_ptr, row, BLOCK_V, K, NT, PROBES)
     if done:
         return
 
@@ -156,36 +186,54 @@ def _sample_kernel(
 
 
 @triton.jit
-def _sample_candidates(row_ptr, vocab, top_k, top_p, log2_min_p, temperature, log2e_over_t,
-                       seed_ptr, out_ptr, row, BLOCK_V: tl.constexpr, K: tl.constexpr,
-                       NT: tl.constexpr):
-    """Top-k, top-p, min-p and the draw over the row's ``K`` largest logits, found in one pass;
-    False, storing nothing, when ties at the k-th logit may reach past the ``K`` kept (the
-    searching path then serves the row)."""
+def _argmax(row_ptr, vocab, out_ptr, BLOCK_V: tl.constexpr):
+    """The row's largest logit's index, the lowest on ties (as ``torch.argmax``): lanes keep
+    their largest (key, -index) pair."""
+    best = tl.full([BLOCK_V], -(2**63), tl.int64)
+    for start in range(0, vocab, BLOCK_V):
+        idx, ok, _, key = _tile(row_ptr, start, vocab, BLOCK_V)
+        packed = (key.to(tl.int64) << 32) | (0x7FFFFFFF - idx).to(tl.int64)
+        best = tl.maximum(best, tl.where(ok, packed, -(2**63)))
+    tl.store(out_ptr, 0x7FFFFFFF - (tl.max(best, axis=0) & 0xFFFFFFFF))
+
+
+@triton.jit
+def _sample_candidates(row_ptr, scratch, vocab, top_k, top_p, log2_min_p, temperature,
+                       log2e_over_t, seed_ptr, out_ptr, row, BLOCK_V: tl.constexpr,
+                       K: tl.constexpr, NT: tl.constexpr, PROBES: tl.constexpr):
+    """Top-k, top-p, min-p and the draw over the row's ``k`` largest logits, found in one pass
+    (``scratch``: this row's ``2 * K`` int32); False, storing nothing, when ties let more than
+    ``K`` lanes or candidates through (the searching path then serves the row)."""
     best = tl.full([BLOCK_V], -(2**31), tl.int32)  # each lane's largest key
     for start in range(0, vocab, BLOCK_V):
         _, ok, _, key = _tile(row_ptr, start, vocab, BLOCK_V)
         best = tl.maximum(best, tl.where(ok, key, -(2**31)))
-    lane_ids = tl.arange(0, BLOCK_V).to(tl.int64)
-    top_lanes = tl.topk((best.to(tl.int64) << 32) | lane_ids, K) & 0xFFFFFFFF
-    # The K best lanes' columns: NT tiles deep (a power of two covering the row's tiles).
-    idx = tl.arange(0, NT).to(tl.int64)[None, :] * BLOCK_V + top_lanes[:, None]
-    ok = idx < vocab
+    # The lanes reaching the k-th largest lane maximum, compacted into K slots.
+    chosen = best >= _kth_key(best, top_k, PROBES)
+    num_lanes = tl.sum(chosen.to(tl.int32), axis=0)
+    at = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+    tl.store(scratch + at, tl.arange(0, BLOCK_V), mask=chosen & (at < K))
+    tl.debug_barrier()  # the slots are read by other threads than wrote them
+    slots = tl.arange(0, K)
+    lane = tl.load(scratch + slots, mask=slots < num_lanes, other=0)
+    # Their columns, NT tiles deep (a power of two covering the row's tiles): the k-th largest
+    # key among them is the row's.
+    idx = tl.reshape(tl.arange(0, NT)[None, :] * BLOCK_V + lane[:, None], [K * NT])
+    ok = tl.reshape(tl.broadcast_to((slots < num_lanes)[:, None], [K, NT]), [K * NT])
+    ok = ok & (idx < vocab)
     x = tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32)
     bits = x.to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    packed = tl.where(ok, (key.to(tl.int64) << 32) | idx, _NO_CANDIDATE)
-    cand = tl.topk(tl.reshape(packed, [K * NT]), K)  # descending: by key, then index
-    lanes = tl.arange(0, K)
-    valid = cand != _NO_CANDIDATE
-    ckey = (cand >> 32).to(tl.int32)
-    cidx = (cand & 0xFFFFFFFF).to(tl.int32)
-    kth = tl.sum(tl.where(lanes == top_k - 1, ckey, 0), axis=0)
-    last = tl.sum(tl.where(lanes == K - 1, ckey, 0), axis=0)
-    last_valid = tl.sum(tl.where(lanes == K - 1, valid.to(tl.int32), 0), axis=0) > 0
-    fits = not (last_valid & (last >= kth))
-    kept = valid & (ckey >= kth)  # tokens tied at the k-th logit are all kept
+    key = tl.where(ok, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits), -(2**31))
+    chosen = key >= _kth_key(key, top_k, PROBES)  # tokens tied at the k-th are all kept
+    count = tl.sum(chosen.to(tl.int32), axis=0)
+    at = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+    tl.store(scratch + K + at, idx, mask=chosen & (at < K))
+    tl.debug_barrier()
+    kept = slots < count
+    cidx = tl.load(scratch + K + slots, mask=kept, other=0)
     x = tl.load(row_ptr + cidx, mask=kept, other=float("-inf")).to(tl.float32)
+    bits = x.to(tl.int32, bitcast=True)
+    ckey = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     row_max = tl.max(x, axis=0)
     weight = tl.where(kept, tl.exp2((x - row_max) * log2e_over_t), 0.0)
     if top_p < 1.0:
@@ -194,10 +242,11 @@ def _sample_candidates(row_ptr, vocab, top_k, top_p, log2_min_p, temperature, lo
         above = tl.sum(tl.where(ckey[None, :] > ckey[:, None], weight[None, :], 0.0), axis=1)
         kept = kept & (above < bound)
     kept = kept & ((x - row_max) * log2e_over_t >= log2_min_p)
-    u = tl.rand(tl.load(seed_ptr), row * K + lanes)
+    u = tl.rand(tl.load(seed_ptr), row * K + slots)
     score = tl.where(kept, x / temperature - tl.log(-tl.log(u)), float("-inf"))
     winner = tl.argmax(score, axis=0)
-    tl.store(out_ptr + row, tl.sum(tl.where(lanes == winner, cidx, 0), axis=0), mask=fits)
+    fits = (num_lanes <= K) & (count <= K)
+    tl.store(out_ptr + row, tl.sum(tl.where(slots == winner, cidx, 0), axis=0), mask=fits)
     return fits
 
 
@@ -222,23 +271,26 @@ def sample(
     min_p: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Triton twin of ``reference.sample``; no host sync (greedy rows: ``logits.argmax``).
+    """Triton twin of ``reference.sample``; no host sync.
 
     ``generator`` (on the logits' device) seeds the random stream of the call.
     """
     assert logits.stride(-1) == 1
-    out = logits.argmax(-1)
-    seed = torch.randint(2**31 - 1, (1,), device=logits.device, generator=generator)
     rows, vocab = logits.shape
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    seed = torch.randint(2**31 - 1, (1,), device=logits.device, generator=generator)
     if min_p is None:
         min_p = torch.zeros(rows, dtype=torch.float32, device=logits.device)
     block_v, probes, num_warps = _TILE
     block_v = min(block_v, max(16, triton.next_power_of_2(vocab)))
+    k = min(KMAX, block_v)
+    scratch = torch.empty((rows, 2 * k), dtype=torch.int32, device=logits.device)
     if rows:
         launch(
             _sample_kernel, (rows,),
-            logits, temperature, top_k, top_p, min_p, seed, out, vocab, logits.stride(0),
-            BLOCK_V=block_v, PROBES=probes, K=min(KMAX, block_v),
+            logits, temperature, top_k, top_p, min_p, seed, scratch, out, vocab,
+            logits.stride(0),
+            BLOCK_V=block_v, PROBES=probes, K=k,
             NT=triton.next_power_of_2(triton.cdiv(vocab, block_v)), num_warps=num_warps,
         )
     return out

@@ -156,3 +156,15 @@ def test_full_vocabulary(temperature, top_k, top_p):
         assert (freq - probs[top]).abs().max() < 0.02
     else:
         assert_follows(draw(sample, row, temperature, top_k, top_p, DRAWS, 0), probs)
+
+
+def test_greedy_rows_take_the_lowest_index_across_lanes(monkeypatch):
+    """Tied maxima in different lanes and tiles: the lowest index wins, as ``torch.argmax``."""
+    monkeypatch.setattr(sampling, "_TILE", (32, 8, 4))
+    logits = torch.randn(3, 100, device=DEVICE)
+    logits[0, [40, 10]] = 9.0  # lane 8 of tile 1, lane 10 of tile 0
+    logits[1, [33, 5, 70]] = 9.0  # lane 1 of tile 1, lane 5 of tile 0, lane 6 of tile 2
+    logits[2, 99] = 9.0
+    zeros = torch.zeros(3, device=DEVICE)
+    out = sample(logits, zeros, zeros.long(), zeros + 1.0)
+    assert out.tolist() == [10, 5, 99]
