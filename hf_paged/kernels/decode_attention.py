@@ -91,14 +91,14 @@ def _sm_count(device: torch.device) -> int:
 
 def decode_splits(programs: int, max_tiles: int, device: torch.device) -> int:
     """Split-K factor for ``programs`` (sequence, KV head) pairs: none from two programs per SM
-    on, else enough for about four per SM, never more than the key tiles the block table can
+    on, else enough for about six per SM, never more than the key tiles the block table can
     address (its width, not its contents, so the choice is fixed per graph batch).
 
-    Measured on an H100 (132 SMs) with contexts of 800-2,048 tokens: 128, 192 and 256 programs
-    reached 74%, 74% and 85% of copy bandwidth split 4, 3 and 2 ways (this rule's choices),
-    against 47%, 61% and 75% unsplit; from 384 programs on, splitting lost (91% unsplit, 86-89%
-    split)."""
+    Measured on H100s (132 SMs) with contexts of 800-2,048 tokens, two runs averaged: 128, 192
+    and 256 programs reached 73%, 77% and 83% of copy bandwidth split 6, 4 and 3 ways (this
+    rule's choices; the best of 1-8 splits within 2 points), against 47%, 61% and 74% unsplit;
+    from 384 programs on, splitting lost (89-91% unsplit, 87-89% split)."""
     sms = _sm_count(device)
     if programs >= 2 * sms:
         return 1
-    return max(1, min(MAX_SPLITS, max_tiles, round(4 * sms / programs)))
+    return max(1, min(MAX_SPLITS, max_tiles, round(6 * sms / programs)))
