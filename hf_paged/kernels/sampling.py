@@ -38,19 +38,37 @@ _TILE = (4096, 8, 16)
 # Probes per pass of the register searches: each pass costs its probes times the lanes in
 # compares, with no memory to amortise (H100, 256 rows: 4 probes 124 us, 8 probes 134).
 _REGISTER_PROBES = 4
+# Tiles a lane-maximum pass loads at once (``_tiles``).
+_DEPTH = 4
 # Candidates kept by the one-pass top-k path: top_k up to this takes it.
 KMAX = 64
 
 
 @triton.jit
+def _key(x):
+    """The order-preserving int32 image of float32 ``x`` (sign-magnitude to two's complement)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
 def _tile(row_ptr, start, vocab, BLOCK_V: tl.constexpr):
-    """Indices, validity, logits and their order-preserving int32 keys (sign-magnitude to
-    two's complement) of one tile of the row."""
+    """Indices, validity, logits and keys of one tile of the row."""
     idx = start + tl.arange(0, BLOCK_V)
     ok = idx < vocab
     x = tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32)
-    bits = x.to(tl.int32, bitcast=True)
-    return idx, ok, x, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    return idx, ok, x, _key(x)
+
+
+@triton.jit
+def _tiles(row_ptr, start, vocab, BLOCK_V: tl.constexpr, DEPTH: tl.constexpr):
+    """``_tile`` for ``DEPTH`` consecutive tiles at once, one a row (lane ``l`` of every row is
+    column ``l`` of its tile): the passes that keep per-lane maxima wait on memory once per
+    ``DEPTH`` tiles (a one-row pass over 37 tiles is bound by their round trips)."""
+    idx = start + tl.arange(0, DEPTH)[:, None] * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
+    ok = idx < vocab
+    x = tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32)
+    return idx, ok, x, _key(x)
 
 
 @triton.jit
@@ -112,13 +130,13 @@ def _threshold(row_ptr, vocab, lo, hi, floor, row_max, log2e_over_t, bound,
 def _sample_kernel(
     logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, scratch_ptr, out_ptr,
     vocab, stride, BLOCK_V: tl.constexpr, PROBES: tl.constexpr, REGISTER_PROBES: tl.constexpr,
-    K: tl.constexpr, NT: tl.constexpr,
+    K: tl.constexpr, NT: tl.constexpr, DEPTH: tl.constexpr,
 ):
     row = tl.program_id(0)
     temperature = tl.load(temperature_ptr + row)
     row_ptr = logits_ptr + row.to(tl.int64) * stride
     if temperature <= 0:
-        _argmax(row_ptr, vocab, out_ptr + row, BLOCK_V)
+        _argmax(row_ptr, vocab, out_ptr + row, BLOCK_V, DEPTH)
         return
     log2e_over_t = 1.4426950408889634 / temperature
     top_k = tl.load(top_k_ptr + row)
@@ -128,7 +146,7 @@ def _sample_kernel(
     if done:
         done = _sample_candidates(row_ptr, scratch_ptr + row.to(tl.int64) * 2 * K, vocab, top_k,
                                   top_p, log2_min_p, temperature, log2e_over_t, seed_ptr,
-                                  out_ptr, row, BLOCK_V, K, NT, REGISTER_PROBES)
+                                  out_ptr, row, BLOCK_V, K, NT, REGISTER_PROBES, DEPTH)
     if done:
         return
 
@@ -157,9 +175,9 @@ def _sample_kernel(
                            row_max, log2e_over_t, bound, True, BLOCK_V, PROBES)
     elif log2_min_p > float("-inf"):
         lane_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
-        for start in range(0, vocab, BLOCK_V):
-            _, ok, x, _ = _tile(row_ptr, start, vocab, BLOCK_V)
-            lane_max = tl.maximum(lane_max, x)
+        for start in range(0, vocab, DEPTH * BLOCK_V):
+            _, ok, x, _ = _tiles(row_ptr, start, vocab, BLOCK_V, DEPTH)
+            lane_max = tl.maximum(lane_max, tl.max(x, axis=0))
         row_max = tl.max(lane_max, axis=0)
 
     # The race, a tile at a time in four quarters: one Philox call gives the four quarters'
@@ -189,28 +207,29 @@ def _sample_kernel(
 
 
 @triton.jit
-def _argmax(row_ptr, vocab, out_ptr, BLOCK_V: tl.constexpr):
+def _argmax(row_ptr, vocab, out_ptr, BLOCK_V: tl.constexpr, DEPTH: tl.constexpr):
     """The row's largest logit's index, the lowest on ties (as ``torch.argmax``): lanes keep
     their largest (key, -index) pair."""
     best = tl.full([BLOCK_V], -(2**63), tl.int64)
-    for start in range(0, vocab, BLOCK_V):
-        idx, ok, _, key = _tile(row_ptr, start, vocab, BLOCK_V)
+    for start in range(0, vocab, DEPTH * BLOCK_V):
+        idx, ok, _, key = _tiles(row_ptr, start, vocab, BLOCK_V, DEPTH)
         packed = (key.to(tl.int64) << 32) | (0x7FFFFFFF - idx).to(tl.int64)
-        best = tl.maximum(best, tl.where(ok, packed, -(2**63)))
+        best = tl.maximum(best, tl.max(tl.where(ok, packed, -(2**63)), axis=0))
     tl.store(out_ptr, 0x7FFFFFFF - (tl.max(best, axis=0) & 0xFFFFFFFF))
 
 
 @triton.jit
 def _sample_candidates(row_ptr, scratch, vocab, top_k, top_p, log2_min_p, temperature,
                        log2e_over_t, seed_ptr, out_ptr, row, BLOCK_V: tl.constexpr,
-                       K: tl.constexpr, NT: tl.constexpr, PROBES: tl.constexpr):
+                       K: tl.constexpr, NT: tl.constexpr, PROBES: tl.constexpr,
+                       DEPTH: tl.constexpr):
     """Top-k, top-p, min-p and the draw over the row's ``k`` largest logits, found in one pass
     (``scratch``: this row's ``2 * K`` int32); False, storing nothing, when ties let more than
     ``K`` lanes or candidates through (the searching path then serves the row)."""
     best = tl.full([BLOCK_V], -(2**31), tl.int32)  # each lane's largest key
-    for start in range(0, vocab, BLOCK_V):
-        _, ok, _, key = _tile(row_ptr, start, vocab, BLOCK_V)
-        best = tl.maximum(best, tl.where(ok, key, -(2**31)))
+    for start in range(0, vocab, DEPTH * BLOCK_V):
+        _, ok, _, key = _tiles(row_ptr, start, vocab, BLOCK_V, DEPTH)
+        best = tl.maximum(best, tl.max(tl.where(ok, key, -(2**31)), axis=0))
     # The lanes reaching the k-th largest lane maximum, compacted into K slots.
     chosen = best >= _kth_key(best, top_k, PROBES)
     num_lanes = tl.sum(chosen.to(tl.int32), axis=0)
@@ -225,8 +244,7 @@ def _sample_candidates(row_ptr, scratch, vocab, top_k, top_p, log2_min_p, temper
     ok = tl.reshape(tl.broadcast_to((slots < num_lanes)[:, None], [K, NT]), [K * NT])
     ok = ok & (idx < vocab)
     x = tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32)
-    bits = x.to(tl.int32, bitcast=True)
-    key = tl.where(ok, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits), -(2**31))
+    key = tl.where(ok, _key(x), -(2**31))
     chosen = key >= _kth_key(key, top_k, PROBES)  # tokens tied at the k-th are all kept
     count = tl.sum(chosen.to(tl.int32), axis=0)
     at = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
@@ -235,8 +253,7 @@ def _sample_candidates(row_ptr, scratch, vocab, top_k, top_p, log2_min_p, temper
     kept = slots < count
     cidx = tl.load(scratch + K + slots, mask=kept, other=0)
     x = tl.load(row_ptr + cidx, mask=kept, other=float("-inf")).to(tl.float32)
-    bits = x.to(tl.int32, bitcast=True)
-    ckey = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    ckey = _key(x)
     row_max = tl.max(x, axis=0)
     weight = tl.where(kept, tl.exp2((x - row_max) * log2e_over_t), 0.0)
     if top_p < 1.0:
@@ -293,7 +310,7 @@ def sample(
             _sample_kernel, (rows,),
             logits, temperature, top_k, top_p, min_p, seed, scratch, out, vocab,
             logits.stride(0),
-            BLOCK_V=block_v, PROBES=probes, REGISTER_PROBES=_REGISTER_PROBES, K=k,
+            BLOCK_V=block_v, PROBES=probes, REGISTER_PROBES=_REGISTER_PROBES, K=k, DEPTH=_DEPTH,
             NT=triton.next_power_of_2(triton.cdiv(vocab, block_v)), num_warps=num_warps,
         )
     return out
