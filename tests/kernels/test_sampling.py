@@ -92,7 +92,9 @@ def test_min_p_matches_transformers_warper():
         assert torch.equal(kept, ours) and 1 < int(kept.sum()) < 500
 
 
-def test_greedy_rows_exact_and_sampled_rows_kept():
+@pytest.mark.parametrize("torch_argmax_rows", [0, 16])
+def test_greedy_rows_exact_and_sampled_rows_kept(monkeypatch, torch_argmax_rows):
+    monkeypatch.setattr(sampling, "_TORCH_ARGMAX_ROWS", torch_argmax_rows)
     vocab = 300
     logits = torch.randn(6, vocab, device=DEVICE)
     logits[0, [17, 200]] = logits[1, [5, 9]] = 10.0  # ties: the lowest index wins
@@ -158,9 +160,11 @@ def test_full_vocabulary(temperature, top_k, top_p):
         assert_follows(draw(sample, row, temperature, top_k, top_p, DRAWS, 0), probs)
 
 
-def test_greedy_rows_take_the_lowest_index_across_lanes(monkeypatch):
+@pytest.mark.parametrize("torch_argmax_rows", [0, 16])  # the kernel's argmax, torch's
+def test_greedy_rows_take_the_lowest_index_across_lanes(monkeypatch, torch_argmax_rows):
     """Tied maxima in different lanes and tiles: the lowest index wins, as ``torch.argmax``."""
     monkeypatch.setattr(sampling, "_TILE", (32, 8, 4))
+    monkeypatch.setattr(sampling, "_TORCH_ARGMAX_ROWS", torch_argmax_rows)
     logits = torch.randn(3, 100, device=DEVICE)
     logits[0, [40, 10]] = 9.0  # lane 8 of tile 1, lane 10 of tile 0
     logits[1, [33, 5, 70]] = 9.0  # lane 1 of tile 1, lane 5 of tile 0, lane 6 of tile 2
