@@ -33,13 +33,14 @@ import triton
 import triton.language as tl
 
 from hf_paged.kernels.launch import launch
+from hf_paged.kernels.logit_keys import kth_key, narrow, probe_keys, tile, tiles, to_key
 
 # (vocabulary tile, probes per pass over the row, warps)
 _TILE = (4096, 8, 16)
 # Probes per pass of the register searches: each pass costs its probes times the lanes in
 # compares, with no memory to amortise (H100, 256 rows: 4 probes 124 us, 8 probes 134).
 _REGISTER_PROBES = 4
-# Tiles a lane-maximum pass loads at once (``_tiles``).
+# Tiles a lane-maximum pass loads at once (``tiles``).
 _DEPTH = 4
 # Up to this many rows torch's argmax, which spreads a row over many programs, takes greedy
 # rows (H100: 9.3 us against one program's 17.9 at 1 row, 13.1 against 19.4 at 16; 22.4
@@ -47,62 +48,6 @@ _DEPTH = 4
 _TORCH_ARGMAX_ROWS = 16
 # Candidates kept by the one-pass top-k path: top_k up to this takes it.
 KMAX = 64
-
-
-@triton.jit
-def _key(x):
-    """The order-preserving int32 image of float32 ``x`` (sign-magnitude to two's complement)."""
-    bits = x.to(tl.int32, bitcast=True)
-    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-
-
-@triton.jit
-def _tile(row_ptr, start, vocab, BLOCK_V: tl.constexpr):
-    """Indices, validity, logits and keys of one tile of the row."""
-    idx = start + tl.arange(0, BLOCK_V)
-    ok = idx < vocab
-    x = tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32)
-    return idx, ok, x, _key(x)
-
-
-@triton.jit
-def _tiles(row_ptr, start, vocab, BLOCK_V: tl.constexpr, DEPTH: tl.constexpr):
-    """``_tile`` for ``DEPTH`` consecutive tiles at once, one a row (lane ``l`` of every row is
-    column ``l`` of its tile): the passes that keep per-lane maxima wait on memory once per
-    ``DEPTH`` tiles (a one-row pass over 37 tiles is bound by their round trips)."""
-    idx = start + tl.arange(0, DEPTH)[:, None] * BLOCK_V + tl.arange(0, BLOCK_V)[None, :]
-    ok = idx < vocab
-    x = tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32)
-    return idx, ok, x, _key(x)
-
-
-@triton.jit
-def _probes(lo, hi, PROBES: tl.constexpr):
-    """``PROBES`` increasing keys in ``(lo, hi]``, the last one ``hi``."""
-    steps = tl.arange(0, PROBES).to(tl.int64) + 1
-    return lo + ((hi - lo) * steps + PROBES - 1) // PROBES
-
-
-@triton.jit
-def _narrow(lo, hi, probes, below):
-    """The interval after one pass: ``hi`` the smallest probe where the test holds (``below``),
-    ``lo`` the largest where it fails."""
-    hi = tl.min(tl.where(below, probes, hi), axis=0)
-    lo = tl.max(tl.where(below, lo, probes), axis=0)
-    return lo, hi
-
-
-@triton.jit
-def _kth_key(keys, k, PROBES: tl.constexpr):
-    """The ``k``-th largest of the int32 ``keys`` (a 1-D register tensor holding at least ``k``
-    real keys; fillers at ``-2**31`` never count)."""
-    lo = tl.full([], -(2**31) - 1, tl.int64)
-    hi = tl.full([], 2**31 - 1, tl.int64)
-    while hi - lo > 1:
-        probes = _probes(lo, hi, PROBES)
-        above = tl.sum((keys[None, :] > probes[:, None].to(tl.int32)).to(tl.int32), axis=1)
-        lo, hi = _narrow(lo, hi, probes, above < k)
-    return hi
 
 
 @triton.jit
@@ -114,17 +59,17 @@ def _threshold(row_ptr, vocab, lo, hi, floor, row_max, log2e_over_t, bound,
     if it never holds inside."""
     floor = floor.to(tl.int32)
     while hi - lo > 1:
-        probes = _probes(lo, hi, PROBES)
+        probes = probe_keys(lo, hi, PROBES)
         # Per-lane sums, reduced once after the pass.
         mass = tl.zeros([PROBES, BLOCK_V], tl.float32)
         for start in range(0, vocab, BLOCK_V):
-            _, ok, x, key = _tile(row_ptr, start, vocab, BLOCK_V)
+            _, ok, x, key = tile(row_ptr, start, vocab, BLOCK_V)
             if WEIGHTED:
                 weight = tl.where(ok & (key >= floor), tl.exp2((x - row_max) * log2e_over_t), 0.0)
             else:
                 weight = tl.where(ok, 1.0, 0.0)
             mass += tl.where(key[None, :] > probes[:, None].to(tl.int32), weight[None, :], 0.0)
-        lo, hi = _narrow(lo, hi, probes, tl.sum(mass, axis=1) < bound)
+        lo, hi = narrow(lo, hi, probes, tl.sum(mass, axis=1) < bound)
     return hi
 
 
@@ -166,7 +111,7 @@ def _sample_kernel(
         run_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
         run_sum = tl.zeros([BLOCK_V], tl.float32)
         for start in range(0, vocab, BLOCK_V):
-            _, ok, x, key = _tile(row_ptr, start, vocab, BLOCK_V)
+            _, ok, x, key = tile(row_ptr, start, vocab, BLOCK_V)
             x = tl.where(ok & (key >= floor.to(tl.int32)), x, float("-inf"))
             new_max = tl.maximum(run_max, x)
             safe = tl.where(new_max == float("-inf"), 0.0, new_max)
@@ -182,7 +127,7 @@ def _sample_kernel(
     elif log2_min_p > float("-inf"):
         lane_max = tl.full([BLOCK_V], float("-inf"), tl.float32)
         for start in range(0, vocab, DEPTH * BLOCK_V):
-            _, ok, x, _ = _tiles(row_ptr, start, vocab, BLOCK_V, DEPTH)
+            _, ok, x, _ = tiles(row_ptr, start, vocab, BLOCK_V, DEPTH)
             lane_max = tl.maximum(lane_max, tl.max(x, axis=0))
         row_max = tl.max(lane_max, axis=0)
 
@@ -218,7 +163,7 @@ def _argmax(row_ptr, vocab, out_ptr, BLOCK_V: tl.constexpr, DEPTH: tl.constexpr)
     their largest (key, -index) pair."""
     best = tl.full([BLOCK_V], -(2**63), tl.int64)
     for start in range(0, vocab, DEPTH * BLOCK_V):
-        idx, ok, _, key = _tiles(row_ptr, start, vocab, BLOCK_V, DEPTH)
+        idx, ok, _, key = tiles(row_ptr, start, vocab, BLOCK_V, DEPTH)
         packed = (key.to(tl.int64) << 32) | (0x7FFFFFFF - idx).to(tl.int64)
         best = tl.maximum(best, tl.max(tl.where(ok, packed, -(2**63)), axis=0))
     tl.store(out_ptr, 0x7FFFFFFF - (tl.max(best, axis=0) & 0xFFFFFFFF))
@@ -234,10 +179,10 @@ def _sample_candidates(row_ptr, scratch, vocab, top_k, top_p, log2_min_p, temper
     ``K`` lanes or candidates through (the searching path then serves the row)."""
     best = tl.full([BLOCK_V], -(2**31), tl.int32)  # each lane's largest key
     for start in range(0, vocab, DEPTH * BLOCK_V):
-        _, ok, _, key = _tiles(row_ptr, start, vocab, BLOCK_V, DEPTH)
+        _, ok, _, key = tiles(row_ptr, start, vocab, BLOCK_V, DEPTH)
         best = tl.maximum(best, tl.max(tl.where(ok, key, -(2**31)), axis=0))
     # The lanes reaching the k-th largest lane maximum, compacted into K slots.
-    chosen = best >= _kth_key(best, top_k, PROBES)
+    chosen = best >= kth_key(best, top_k, PROBES)
     num_lanes = tl.sum(chosen.to(tl.int32), axis=0)
     at = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
     tl.store(scratch + at, tl.arange(0, BLOCK_V), mask=chosen & (at < K))
@@ -250,8 +195,8 @@ def _sample_candidates(row_ptr, scratch, vocab, top_k, top_p, log2_min_p, temper
     ok = tl.reshape(tl.broadcast_to((slots < num_lanes)[:, None], [K, NT]), [K * NT])
     ok = ok & (idx < vocab)
     x = tl.load(row_ptr + idx, mask=ok, other=float("-inf")).to(tl.float32)
-    key = tl.where(ok, _key(x), -(2**31))
-    chosen = key >= _kth_key(key, top_k, PROBES)  # tokens tied at the k-th are all kept
+    key = tl.where(ok, to_key(x), -(2**31))
+    chosen = key >= kth_key(key, top_k, PROBES)  # tokens tied at the k-th are all kept
     count = tl.sum(chosen.to(tl.int32), axis=0)
     at = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
     tl.store(scratch + K + at, idx, mask=chosen & (at < K))
@@ -259,7 +204,7 @@ def _sample_candidates(row_ptr, scratch, vocab, top_k, top_p, log2_min_p, temper
     kept = slots < count
     cidx = tl.load(scratch + K + slots, mask=kept, other=0)
     x = tl.load(row_ptr + cidx, mask=kept, other=float("-inf")).to(tl.float32)
-    ckey = _key(x)
+    ckey = to_key(x)
     row_max = tl.max(x, axis=0)
     weight = tl.where(kept, tl.exp2((x - row_max) * log2e_over_t), 0.0)
     if top_p < 1.0:
@@ -282,7 +227,7 @@ def _race(row_ptr, start, vocab, u, kept_from, min_x, inv_t, best, best_idx,
     """One block of the exponential race: each kept token (key at least ``kept_from``, logit
     at least ``min_x``) scores ``x / T - log E`` with ``E = -log u ~ Exp(1)`` (``u = 0`` gives
     an infinite E: it never wins); lanes keep their best score and its token."""
-    idx, ok, x, key = _tile(row_ptr, start, vocab, BLOCK)
+    idx, ok, x, key = tile(row_ptr, start, vocab, BLOCK)
     kept = ok & (key >= kept_from) & (x >= min_x)
     score = tl.where(kept, x * inv_t - tl.log(-tl.log(u)), float("-inf"))
     wins = score > best
