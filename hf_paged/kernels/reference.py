@@ -145,6 +145,21 @@ def norm_rope_store(
     return query, key
 
 
+def embed(ids: torch.Tensor, weight: torch.Tensor, vocab_start: int = 0,
+          src: torch.Tensor | None = None, last_tokens: torch.Tensor | None = None
+          ) -> torch.Tensor:
+    """Rows of ``weight``, a vocabulary slice from token ``vocab_start``, for tokens ``ids``
+    (zeros for a token outside the slice). Where ``src >= 0`` the token is
+    ``last_tokens[src]`` instead: a pending token, drawn by the previous step and still on the
+    device."""
+    if src is not None:
+        ids = torch.where(src >= 0, last_tokens[src.clamp(min=0)], ids)
+    local = ids - vocab_start
+    inside = (local >= 0) & (local < weight.shape[0])
+    rows = F.embedding(local.clamp(0, max(weight.shape[0] - 1, 0)), weight)
+    return rows.masked_fill(~inside[:, None], 0)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :I]) * x[..., I:]`` for the merged gate/up projection output."""
     gate, up = x.chunk(2, dim=-1)
@@ -194,8 +209,9 @@ def sample(
     top_p: torch.Tensor,
     min_p: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One token per row of float32 ``logits [B, V]``.
+    """One token per row of float32 ``logits [B, V]`` (written to ``out`` when given).
 
     Rows with ``temperature == 0`` are greedy (argmax, lowest index on ties, as
     ``torch.argmax``). Other rows follow transformers' warpers in its order: divide by
@@ -204,6 +220,8 @@ def sample(
     those at least ``min_p`` times as likely as the most likely (0 or None = off), then draw
     from the softmax of what is left.
     """
+    if out is not None:
+        return out.copy_(sample(logits, temperature, top_k, top_p, min_p, generator))
     greedy = logits.argmax(-1)
     sampled = temperature > 0
     if not bool(sampled.any()):

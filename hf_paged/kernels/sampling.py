@@ -241,6 +241,7 @@ def sample(
     top_p: torch.Tensor,
     min_p: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``reference.sample``; no host sync.
 
@@ -249,8 +250,11 @@ def sample(
     assert logits.stride(-1) == 1
     rows, vocab = logits.shape
     torch_argmax = rows <= _TORCH_ARGMAX_ROWS
-    out = (logits.argmax(-1) if torch_argmax
-           else torch.empty(rows, dtype=torch.int64, device=logits.device))
+    if out is None:
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    assert out.shape == (rows,) and out.dtype == torch.int64 and out.is_contiguous()
+    if torch_argmax:
+        torch.argmax(logits, -1, out=out)
     seed = torch.randint(2**31 - 1, (1,), device=logits.device, generator=generator)
     if min_p is None:
         min_p = torch.zeros(rows, dtype=torch.float32, device=logits.device)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hf_paged import kernels
 from hf_paged.modeling.linear import narrow
 from hf_paged.modeling.tp import SINGLE, TensorParallel
 
@@ -25,13 +26,15 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded) -> None:
         param.data.copy_(narrow(loaded, 0, self.vocab_start, param.shape[0]))
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
-        local = input_ids - self.vocab_start
-        inside = (local >= 0) & (local < self.weight.shape[0])
-        rows = local.clamp(0, max(self.weight.shape[0] - 1, 0))
-        return self.tp.all_reduce(F.embedding(rows, self.weight) * inside[:, None])
+    def forward(self, input_ids: torch.Tensor, src: torch.Tensor | None = None,
+                last_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Embeddings of ``input_ids``, or where ``src >= 0`` of the pending token
+        ``last_tokens[src]`` (``kernels.embed``)."""
+        flat = input_ids.reshape(-1)  # clients may pass [batch, length]
+        src = None if src is None else src.reshape(-1)
+        rows = kernels.embed(flat, self.weight, self.vocab_start, src, last_tokens)
+        rows = rows.view(*input_ids.shape, rows.shape[-1])
+        return rows if self.tp.size == 1 else self.tp.all_reduce(rows)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

@@ -38,9 +38,12 @@ class PagedModel:
         return [layer.self_attn for layer in self.layers]
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        pending: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
+        """Final hidden states; ``pending``: ``(src, last_tokens)``, the tokens still on the
+        device that replace ``input_ids`` where ``src >= 0`` (``kernels.embed``)."""
+        hidden, residual = self.embed_tokens(input_ids, *(pending or ())), None
         for layer in self.layers:  # each block norms its input (fused into its projection)
             hidden, residual = layer.self_attn(positions, hidden, residual,
                                                layer.input_layernorm, meta, self.rotary)

@@ -112,8 +112,7 @@ class ModelRunner:
     def _forward_pending(self, ids, src, positions, meta: AttentionMetadata) -> torch.Tensor:
         """The model's hidden states, each pending token (``src >= 0``) read from the last
         step's samples."""
-        ids = torch.where(src >= 0, self.last_tokens[src.clamp(min=0)], ids)
-        return self.model.forward(ids, positions, meta)
+        return self.model.forward(ids, positions, meta, pending=(src, self.last_tokens))
 
     def _decode_step(self, ids, src, positions, meta, temperature, top_k, top_p, min_p
                      ) -> tuple:
@@ -124,8 +123,10 @@ class ModelRunner:
         logits = self.model.lm_head(hidden)
         if self.tp.size > 1:
             return (logits,)
-        # greedy rows: the argmax
-        return logits, kernels.sample(logits, temperature, top_k, top_p, min_p)
+        # Drawn straight into the next step's pending tokens (``_share_tokens`` then has
+        # nothing to copy); greedy rows take the argmax.
+        return logits, kernels.sample(logits, temperature, top_k, top_p, min_p,
+                                      out=self.last_tokens[: logits.shape[0]])
 
     def _decode_outputs(self, outputs: tuple, n: int) -> tuple:
         """A decode graph's outputs for its first ``n`` rows: (logits, drawn tokens), or the
@@ -242,7 +243,8 @@ class ModelRunner:
         """Keep the sampled tokens on the device as the next step's pending inputs; under
         tensor parallelism rank 0 broadcasts them (zeros if its sampling failed)."""
         if tokens is not None:
-            self.last_tokens[:n].copy_(tokens)
+            if tokens.data_ptr() != self.last_tokens.data_ptr():  # not drawn in place
+                self.last_tokens[:n].copy_(tokens)
         elif self.tp.rank == 0:
             self.last_tokens[:n].zero_()
         self.tp.broadcast_from_first(self.last_tokens[:n])

@@ -1,5 +1,5 @@
-"""RMSNorm (plain, fused residual add, per-head on strided views), SiLU-and-mul, and the fused
-per-head norm + RoPE + KV store of the attention inputs."""
+"""RMSNorm (plain, fused residual add, per-head on strided views), SiLU-and-mul, the fused
+per-head norm + RoPE + KV store of the attention inputs, and the embedding with pending tokens."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from hf_paged.kernels import reference
 from hf_paged.kernels.activation import silu_and_mul
 from hf_paged.kernels.attention_inputs import norm_rope_store
+from hf_paged.kernels.embedding import embed
 from hf_paged.kernels.rmsnorm import add_rms_norm, rms_norm
 from tests.kernels.conftest import DEVICE, HALF, assert_close
 
@@ -123,3 +124,25 @@ def test_real_shapes_bf16():
         assert_close(got.nan_to_num(), want.nan_to_num())
     gate_up = rand(256, 2 * 12288, dtype=bf16)
     assert_close(silu_and_mul(gate_up), reference.silu_and_mul(gate_up))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab_start", [0, 40])
+def test_embed_with_pending_tokens(dtype, vocab_start):
+    # A rank's slice of 40 tokens of an 80-token vocabulary, hidden 1,100 (two column blocks,
+    # the second partial); rows with src >= 0 take last_tokens[src], as a decode graph's pending
+    # tokens; ids views at an odd offset of an int32 buffer, as a graph's packed inputs.
+    weight = rand(40, 1100, dtype=dtype)
+    packed = torch.tensor([0, 3, 45, 79, 41, 10, 60, 2], dtype=torch.int32, device=DEVICE)
+    ids = packed[1:7]
+    src = torch.tensor([-1, -1, 2, -1, 0, -1], dtype=torch.int32, device=DEVICE)
+    last = torch.tensor([44, 7, 5, 62], dtype=torch.int64, device=DEVICE)
+    for args in ((), (src, last)):
+        got = embed(ids, weight, vocab_start, *args)
+        want = reference.embed(ids, weight, vocab_start, *args)
+        assert torch.equal(got, want)
+    tokens = torch.where(src >= 0, last[src.clamp(min=0)], ids)
+    local = tokens - vocab_start
+    for row, token in enumerate(local.tolist()):
+        expected = weight[token] if 0 <= token < 40 else torch.zeros_like(weight[0])
+        assert torch.equal(want[row], expected)

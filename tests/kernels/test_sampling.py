@@ -101,8 +101,10 @@ def test_greedy_rows_exact_and_sampled_rows_kept(monkeypatch, torch_argmax_rows)
     temperature = torch.tensor([0.0, 0.0, 0.8, 0.0, 1.2, 0.5], device=DEVICE)
     top_k = torch.tensor([0, 3, 4, 0, 0, 1], device=DEVICE)
     top_p = torch.tensor([1.0, 0.5, 1.0, 1.0, 0.3, 1.0], device=DEVICE)
-    out = sample(logits, temperature, top_k, top_p)
-    assert out.dtype == torch.int64
+    buffer = torch.full((8,), -1, dtype=torch.int64, device=DEVICE)
+    out = sample(logits, temperature, top_k, top_p, out=buffer[:6])  # as decode graphs draw
+    assert out.dtype == torch.int64 and out.data_ptr() == buffer.data_ptr()
+    assert buffer[6:].tolist() == [-1, -1]
     greedy = temperature == 0
     assert torch.equal(out[greedy], logits.argmax(-1)[greedy])
     assert out[0] == 17 and out[1] == 5
