@@ -23,6 +23,7 @@ from benchmarks.timing import graph_seconds
 from hf_paged.config import EngineConfig
 from hf_paged.kernels.attention import DECODE_TILE, paged_attention
 from hf_paged.kernels.decode_attention import decode_splits
+from hf_paged.modeling.attention import decode_order
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAD_DIM = 128
@@ -50,10 +51,12 @@ def decode_batch(lengths: list[int], heads: int, kv_heads: int, page: int, devic
 
 
 def kernel_seconds(args: tuple, repeats: int, num_splits: int | None = None) -> float:
-    """Mean time of one decode attention call, replayed from a CUDA graph."""
+    """Mean time of one decode attention call, replayed from a CUDA graph, its programs
+    started longest context first as the engine starts them."""
     scale = HEAD_DIM**-0.5
-    return graph_seconds(
-        lambda: paged_attention(*args, scale, max_query_len=1, num_splits=num_splits), repeats)
+    order = torch.from_numpy(decode_order(args[4].tolist())).to(args[4].device)
+    return graph_seconds(lambda: paged_attention(
+        *args, scale, max_query_len=1, num_splits=num_splits, order=order), repeats)
 
 
 def fraction(lengths: list[int], heads: int, kv_heads: int, seconds: float,

@@ -1,6 +1,7 @@
 """Where a step's time goes: host phases (schedule, input preparation, graph replay, sampling
-launch, waiting for the previous step's tokens, bookkeeping) and device kernels, for three cases
-of the W1/W2 workloads: decode at batch 1, decode at batch 256, and a 1,024-token prefill.
+launch, waiting for the previous step's tokens, bookkeeping) and device kernels, for four cases
+of the W1/W2 workloads: decode at batch 1, decode at batch 256, a 1,024-token prefill and an
+8,192-token one (eight prompts: W1's step budget).
 
     python -m benchmarks.profile_steps --model /tmp/ckpt/0.6b
     python -m benchmarks.profile_steps --model /tmp/ckpt/8b --tensor-parallel-size 2 \
@@ -156,13 +157,15 @@ def main() -> None:
 
 
 def profile_cases(engine, prompts) -> dict:
-    """Decode at batch 1 and 256, and a lone 1,024-token prefill."""
+    """Decode at batch 1 and 256, a lone 1,024-token prefill, and a W1-sized prefill step
+    (eight 1,024-token prompts: 8,192 tokens, W1's step budget)."""
     return {
         # steps 20..69: decode only
         "decode_batch_1": profile_case(engine, prompts(1, 512), 80, lambda i: 20 <= i < 70),
         "decode_batch_256": profile_case(engine, prompts(256, 256), 80, lambda i: 50 <= i < 75),
         # step 0 of a lone 1,024-token prompt is its whole prefill; step 1 collects its token
         "prefill_1024": profile_case(engine, prompts(1, 1024), 1, lambda i: i < 2),
+        "prefill_8x1024": profile_case(engine, prompts(8, 1024), 1, lambda i: i < 2),
     }
 
 

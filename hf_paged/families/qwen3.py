@@ -169,6 +169,7 @@ class Qwen3PagedAttention(nn.Module):
         out = self.attend(
             q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
             self.scale, max_query_len=meta.max_query_len, shared_prefix=meta.shared_prefix,
+            order=meta.decode_order,
         )
         return self.o_proj(out.reshape(-1, q_size)), residual
 

@@ -12,7 +12,9 @@ Decode (``max_query_len == 1``) runs one program per (sequence, KV head). When t
 to fill the GPU, the keys are split across ``num_splits`` programs (flash-decoding) that write
 partial results and their log-sum-exp, merged by a second kernel. The split count depends only
 on the shapes, so decode is safe to capture in a CUDA graph: no host sync, no value-dependent
-allocation.
+allocation. Programs start in launch order, a sequence's heads and splits together; given
+``order`` (the sequences longest context first), the last to start are the shortest, so the
+GPU does not idle at the end on a long sequence that started late.
 
 Cascade decode: when every sequence's context starts with the same cache blocks (a prompt shared
 through the prefix cache), reading those keys once per sequence is the cost of a large batch.
@@ -47,7 +49,7 @@ _SHARED_TILE = (64, 64, 4, 3)  # cascade decode's shared prefix: BLOCK_M // GROU
 # Per-sequence index arguments, read a few int32 at a time: their alignment is left out of the
 # compiled variant, so views into a graph's packed input buffer (at any offset) share the
 # variants of separately allocated tensors instead of compiling their own.
-_INDEX_ARGS = ["cu_q_ptr", "seq_lens_ptr", "block_tables_ptr", "shared_ptr"]
+_INDEX_ARGS = ["cu_q_ptr", "seq_lens_ptr", "block_tables_ptr", "shared_ptr", "order_ptr"]
 
 
 @triton.jit
@@ -71,19 +73,23 @@ def _find_sequence(cu_q_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
             do_not_specialize_on_alignment=_INDEX_ARGS)
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    cu_q_ptr, seq_lens_ptr, block_tables_ptr, shared_ptr,
+    cu_q_ptr, seq_lens_ptr, block_tables_ptr, shared_ptr, order_ptr,
     scale_log2, num_seqs, num_heads, num_splits, num_parts,
     q_s0, q_s1, o_s0, o_s1, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, bt_s0,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, DECODE: tl.constexpr,
-    SPLIT: tl.constexpr, CASCADE: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    SPLIT: tl.constexpr, CASCADE: tl.constexpr, ORDERED: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    if DECODE:  # at most one query token per sequence: program i serves sequence i
-        seq = tl.program_id(0)
+    if DECODE:  # at most one query token per sequence; the grid is (split, KV head, rank)
+        split = tl.program_id(0)
+        seq = tl.program_id(2)
+        if ORDERED:
+            seq = tl.load(order_ptr + seq)
         q_tile = 0
     else:
+        split = tl.program_id(2)
         # Last tiles first: causal tiles late in a sequence carry the most keys, and starting
         # them early keeps the GPU busy to the end.
         tile_id = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -157,6 +163,7 @@ def paged_attention(
     max_query_len: int | None = None,
     num_splits: int | None = None,
     shared_prefix: torch.Tensor | None = None,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``reference.paged_attention``.
 
@@ -166,7 +173,9 @@ def paged_attention(
     the split-K policy (decode defaults to ``_decode_splits``; prefill to no split).
     ``shared_prefix`` (decode only): a one-element int32 tensor, a length that every sequence's
     context exceeds and whose keys sit in the same blocks for all, those of
-    ``block_tables[0]``; with it, decode runs as a cascade (module docstring).
+    ``block_tables[0]``; with it, decode runs as a cascade (module docstring). ``order``
+    (decode only): int32, the sequences in the order their programs should start, longest
+    context first (``modeling.attention.decode_order``); without it, batch order.
     """
     num_tokens, num_heads, head_dim = query.shape
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -220,17 +229,20 @@ def paged_attention(
             BLOCK_D=block_d, HEAD_DIM=head_dim, PAGE=page, PRECISION=precision,
             num_warps=shared_warps, num_stages=shared_stages, **pdl_options(query),
         )
+    ordered = decode and order is not None
+    # Decode: blocks start x first, so a sequence's splits and heads start together.
+    grid = (num_splits, num_kv_heads, programs) if decode else (programs, num_kv_heads, num_splits)
     launch(
-        _attention_kernel, (programs, num_kv_heads, num_splits),
+        _attention_kernel, grid,
         query, k_cache, v_cache, out, part_out, part_lse, cu_seqlens_q, seq_lens, block_tables,
-        shared_prefix if cascade else seq_lens,
+        shared_prefix if cascade else seq_lens, order if ordered else seq_lens,
         scale * _LOG2E, num_seqs, num_heads, num_splits, num_parts,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HEAD_DIM=head_dim, PAGE=page, DECODE=decode, SPLIT=split, CASCADE=cascade,
-        PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+        ORDERED=ordered, PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
         **pdl_options(query),
     )
     if split:

@@ -4,8 +4,10 @@ implementation of the engine's backend. The layers themselves are their family's
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hf_paged.kernels import reference
@@ -21,6 +23,7 @@ class AttentionMetadata:
     ``max_query_len``: longest query run in the batch (1 when decoding).
     ``shared_prefix [1]``: a decode hint, set when every sequence's context starts with the
     same blocks: how many tokens they hold (cascade attention; see ``kernels.attention``).
+    ``decode_order [B]``: a decode hint, the sequences longest context first (``decode_order``).
     """
 
     slot_mapping: torch.Tensor
@@ -29,13 +32,22 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     max_query_len: int
     shared_prefix: torch.Tensor | None = None
+    decode_order: torch.Tensor | None = None
+
+
+def decode_order(seq_lens: Sequence[int]) -> np.ndarray:
+    """The order in which decode attention should start its sequences' programs: longest
+    context first, so that the last to start are short and the GPU does not end a step on a
+    long one alone (longest-processing-time-first scheduling)."""
+    return np.argsort(-np.asarray(seq_lens, dtype=np.int32), kind="stable").astype(np.int32)
 
 
 def attention_function(backend: str):
     """The paged attention implementation of a backend, all with reference's signature plus
-    the hints ``max_query_len`` and ``shared_prefix``."""
+    the hints ``max_query_len``, ``shared_prefix`` and ``order``."""
     if backend == "sdpa":
-        return lambda *args, max_query_len, shared_prefix=None: reference.paged_attention(*args)
+        return lambda *args, max_query_len, shared_prefix=None, order=None: (
+            reference.paged_attention(*args))
     if backend == "triton":
         from hf_paged.kernels.attention import paged_attention
 
@@ -43,5 +55,6 @@ def attention_function(backend: str):
     if backend == "flash_attn":
         from hf_paged.kernels.flash_attn import paged_attention
 
-        return lambda *args, shared_prefix=None, **hints: paged_attention(*args, **hints)
+        return lambda *args, shared_prefix=None, order=None, **hints: paged_attention(
+            *args, **hints)
     raise ValueError(f"attention_backend {backend!r} is not available")

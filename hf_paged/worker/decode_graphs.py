@@ -7,9 +7,10 @@ cascade attention, replayed when the batch's sequences all start with the same c
 
 The inputs of a graph of size ``bs`` are views of one int32 buffer laid out as the shared
 prefix length (one entry), then ids, pending-token rows (``src``), positions, slots, context
-lengths and each row's temperature, top-k, top-p and min-p (``bs`` each; floats as their bit
-patterns), then the block tables (``bs`` full-width rows), so a replay fills a pinned host
-buffer and sends it in a single copy. The layouts of different sizes overlap. A graph also
+lengths, each row's temperature, top-k, top-p and min-p (floats as their bit patterns) and the
+rows longest context first (decode attention's launch order; ``bs`` each), then the block
+tables (``bs`` full-width rows), so a replay fills a pinned host buffer and sends it in a
+single copy. The layouts of different sizes overlap. A graph also
 draws the next tokens (greedy rows keep the argmax), so sampling costs no launches outside it;
 under tensor parallelism it stops at the rank's logits slice instead, gathered on rank 0 after
 the replay, and rank 0 samples outside the graph.
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 from hf_paged.cuda_graphs import capture_graphs, graph_buffers
-from hf_paged.modeling.attention import AttentionMetadata
+from hf_paged.modeling.attention import AttentionMetadata, decode_order
 from hf_paged.step import StepInputs
 
 # (ids, src, positions, metadata, temperature, top-k, top-p, min-p) -> the graph's outputs
@@ -33,10 +34,10 @@ DecodeStep = Callable[..., tuple[torch.Tensor, ...]]
 # (the graph's outputs, rows used) -> (float32 logits on rank 0 or None, drawn tokens or None)
 DecodeOutputs = Callable[[tuple, int], tuple]
 
-# per row: ids, src, positions, slots, context lengths, temperature, top-k, top-p, min-p
-_FIELDS = 9
+# per row: ids, src, positions, slots, context lengths, temperature, top-k, top-p, min-p, order
+_FIELDS = 10
 _ONE_BITS = int(np.array(1.0, np.float32).view(np.int32))  # top_p = 1.0 as int32 bits
-# Padding rows: no pending token, no store, empty context, greedy.
+# Padding rows: no pending token, no store, empty context, greedy (their order set apart).
 _PADDING = np.array([0, -1, 0, -1, 0, 0, 0, _ONE_BITS, 0], np.int32)[:, None]
 
 
@@ -55,6 +56,7 @@ class DecodeGraphs:
         self.inputs, self.host_inputs = graph_buffers(1 + max_bs * (_FIELDS + self.width), device)
         # Every tensor a graph reads must live as long as the graph: kept here.
         self.cu_seqlens = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        self.rows = np.arange(max_bs, dtype=np.int32)
         self.graphs: dict[tuple[int, bool], tuple] = {}  # -> (graph, *its outputs)
 
     def batch_size(self, is_decode: bool, num_seqs: int) -> int:
@@ -70,7 +72,7 @@ class DecodeGraphs:
 
     def step(self, bs: int, cascade: bool) -> tuple[torch.Tensor, ...]:
         """The decode step over the buffer laid out for ``bs`` rows. Captured once per key."""
-        ids, src, positions, slots, seq_lens, temperature, top_k, top_p, min_p = (
+        ids, src, positions, slots, seq_lens, temperature, top_k, top_p, min_p, order = (
             self.inputs[1 : 1 + _FIELDS * bs].view(_FIELDS, bs))
         meta = AttentionMetadata(
             slot_mapping=slots,
@@ -80,6 +82,7 @@ class DecodeGraphs:
                 bs, self.width),
             max_query_len=1,
             shared_prefix=self.inputs[:1] if cascade else None,
+            decode_order=order,
         )
         return self.forward(ids, src, positions, meta, temperature.view(torch.float32), top_k,
                             top_p.view(torch.float32), min_p.view(torch.float32))
@@ -90,6 +93,7 @@ class DecodeGraphs:
         fields = self.inputs[1 : 1 + _FIELDS * bs].view(_FIELDS, bs)
         fields[1].fill_(-1)
         fields[3].fill_(-1)  # nothing stored while capturing
+        fields[9].copy_(torch.arange(bs))
 
     def steps(self) -> Iterator[tuple[tuple[int, bool], Callable[[], tuple]]]:
         """Each graph's key and step, largest first, its inputs laid out for the capture as
@@ -118,7 +122,9 @@ class DecodeGraphs:
             head[6, :n] = top_k
             head[7, :n] = top_p.view(np.int32)
             head[8, :n] = min_p.view(np.int32)
-        head[:, n:] = _PADDING
+        head[:9, n:] = _PADDING
+        head[9, :n] = decode_order(inputs.seq_lens)
+        head[9, n:] = self.rows[n:bs]  # empty: last
         tables = inputs.tables
         tail = host[1 + _FIELDS * bs : 1 + _FIELDS * bs + n * width]
         tail.reshape(n, width)[:, : tables.shape[1]] = tables

@@ -25,6 +25,7 @@ from hf_paged.modeling.tp import TensorParallel
 from hf_paged.step import RowSampling
 from hf_paged.worker.inputs import CASCADE_MIN_SEQS
 from hf_paged.worker.kv_cache import KVCache
+from hf_paged.worker.prefill_graphs import PrefillGraphs
 from hf_paged.worker.projection_tuning import tune_projections
 from hf_paged.worker.sampler import Sampler
 
@@ -127,6 +128,11 @@ class Startup:
         free, total = torch.cuda.mem_get_info()
         used_now = total - free
         peak_extra = torch.cuda.max_memory_allocated() - torch.cuda.memory_allocated()
+        # The prefill graphs keep their largest bucket's activations in a pool of their own,
+        # beside what an eager step of the same size allocates: reserve both.
+        graph_tokens = max((g.buckets[-1] for g in self.graphs if isinstance(g, PrefillGraphs)),
+                           default=0)
+        peak_extra *= 1 + min(1.0, graph_tokens / (num_seqs * per_seq))
         budget = total * self.config.gpu_memory_utilization - used_now - peak_extra
         return int(budget) // self.kv.block_bytes()
 
@@ -149,6 +155,8 @@ class Startup:
             max_query_len=per_seq,
             shared_prefix=torch.tensor([context], device=dev, dtype=torch.int32)
             if shared else None,
+            decode_order=torch.arange(num_seqs, device=dev, dtype=torch.int32)
+            if per_seq == 1 else None,
         )
         hidden = self.model.forward(tokens, positions, meta)
         logits = self.model.compute_logits(hidden[:num_seqs])

@@ -7,6 +7,7 @@ import torch
 
 from hf_paged.kernels import reference
 from hf_paged.kernels.attention import paged_attention
+from hf_paged.modeling.attention import decode_order
 from tests.kernels.conftest import DEVICE, HALF, assert_close
 
 
@@ -78,6 +79,23 @@ def test_decode_half_precision_odd_head_dim():
 def test_decode_padded_graph_rows(num_splits):
     # A CUDA-graph batch: padded rows have seq_len 0 and block-table rows of zeros.
     check([0, 12, 0, 40, 0], [1] * 5, 4, 2, 32, 8, max_query_len=1, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("shared_len", [None, 16])
+def test_decode_programs_in_longest_first_order(num_splits, shared_len):
+    # Programs started longest context first still write each sequence's own rows; padded
+    # rows (context 0) last.
+    lens = [40, 129, 0, 17, 300, 0]
+    order = torch.from_numpy(decode_order(lens)).to(DEVICE)
+    hints = {} if shared_len is None else {"shared": 1, "shared_prefix": shared_len}
+    check(lens, [1] * len(lens), 4, 2, 32, 16, max_query_len=1, num_splits=num_splits,
+          order=order, **hints)
+
+
+def test_decode_order_is_longest_first_and_stable():
+    assert decode_order([3, 9, 0, 9]).tolist() == [1, 3, 0, 2]
+    assert decode_order([]).tolist() == []
 
 
 @pytest.mark.parametrize("shared_len", [0, 128, 150])  # 150: rounded down to whole key tiles
