@@ -69,24 +69,26 @@ def _find_sequence(cu_q_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 # Arguments that vary with the batch (its size, its block-table width, the split count) are
 # not specialised on (Triton would compile a variant for 1, for multiples of 16 and for the
 # rest): a prompt of a length not seen before then needs no compilation.
-@triton.jit(do_not_specialize=["num_seqs", "num_splits", "num_parts", "bt_s0"],
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "num_parts", "bt_s0", "bt_s1"],
             do_not_specialize_on_alignment=_INDEX_ARGS)
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     cu_q_ptr, seq_lens_ptr, block_tables_ptr, shared_ptr, order_ptr,
     scale_log2, num_seqs, num_heads, num_splits, num_parts,
-    q_s0, q_s1, o_s0, o_s1, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, bt_s0,
+    q_s0, q_s1, o_s0, o_s1, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, bt_s0, bt_s1,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, DECODE: tl.constexpr,
     SPLIT: tl.constexpr, CASCADE: tl.constexpr, ORDERED: tl.constexpr,
     PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
-    if DECODE:  # at most one query token per sequence; the grid is (split, KV head, rank)
-        split = tl.program_id(0)
-        seq = tl.program_id(2)
-        if ORDERED:
-            seq = tl.load(order_ptr + seq)
+    if DECODE:  # at most one query token per sequence
+        if ORDERED:  # grid (split, KV head, rank): ``order[rank]`` is the sequence
+            split = tl.program_id(0)
+            seq = tl.load(order_ptr + tl.program_id(2))
+        else:  # grid (sequence, KV head, split)
+            split = tl.program_id(2)
+            seq = tl.program_id(0)
         q_tile = 0
     else:
         split = tl.program_id(2)
@@ -132,10 +134,10 @@ def _attention_kernel(
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     acc, m, denom = attend_tiles(
-        acc, m, denom, q, k_ptr, v_ptr, table, pos, kv_end, tile_lo, unmasked_hi,
+        acc, m, denom, q, k_ptr, v_ptr, table, bt_s1, pos, kv_end, tile_lo, unmasked_hi,
         k_s0, k_s1, v_s0, v_s1, scale_log2, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE, False, PRECISION)
     acc, m, denom = attend_tiles(
-        acc, m, denom, q, k_ptr, v_ptr, table, pos, kv_end, unmasked_hi, tile_hi,
+        acc, m, denom, q, k_ptr, v_ptr, table, bt_s1, pos, kv_end, unmasked_hi, tile_hi,
         k_s0, k_s1, v_s0, v_s1, scale_log2, BLOCK_N, BLOCK_D, HEAD_DIM, PAGE, True, PRECISION)
 
     # A row that saw no key (an empty split, a padded sequence of length 0) comes out as zeros.
@@ -221,8 +223,8 @@ def paged_attention(
     if cascade:
         launch(
             shared_prefix_kernel, (shared_tiles, num_kv_heads, shared_splits),
-            query, k_cache, v_cache, part_out, part_lse, block_tables, shared_prefix,
-            scale * _LOG2E, num_tokens, num_heads, num_parts,
+            query, k_cache, v_cache, part_out, part_lse, block_tables, block_tables.stride(1),
+            shared_prefix, scale * _LOG2E, num_tokens, num_heads, num_parts,
             query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             GROUP=group, BLOCK_Q=shared_m // group, BLOCK_M=shared_m, BLOCK_N=shared_n,
@@ -230,8 +232,8 @@ def paged_attention(
             num_warps=shared_warps, num_stages=shared_stages, **pdl_options(query),
         )
     ordered = decode and order is not None
-    # Decode: blocks start x first, so a sequence's splits and heads start together.
-    grid = (num_splits, num_kv_heads, programs) if decode else (programs, num_kv_heads, num_splits)
+    # Blocks start x first: in order, a sequence's splits and heads start together.
+    grid = (num_splits, num_kv_heads, programs) if ordered else (programs, num_kv_heads, num_splits)
     launch(
         _attention_kernel, grid,
         query, k_cache, v_cache, out, part_out, part_lse, cu_seqlens_q, seq_lens, block_tables,
@@ -240,6 +242,7 @@ def paged_attention(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        block_tables.stride(1),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HEAD_DIM=head_dim, PAGE=page, DECODE=decode, SPLIT=split, CASCADE=cascade,
         ORDERED=ordered, PRECISION=precision, num_warps=num_warps, num_stages=num_stages,

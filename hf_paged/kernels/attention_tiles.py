@@ -9,13 +9,14 @@ import triton.language as tl
 
 @triton.jit
 def attend_tiles(
-    acc, m, denom, q, k_ptr, v_ptr, table, pos, kv_end, tile_lo, tile_hi,
+    acc, m, denom, q, k_ptr, v_ptr, table, table_stride, pos, kv_end, tile_lo, tile_hi,
     k_s0, k_s1, v_s0, v_s1, scale_log2,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr,
     MASKED: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Online-softmax update of ``(acc, m, denom)`` over key tiles ``[tile_lo, tile_hi)``.
-    ``MASKED``: the tiles may hold keys past a row's position or past the context."""
+    ``MASKED``: the tiles may hold keys past a row's position or past the context. The block
+    table's entries lie ``table_stride`` apart (a decode graph's tables are column-major)."""
     dims = tl.arange(0, BLOCK_D)
     for tile in range(tile_lo, tile_hi):
         keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -23,7 +24,8 @@ def attend_tiles(
         if MASKED:
             kv_mask &= (keys < kv_end)[:, None]
         # Key t lives in cache block table[t // PAGE] at offset t % PAGE.
-        block = tl.load(table + keys // PAGE, mask=keys < kv_end, other=0).to(tl.int64)
+        block = tl.load(table + keys // PAGE * table_stride, mask=keys < kv_end,
+                        other=0).to(tl.int64)
         offset = keys % PAGE
         k = tl.load(k_ptr + block[:, None] * k_s0 + offset[:, None] * k_s1 + dims[None, :],
                     mask=kv_mask, other=0.0)

@@ -16,10 +16,11 @@ from hf_paged.kernels.gdc import wait_for_previous
 MAX_SPLITS = 32
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_parts"],
+@triton.jit(do_not_specialize=["num_tokens", "num_parts", "table_stride"],
             do_not_specialize_on_alignment=["table_ptr", "shared_ptr"])
 def shared_prefix_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, table_ptr, shared_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, table_ptr, table_stride,
+    shared_ptr,
     scale_log2, num_tokens, num_heads, num_parts,
     q_s0, q_s1, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -50,7 +51,7 @@ def shared_prefix_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     acc, m, denom = attend_tiles(
         acc, m, denom, q, k_cache_ptr + kv_head * k_s2, v_cache_ptr + kv_head * v_s2, table_ptr,
-        tok, n_tiles * BLOCK_N, tile_lo, tile_hi, k_s0, k_s1, v_s0, v_s1, scale_log2,
+        table_stride, tok, n_tiles * BLOCK_N, tile_lo, tile_hi, k_s0, k_s1, v_s0, v_s1, scale_log2,
         BLOCK_N, BLOCK_D, HEAD_DIM, PAGE, False, PRECISION)
     denom = tl.where(denom == 0.0, 1.0, denom)
     part = (q_rows * num_heads + head) * num_parts + split

@@ -9,8 +9,10 @@ The inputs of a graph of size ``bs`` are views of one int32 buffer laid out as t
 prefix length (one entry), then ids, pending-token rows (``src``), positions, slots, context
 lengths, each row's temperature, top-k, top-p and min-p (floats as their bit patterns) and the
 rows longest context first (decode attention's launch order; ``bs`` each), then the block
-tables (``bs`` full-width rows), so a replay fills a pinned host buffer and sends it in a
-single copy. The layouts of different sizes overlap. A graph also
+tables, column-major (``bs`` entries per block index, up to the full width), so a replay fills
+a pinned host buffer and sends it in a single copy of the columns the batch uses: at 256 rows
+and a 40,960-token model length the full width was 2.6 MB a step. The layouts of different
+sizes overlap. A graph also
 draws the next tokens (greedy rows keep the argmax), so sampling costs no launches outside it;
 under tensor parallelism it stops at the rank's logits slice instead, gathered on rank 0 after
 the replay, and rank 0 samples outside the graph.
@@ -26,7 +28,7 @@ import numpy as np
 import torch
 
 from hf_paged.cuda_graphs import capture_graphs, graph_buffers
-from hf_paged.modeling.attention import AttentionMetadata, decode_order
+from hf_paged.modeling.attention import ORDERED_MIN_SEQS, AttentionMetadata, decode_order
 from hf_paged.step import StepInputs
 
 # (ids, src, positions, metadata, temperature, top-k, top-p, min-p) -> the graph's outputs
@@ -79,10 +81,10 @@ class DecodeGraphs:
             cu_seqlens_q=self.cu_seqlens[: bs + 1],
             seq_lens=seq_lens,
             block_tables=self.inputs[1 + _FIELDS * bs : 1 + bs * (_FIELDS + self.width)].view(
-                bs, self.width),
+                self.width, bs).t(),
             max_query_len=1,
             shared_prefix=self.inputs[:1] if cascade else None,
-            decode_order=order,
+            decode_order=order if bs >= ORDERED_MIN_SEQS else None,
         )
         return self.forward(ids, src, positions, meta, temperature.view(torch.float32), top_k,
                             top_p.view(torch.float32), min_p.view(torch.float32))
@@ -109,7 +111,7 @@ class DecodeGraphs:
         """Replay graph ``inputs.graph_bs`` (the cascade one when ``inputs.shared`` is set)
         over the batch's rows, each drawing with its ``settings`` (the sampler's
         ``kernel_settings``) when the graph samples; return ``outputs``' answer."""
-        n, bs, width = len(inputs.ids), inputs.graph_bs, self.width
+        n, bs = len(inputs.ids), inputs.graph_bs
         # This twin's last copy belonged to the step before last, whose tokens were collected.
         host_inputs = self.host_inputs[flip]
         host = host_inputs.numpy()
@@ -123,12 +125,12 @@ class DecodeGraphs:
             head[7, :n] = top_p.view(np.int32)
             head[8, :n] = min_p.view(np.int32)
         head[:9, n:] = _PADDING
-        head[9, :n] = decode_order(inputs.seq_lens)
-        head[9, n:] = self.rows[n:bs]  # empty: last
+        if bs >= ORDERED_MIN_SEQS:
+            head[9, :n] = decode_order(inputs.seq_lens)
+            head[9, n:] = self.rows[n:bs]  # empty: last
         tables = inputs.tables
-        tail = host[1 + _FIELDS * bs : 1 + _FIELDS * bs + n * width]
-        tail.reshape(n, width)[:, : tables.shape[1]] = tables
-        used = 1 + bs * _FIELDS + n * width
+        used = 1 + bs * (_FIELDS + tables.shape[1])
+        host[1 + _FIELDS * bs : used].reshape(-1, bs)[:, :n] = tables.T
         self.inputs[:used].copy_(host_inputs[:used], non_blocking=True)
         graph, *outputs = self.graphs[bs, bool(inputs.shared)]
         graph.replay()

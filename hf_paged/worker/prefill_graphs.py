@@ -2,17 +2,21 @@
 from Python (a 1,024-token prefill of Qwen3-0.6B is about 3 ms of kernels in 15 ms of eager
 launches on a slow host; an 8,192-token step, 18 ms of kernels in 18-24 ms of launches).
 
-One graph per token bucket (powers of two from 32 up to ``max_tokens``), each for up to
-``max_seqs`` sequences, over views of one int32 input buffer laid out as ids, pending-token
-rows (``src``), positions and slots (a bucket's worth each), then ``cu_seqlens``
-(``max_seqs + 1``) and context lengths (``max_seqs``), logits rows (``max_rows``: a step
-verifying draft tokens draws at several positions of a sequence), then the block tables
-(``max_seqs`` full-width rows). A step replays the smallest bucket holding its tokens, padded:
-tokens past its own belong to no sequence (attention skips them, their slot is -1 so nothing
-is stored, and every other operation works row by row), sequences past its own are empty, and
-surplus logits rows read row 0. Attention runs its general kernel, right for any mix of
-prefill chunks and one-token rows. A graph ends at the rank's slice of the logits; the gather
-(tensor parallelism) and the float32 cast follow the replay.
+One graph per token bucket (powers of two from 32 up to ``max_tokens``), each for up to a
+number of sequences that grows with it (``seq_capacity``: from 8 to ``max_seqs``; a step with
+more sequences than its tokens' bucket holds takes a larger one), over views of one int32
+input buffer laid out as ids, pending-token rows (``src``), positions and slots (a bucket's
+worth each), then ``cu_seqlens`` (capacity + 1), context lengths (capacity), logits rows (at
+least ``max_rows``: a step verifying draft tokens draws at several positions of a sequence),
+then the block tables (capacity full-width rows). A step replays the smallest bucket holding
+it, padded: tokens past its own belong to no sequence (attention skips them, their slot is -1
+so nothing is stored, and every other operation works row by row), sequences past its own are
+empty, and surplus logits rows read row 0. Padded sequences and logits rows are not free
+(attention's programs, the LM head's rows), hence capacities that grow with the bucket: a lone
+prompt's bucket stays small, while a full step budget holds every running sequence (a prefill
+chunk shares its step with each running sequence's decode row). Attention runs its general
+kernel, right for any mix of prefill chunks and one-token rows. A graph ends at the rank's
+slice of the logits; the gather (tensor parallelism) and the float32 cast follow the replay.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from hf_paged.step import StepInputs
 PrefillStep = Callable[..., tuple[torch.Tensor]]
 
 _MIN_TOKENS = 32
+_MIN_SEQS = 8
+_TOKENS_PER_SEQ = 32  # a bucket holds up to bucket // 32 sequences (at least _MIN_SEQS)
 _TOKEN_FIELDS = 4  # ids, src, positions, slots
 _TOKEN_PADDING = np.array([0, -1, 0, -1], np.int32)[:, None]  # no store, no pending token
 
@@ -46,6 +52,11 @@ def token_buckets(max_tokens: int) -> list[int]:
     return buckets + [max_tokens]
 
 
+def seq_capacity(bucket: int, max_seqs: int) -> int:
+    """How many sequences the graph of ``bucket`` tokens holds."""
+    return min(max_seqs, max(_MIN_SEQS, bucket // _TOKENS_PER_SEQ))
+
+
 class PrefillGraphs:
     """The prefill graphs of one runner: ``bucket`` picks the graph of a step (0: none fits),
     ``run`` replays it."""
@@ -54,31 +65,38 @@ class PrefillGraphs:
                  max_tokens: int, max_seqs: int, width: int, device: torch.device,
                  max_rows: int):
         self.forward, self.gather = step, gather
-        self.max_seqs = max_seqs
-        self.max_rows = max(max_rows, max_seqs)
+        self.max_rows = max_rows
         self.width = width
         self.buckets = token_buckets(max_tokens)
-        self.inputs, self.host_inputs = graph_buffers(self._layout(self.buckets[-1])[-1],
-                                                      device)
+        self.capacity = {b: seq_capacity(b, max_seqs) for b in self.buckets}
+        self.inputs, self.host_inputs = graph_buffers(
+            max(self._layout(b)[-1] for b in self.buckets), device)
         self.graphs: dict[int, tuple] = {}  # bucket -> (graph, its logits slice)
+
+    def _rows(self, bucket: int) -> int:
+        return max(self.max_rows, self.capacity[bucket])
 
     def _layout(self, bucket: int) -> tuple[int, int, int]:
         """Where the sequence fields start, where the tables start, and the end."""
+        s = self.capacity[bucket]
         seqs = _TOKEN_FIELDS * bucket
-        tables = seqs + 2 * self.max_seqs + 1 + self.max_rows
-        return seqs, tables, tables + self.max_seqs * self.width
+        tables = seqs + 2 * s + 1 + self._rows(bucket)
+        return seqs, tables, tables + s * self.width
 
     def bucket(self, inputs: StepInputs) -> int:
-        if (inputs.shared or len(inputs.seq_lens) > self.max_seqs
-                or len(inputs.logits_rows) > self.max_rows):
+        """The smallest bucket holding the step's tokens, sequences and logits rows (0: none)."""
+        if inputs.shared:
             return 0
-        i = bisect.bisect_left(self.buckets, len(inputs.ids))
-        return self.buckets[i] if i < len(self.buckets) else 0
+        seqs, rows = len(inputs.seq_lens), len(inputs.logits_rows)
+        for b in self.buckets[bisect.bisect_left(self.buckets, len(inputs.ids)):]:
+            if seqs <= self.capacity[b] and rows <= self._rows(b):
+                return b
+        return 0
 
     def step(self, bucket: int) -> tuple[torch.Tensor]:
         """The forward over the buffer laid out for ``bucket``: this rank's logits slice of
         every logits row. Captured once per bucket."""
-        s = self.max_seqs
+        s = self.capacity[bucket]
         seqs, tables, end = self._layout(bucket)
         ids, src, positions, slots = self.inputs[:seqs].view(_TOKEN_FIELDS, bucket)
         fields = self.inputs[seqs:tables]
@@ -124,9 +142,9 @@ class PrefillGraphs:
     def _fill(self, host, bucket, ids, src, positions, slots, cu_seqlens, seq_lens,
               logits_rows, tables) -> int:
         """Lay a step out in the host buffer ``host`` (padded to ``bucket`` tokens and
-        ``max_seqs`` sequences); return how many leading entries the graph reads."""
+        its capacity of sequences); return how many leading entries the graph reads."""
         x = host.numpy()
-        s, n, b, r = self.max_seqs, len(ids), len(seq_lens), len(logits_rows)
+        s, n, b, r = self.capacity[bucket], len(ids), len(seq_lens), len(logits_rows)
         seqs, start, _ = self._layout(bucket)
         head = x[:seqs].reshape(_TOKEN_FIELDS, bucket)
         head[:, :n] = (ids, src, positions, slots)

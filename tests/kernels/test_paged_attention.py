@@ -93,6 +93,24 @@ def test_decode_programs_in_longest_first_order(num_splits, shared_len):
           order=order, **hints)
 
 
+@pytest.mark.parametrize("shared_len", [None, 16])
+def test_decode_over_column_major_block_tables(shared_len):
+    # A decode graph's tables: column-major (entries of one sequence ``bs`` apart).
+    lens = [40, 129, 0, 17, 300, 0]
+    query, k_cache, v_cache, cu, seq_lens, tables = paged_batch(
+        lens, [1] * len(lens), 4, 2, 32, 16, torch.float32, shared=1)
+    columns = tables.t().contiguous().t()
+    assert columns.stride() == (1, len(lens))
+    hints = {} if shared_len is None else {
+        "shared_prefix": torch.tensor([shared_len], dtype=torch.int32, device=DEVICE)}
+    for order in (None, torch.from_numpy(decode_order(lens)).to(DEVICE)):
+        args = query, k_cache, v_cache, cu, seq_lens
+        out = paged_attention(*args, columns, 0.25, max_query_len=1, order=order, **hints)
+        expected = paged_attention(*args, tables, 0.25, max_query_len=1, **hints)
+        real = (seq_lens > 0)
+        assert torch.equal(out[real], expected[real])
+
+
 def test_decode_order_is_longest_first_and_stable():
     assert decode_order([3, 9, 0, 9]).tolist() == [1, 3, 0, 2]
     assert decode_order([]).tolist() == []

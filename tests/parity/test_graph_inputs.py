@@ -6,11 +6,13 @@ rows, pending tokens, and each row's sampling settings as bit patterns."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 import hf_paged
-from hf_paged.worker.prefill_graphs import token_buckets
+from hf_paged.worker.prefill_graphs import PrefillGraphs, seq_capacity, token_buckets
 from tests.conftest import TINY_CONFIGS, left_padded
 
 
@@ -71,10 +73,32 @@ def test_buckets_double_up_to_the_token_budget():
     assert token_buckets(16) == [16]
 
 
+def test_bucket_capacity_grows_and_a_crowded_step_takes_a_larger_bucket():
+    assert [seq_capacity(b, 256) for b in token_buckets(8192)] == [
+        8, 8, 8, 8, 16, 32, 64, 128, 256]
+    assert seq_capacity(8192, 64) == 64 and seq_capacity(32, 4) == 4
+    graphs = PrefillGraphs(None, None, 1024, 32, 4, torch.device("cpu"), 64)
+
+    def step(tokens, seqs, rows, shared=0):
+        return SimpleNamespace(ids=[0] * tokens, seq_lens=[1] * seqs, logits_rows=[0] * rows,
+                               shared=shared)
+
+    assert graphs.bucket(step(100, 3, 3)) == 128
+    assert graphs.bucket(step(100, 12, 12)) == 512  # 128 and 256 hold 8 sequences
+    assert graphs.bucket(step(20, 32, 32)) == 1024
+    assert graphs.bucket(step(20, 33, 33)) == 0  # more than any bucket holds: eager
+    assert graphs.bucket(step(20, 2, 65)) == 0  # logits rows: at most 64 (capacity 32)
+    assert graphs.bucket(step(1025, 2, 2)) == 0
+    assert graphs.bucket(step(20, 2, 2, shared=16)) == 0  # cascade: eager
+
+
 @pytest.mark.parametrize(("name", "lengths", "options", "max_tokens", "max_seqs"), [
     # Mixed lengths around the blocks' edges, the whole batch in one graph, then decode
     # batches in graphs too (the general attention kernel serves one-token rows).
     ("gqa_tied", [1, 7, 8, 9, 17, 40], {}, 128, 8),
+    # Twelve rows: steps of up to 256 tokens hold eight sequences, so the decode steps take
+    # the 512-token bucket (capacity 16).
+    ("gqa_tied", [3, 5, 8, 9, 11, 16, 17, 20, 24, 31, 33, 40], {}, 512, 16),
     # A 40-token budget: steps of two sequences replay, those of more run eagerly.
     ("mha_untied", [20, 25, 30, 35, 3], dict(max_num_batched_tokens=40), 64, 2),
     # A 16-token budget: a 70-token prompt in chunks beside decode rows, twice (the second
