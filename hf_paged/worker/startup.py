@@ -197,11 +197,12 @@ class Startup:
         what eager decode runs when nothing is captured)."""
         self._warmup(2, 3)
         context = self.block_size * min(4, self.max_blocks_per_seq - 1)
-        # One sequence (batch order, split), the fewest that decode longest first (split on a
-        # GPU they do not fill) and the most (longest first; unsplit where they fill it):
-        # every decode variant a batch can reach.
-        for num_seqs in sorted({1, min(ORDERED_MIN_SEQS, self.config.max_num_seqs),
-                                self.config.max_num_seqs}):
-            self._warmup(num_seqs, 1, context)
+        # Decode in batch order (one sequence) and longest first (the fewest sequences that
+        # take it), each unsplit (a context of one key tile) and split (several, on a GPU
+        # they do not fill); then the largest batch: every decode variant a batch can reach.
+        for num_seqs in (1, min(ORDERED_MIN_SEQS, self.config.max_num_seqs)):
+            for ctx in (0, context):
+                self._warmup(num_seqs, 1, ctx)
+        self._warmup(self.config.max_num_seqs, 1, context)
         if self.config.attention_backend == "triton":
             self._warmup(CASCADE_MIN_SEQS, 1, context, shared=True)
