@@ -32,6 +32,7 @@ from hf_paged.worker.inputs import CASCADE_MIN_SEQS, StepPreparer
 from hf_paged.worker.kv_cache import KVCache
 from hf_paged.worker.prefill_graphs import PrefillGraphs
 from hf_paged.worker.sampler import Sampler, draw_counts, kernel_settings, per_draw
+from hf_paged.worker.shard import SYMMETRIC_ALL_REDUCE_TOKENS
 from hf_paged.worker.startup import Startup
 
 # Prefill steps of at most this many tokens and sequences replay a graph, and so do steps
@@ -86,9 +87,11 @@ class ModelRunner:
                 and not config.enforce_eager):
             self.decode_graphs = self.new_decode_graphs(
                 config.max_graph_batch_size or min(config.max_num_seqs, 512))
+            max_tokens = min(_PREFILL_GRAPH_TOKENS, config.max_num_batched_tokens)
+            if tp.size > 1:  # a larger step's all-reduces leave symmetric memory for NCCL
+                max_tokens = min(max_tokens, SYMMETRIC_ALL_REDUCE_TOKENS)
             self.prefill_graphs = self.new_prefill_graphs(
-                min(_PREFILL_GRAPH_TOKENS, config.max_num_batched_tokens),
-                min(_PREFILL_GRAPH_SEQS, config.max_num_seqs))
+                max_tokens, min(_PREFILL_GRAPH_SEQS, config.max_num_seqs))
         startup = Startup(model, self.kv, self.sampler, config, max_model_len, tp,
                           [g for g in (self.decode_graphs, self.prefill_graphs) if g])
         startup.run()

@@ -22,8 +22,9 @@ from hf_paged.step import WorkerSpec
 
 logger = logging.getLogger(__name__)
 # The symmetric all-reduce buffer holds this many tokens' hidden states, as many as the
-# largest prefill graph computes; longer steps move enough bytes for NCCL's bandwidth.
-_SYMMETRIC_ALL_REDUCE_TOKENS = 2048
+# largest prefill graph computes under tensor parallelism; longer steps move enough bytes for
+# NCCL's bandwidth.
+SYMMETRIC_ALL_REDUCE_TOKENS = 2048
 
 
 def device_of(spec: WorkerSpec, rank: int) -> torch.device:
@@ -55,7 +56,7 @@ def _with_symmetric_all_reduce(spec: WorkerSpec, tp: TensorParallel,
                     "up in this process for an earlier group of the same name)",
                     tp.rank, tp.size)
         return tp
-    tokens = min(spec.config.max_num_batched_tokens, _SYMMETRIC_ALL_REDUCE_TOKENS)
+    tokens = min(spec.config.max_num_batched_tokens, SYMMETRIC_ALL_REDUCE_TOKENS)
     fast, error = None, None
     try:
         fast = SymmetricAllReduce(tp.group, device, spec.dtype,
