@@ -35,12 +35,9 @@ from hf_paged.worker.sampler import Sampler, draw_counts, kernel_settings, per_d
 from hf_paged.worker.shard import SYMMETRIC_ALL_REDUCE_TOKENS
 from hf_paged.worker.startup import Startup
 
-# Prefill steps of at most this many tokens and sequences replay a graph, and so do steps
-# verifying draft tokens that draw at most this many rows (a row costs nothing measurable in
-# the LM head's weight read). Eager launches of an 8,192-token step of Qwen3-0.6B take the
-# host 18-24 ms on an H100's host, more than the device's 18 ms: a full step budget is worth
-# a graph, and so are as many sequences as run at once (a prefill chunk shares its step
-# with every running sequence's decode row).
+# Prefill steps of up to this many tokens and sequences replay a graph (a full step budget:
+# launching an 8,192-token step eagerly takes the host longer than the device's 18 ms), and
+# so do steps verifying drafts that draw up to this many rows (a row costs the LM head little).
 _PREFILL_GRAPH_TOKENS, _PREFILL_GRAPH_SEQS, _PREFILL_GRAPH_ROWS = 8192, 256, 64
 
 
