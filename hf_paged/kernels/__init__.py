@@ -19,6 +19,10 @@ import torch.nn.functional as F
 from hf_paged.kernels import reference
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
+# Decode attention starts its programs in the given order (longest context first) from this many
+# sequences; below it they all start at once, or nearly, and the order's load and grid would
+# only delay them (batch-1 decode is latency-bound).
+ORDERED_MIN_SEQS = 16
 _TRITON_ON_CPU = os.environ.get("HF_PAGED_TRITON_ON_CPU") == "1"
 
 

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_paged.kernels import ORDERED_MIN_SEQS
 from hf_paged.kernels.attention_tiles import attend_tiles
 from hf_paged.kernels.decode_attention import (
     MAX_SPLITS,
@@ -177,7 +178,8 @@ def paged_attention(
     context exceeds and whose keys sit in the same blocks for all, those of
     ``block_tables[0]``; with it, decode runs as a cascade (module docstring). ``order``
     (decode only): int32, the sequences in the order their programs should start, longest
-    context first (``modeling.attention.decode_order``); without it, batch order.
+    context first (``modeling.attention.decode_order``), taken from ``ORDERED_MIN_SEQS``
+    sequences on; without it, or below that, batch order.
     """
     num_tokens, num_heads, head_dim = query.shape
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -231,7 +233,7 @@ def paged_attention(
             BLOCK_D=block_d, HEAD_DIM=head_dim, PAGE=page, PRECISION=precision,
             num_warps=shared_warps, num_stages=shared_stages, **pdl_options(query),
         )
-    ordered = decode and order is not None
+    ordered = decode and order is not None and num_seqs >= ORDERED_MIN_SEQS
     # Blocks start x first: in order, a sequence's splits and heads start together.
     grid = (num_splits, num_kv_heads, programs) if ordered else (programs, num_kv_heads, num_splits)
     launch(

@@ -35,11 +35,6 @@ class AttentionMetadata:
     decode_order: torch.Tensor | None = None
 
 
-# Below this many sequences a decode step's programs all start at once, or nearly: an order
-# would only add a load ahead of each (batch-1 decode is latency-bound).
-ORDERED_MIN_SEQS = 16
-
-
 def decode_order(seq_lens: Sequence[int]) -> np.ndarray:
     """The order in which decode attention should start its sequences' programs: longest
     context first, so that the last to start are short and the GPU does not end a step on a

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from hf_paged.cuda_graphs import capture_graphs, graph_buffers
-from hf_paged.modeling.attention import ORDERED_MIN_SEQS, AttentionMetadata, decode_order
+from hf_paged.modeling.attention import AttentionMetadata, decode_order
 from hf_paged.step import StepInputs
 
 # (ids, src, positions, metadata, temperature, top-k, top-p, min-p) -> the graph's outputs
@@ -84,7 +84,7 @@ class DecodeGraphs:
                 self.width, bs).t(),
             max_query_len=1,
             shared_prefix=self.inputs[:1] if cascade else None,
-            decode_order=order if bs >= ORDERED_MIN_SEQS else None,
+            decode_order=order,
         )
         return self.forward(ids, src, positions, meta, temperature.view(torch.float32), top_k,
                             top_p.view(torch.float32), min_p.view(torch.float32))
@@ -125,9 +125,8 @@ class DecodeGraphs:
             head[7, :n] = top_p.view(np.int32)
             head[8, :n] = min_p.view(np.int32)
         head[:9, n:] = _PADDING
-        if bs >= ORDERED_MIN_SEQS:
-            head[9, :n] = decode_order(inputs.seq_lens)
-            head[9, n:] = self.rows[n:bs]  # empty: last
+        head[9, :n] = decode_order(inputs.seq_lens)
+        head[9, n:] = self.rows[n:bs]  # empty: last
         tables = inputs.tables
         used = 1 + bs * (_FIELDS + tables.shape[1])
         host[1 + _FIELDS * bs : used].reshape(-1, bs)[:, :n] = tables.T

@@ -23,7 +23,7 @@ import torch
 from hf_paged import kernels
 from hf_paged.config import EngineConfig
 from hf_paged.device_copy import to_device
-from hf_paged.modeling.attention import ORDERED_MIN_SEQS, AttentionMetadata, decode_order
+from hf_paged.modeling.attention import AttentionMetadata, decode_order
 from hf_paged.modeling.paged_model import PagedModel
 from hf_paged.modeling.tp import SINGLE, TensorParallel
 from hf_paged.step import StepInputs, StepPlan, StepResult
@@ -229,7 +229,7 @@ class ModelRunner:
             max_query_len=inputs.max_query_len,
             shared_prefix=to_device([inputs.shared], dev, torch.int32) if inputs.shared else None,
             decode_order=to_device(decode_order(inputs.seq_lens), dev, torch.int32)
-            if inputs.max_query_len == 1 and len(inputs.seq_lens) >= ORDERED_MIN_SEQS else None,
+            if inputs.max_query_len == 1 else None,
         )
         input_ids = to_device(inputs.ids, dev)
         positions = to_device(inputs.positions, dev)

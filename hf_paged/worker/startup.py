@@ -18,8 +18,9 @@ from collections.abc import Iterator
 import torch
 
 from hf_paged.config import EngineConfig
+from hf_paged.kernels import ORDERED_MIN_SEQS
 from hf_paged.kernels.launch import compiling_only
-from hf_paged.modeling.attention import ORDERED_MIN_SEQS, AttentionMetadata
+from hf_paged.modeling.attention import AttentionMetadata
 from hf_paged.modeling.paged_model import PagedModel
 from hf_paged.modeling.tp import TensorParallel
 from hf_paged.step import RowSampling
@@ -156,7 +157,7 @@ class Startup:
             shared_prefix=torch.tensor([context], device=dev, dtype=torch.int32)
             if shared else None,
             decode_order=torch.arange(num_seqs, device=dev, dtype=torch.int32)
-            if per_seq == 1 and num_seqs >= ORDERED_MIN_SEQS else None,
+            if per_seq == 1 else None,
         )
         hidden = self.model.forward(tokens, positions, meta)
         logits = self.model.compute_logits(hidden[:num_seqs])

@@ -84,9 +84,9 @@ def test_decode_padded_graph_rows(num_splits):
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("shared_len", [None, 16])
 def test_decode_programs_in_longest_first_order(num_splits, shared_len):
-    # Programs started longest context first still write each sequence's own rows; padded
-    # rows (context 0) last.
-    lens = [40, 129, 0, 17, 300, 0]
+    # Programs started longest context first (from ORDERED_MIN_SEQS sequences) still write
+    # each sequence's own rows; padded rows (context 0) last.
+    lens = [40, 129, 0, 17, 300, 0] * 3
     order = torch.from_numpy(decode_order(lens)).to(DEVICE)
     hints = {} if shared_len is None else {"shared": 1, "shared_prefix": shared_len}
     check(lens, [1] * len(lens), 4, 2, 32, 16, max_query_len=1, num_splits=num_splits,
@@ -95,8 +95,9 @@ def test_decode_programs_in_longest_first_order(num_splits, shared_len):
 
 @pytest.mark.parametrize("shared_len", [None, 16])
 def test_decode_over_column_major_block_tables(shared_len):
-    # A decode graph's tables: column-major (entries of one sequence ``bs`` apart).
-    lens = [40, 129, 0, 17, 300, 0]
+    # A decode graph's tables: column-major (entries of one sequence ``bs`` apart), in batch
+    # order and (18 sequences) longest first.
+    lens = [40, 129, 0, 17, 300, 0] * 3
     query, k_cache, v_cache, cu, seq_lens, tables = paged_batch(
         lens, [1] * len(lens), 4, 2, 32, 16, torch.float32, shared=1)
     columns = tables.t().contiguous().t()
