@@ -18,7 +18,11 @@ class EngineConfig:
             decode tokens); longer prompts are prefilled in chunks of at most this size.
         max_model_len: longest sequence (prompt plus new tokens); defaults to the
             checkpoint's ``max_position_embeddings``.
-        block_size: tokens per KV-cache block (a power of two, 8 to 256).
+        block_size: tokens per KV-cache block (a power of two, 8 to 256). Prefix caching
+            shares whole blocks, so smaller blocks share shorter common prefixes; larger ones
+            read faster: on an H100, W1 ran 3.4% faster at 64 than at 16 (its decode
+            attention 3.3% faster over a sequence's blocks as they are allocated, one every
+            ``block_size`` steps) and no faster at 128 or 256.
         gpu_memory_utilization: fraction of the GPU's memory the engine may use in all
             (weights, activations and KV cache); the KV cache takes what is left.
         num_kv_blocks: an explicit number of KV-cache blocks, overriding the sizing from memory.
@@ -58,7 +62,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int | None = None
-    block_size: int = 16
+    block_size: int = 64
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None
     cpu_kv_cache_gib: float = 1.0
