@@ -139,8 +139,9 @@ def test_flash_attn_backend(checkpoint, batch, reference, hf_model):
 @pytest.mark.parametrize("options", [
     dict(attention_backend="sdpa"),
     dict(max_num_batched_tokens=128, block_size=32),  # chunked prefill in mixed steps
-    # All four prompts fit in 64 blocks (63 used), their 48 new tokens each do not: preemption.
-    dict(num_kv_blocks=64),
+    # All four prompts fit in 64 blocks of 16 (63 used), their 48 new tokens each do not:
+    # preemption.
+    dict(num_kv_blocks=64, block_size=16),
 ])
 def test_backends_and_scheduling_modes(checkpoint, batch, reference, hf_model, options):
     tokens, stats = run(checkpoint, batch, **options)
@@ -150,7 +151,8 @@ def test_backends_and_scheduling_modes(checkpoint, batch, reference, hf_model, o
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-@pytest.mark.parametrize("options", [{}, dict(num_kv_blocks=64)], ids=["graphs", "preempting"])
+@pytest.mark.parametrize("options", [{}, dict(num_kv_blocks=64, block_size=16)],
+                         ids=["graphs", "preempting"])
 def test_tp2_bf16_parity(checkpoint, batch, reference, hf_model, options):
     """Two ranks over NCCL (the all-reduces sum in another order than one GPU's GEMMs): the
     same check against transformers on one GPU."""
