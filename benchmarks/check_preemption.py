@@ -1,7 +1,7 @@
 """W1 under memory pressure: the same requests with the KV cache sized by free memory and with
 a cache too small to hold them all (forcing preemption), then a token-by-token comparison.
 
-    python -m benchmarks.check_preemption --model /tmp/ckpt/0.6b --num-kv-blocks 2000
+    python -m benchmarks.check_preemption --model /tmp/ckpt/0.6b --num-kv-blocks 500
 
 Preempted requests are recomputed as prefills and every step batches differently, so the two
 runs sum in different orders; they agree exactly only where no step is a near-tie. The check
@@ -68,8 +68,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--num-kv-blocks", type=int, default=2000,
-                        help="the constrained cache (16-token blocks: 2,000 hold 32k tokens)")
+    parser.add_argument("--num-kv-blocks", type=int, default=500,
+                        help="the constrained cache (64-token blocks: 500 hold 32k tokens)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--results-dir", type=Path, default=common.RESULTS_DIR)
     args = parser.parse_args()

@@ -27,7 +27,7 @@
 #   BENCH_ARGS=...       more arguments for every benchmark, e.g. "-E max_num_seqs=128"
 #   W1_ARGS W2_ARGS W3_ARGS BEAM_ARGS=...   more arguments for one benchmark, e.g.
 #                        W1_ARGS="--baselines cb"
-#   PRE_ARGS="--num-requests 64 --num-kv-blocks 1000"   the preemption check (float32: slow)
+#   PRE_ARGS="--num-requests 64 --num-kv-blocks 250"   the preemption check (float32: slow)
 #   W4: the 8B shape (CKPT8B=/tmp/ckpt/8b, built once, drawn on the GPU) with
 #       tensor_parallel_size 1, 2 and 4 (TP_SIZES="1 2 4"; sizes above the GPU count are
 #       skipped): W1 without baselines (T_W4=900), batch-1 decode and TTFT (T_W4B=300), and a
@@ -153,7 +153,7 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
             --repeats "${REPEATS:-3}" ;;
       w3) bench w3 "${T_W3:-60}" bench_throughput "${W3_ARGS:-}" --workload w3 --baselines ;;
       preempt) step preempt "${T_PRE:-240}" python -m benchmarks.check_preemption \
-            --model "$CKPT" --results-dir "$RESULTS" ${PRE_ARGS:---num-requests 64 --num-kv-blocks 1000} ;;
+            --model "$CKPT" --results-dir "$RESULTS" ${PRE_ARGS:---num-requests 64 --num-kv-blocks 250} ;;
       beam) bench beam "${T_BEAM:-240}" bench_beam_search "${BEAM_ARGS:-}" "${BASELINE_ARGS[@]}" ;;
       startup) bench startup "${T_START:-240}" bench_startup "" ;;
       serving) step serving "${T_SERVE:-560}" python -m benchmarks.bench_serving --model "$CKPT" \
