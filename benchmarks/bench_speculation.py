@@ -53,7 +53,7 @@ BASELINES = ("generate", "assisted", "prompt_lookup")  # in this order: plain's 
 # Batch-1 engines: a small fixed KV cache (the target, a draft and a second target fit beside
 # each other) and no prefix cache (the lines share prompts: each prefills them in full, as
 # plain did).
-BATCH1_OPTIONS = {"num_kv_blocks": 512, "enable_prefix_caching": False}
+BATCH1_OPTIONS = {"num_kv_blocks": 128, "enable_prefix_caching": False}  # 8,192 tokens
 
 
 def paged_lines(result: common.ResultFile, args: argparse.Namespace, target: dict,

@@ -80,11 +80,9 @@ def main(argv: list[str] | None = None) -> None:
     engine = hf_paged.from_pretrained(
         args.model, device="cpu", dtype=torch.bfloat16, attention_backend="triton",
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        num_kv_blocks=2048)
+        num_kv_blocks=512)
     runner = engine.executor.runner
-    graphs = [runner.new_decode_graphs(args.max_num_seqs),  # as on a GPU
-              runner.new_prefill_graphs(min(2048, args.max_num_batched_tokens),
-                                        min(8, args.max_num_seqs))]
+    graphs = list(runner.new_graphs())  # those a GPU's start-up captures
     startup = Startup(runner.model, runner.kv, runner.sampler, runner.config,
                       runner.max_model_len, runner.tp, graphs)
     driver.set_active(AbsentGPU())

@@ -82,13 +82,7 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None
         if (self.device.type == "cuda" and config.attention_backend == "triton"
                 and not config.enforce_eager):
-            self.decode_graphs = self.new_decode_graphs(
-                config.max_graph_batch_size or min(config.max_num_seqs, 512))
-            max_tokens = min(_PREFILL_GRAPH_TOKENS, config.max_num_batched_tokens)
-            if tp.size > 1:  # a larger step's all-reduces leave symmetric memory for NCCL
-                max_tokens = min(max_tokens, SYMMETRIC_ALL_REDUCE_TOKENS)
-            self.prefill_graphs = self.new_prefill_graphs(
-                max_tokens, min(_PREFILL_GRAPH_SEQS, config.max_num_seqs))
+            self.decode_graphs, self.prefill_graphs = self.new_graphs()
         startup = Startup(model, self.kv, self.sampler, config, max_model_len, tp,
                           [g for g in (self.decode_graphs, self.prefill_graphs) if g])
         startup.run()
@@ -100,6 +94,17 @@ class ModelRunner:
         return self.kv.num_blocks
 
     # ---- the graphs and the steps they capture -----------------------------------------------
+
+    def new_graphs(self) -> tuple[DecodeGraphs, PrefillGraphs]:
+        """The decode and prefill graphs the engine's settings call for (not captured yet)."""
+        config = self.config
+        max_tokens = min(_PREFILL_GRAPH_TOKENS, config.max_num_batched_tokens)
+        if self.tp.size > 1:  # a larger step's all-reduces leave symmetric memory for NCCL
+            max_tokens = min(max_tokens, SYMMETRIC_ALL_REDUCE_TOKENS)
+        return (self.new_decode_graphs(config.max_graph_batch_size
+                                       or min(config.max_num_seqs, 512)),
+                self.new_prefill_graphs(max_tokens, min(_PREFILL_GRAPH_SEQS,
+                                                        config.max_num_seqs)))
 
     def new_decode_graphs(self, max_bs: int) -> DecodeGraphs:
         """Decode graphs up to ``max_bs`` rows over this runner's steps (not captured yet)."""
