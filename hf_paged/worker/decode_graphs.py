@@ -38,8 +38,9 @@ DecodeOutputs = Callable[[tuple, int], tuple]
 
 # per row: ids, src, positions, slots, context lengths, temperature, top-k, top-p, min-p, order
 _FIELDS = 10
+_ORDER = _FIELDS - 1  # the order row comes last: padding rows take their own index
 _ONE_BITS = int(np.array(1.0, np.float32).view(np.int32))  # top_p = 1.0 as int32 bits
-# Padding rows: no pending token, no store, empty context, greedy (their order set apart).
+# Padding rows' fields before the order: no pending token, no store, empty context, greedy.
 _PADDING = np.array([0, -1, 0, -1, 0, 0, 0, _ONE_BITS, 0], np.int32)[:, None]
 
 
@@ -95,7 +96,7 @@ class DecodeGraphs:
         fields = self.inputs[1 : 1 + _FIELDS * bs].view(_FIELDS, bs)
         fields[1].fill_(-1)
         fields[3].fill_(-1)  # nothing stored while capturing
-        fields[9].copy_(torch.arange(bs))
+        fields[_ORDER].copy_(torch.arange(bs))
 
     def steps(self) -> Iterator[tuple[tuple[int, bool], Callable[[], tuple]]]:
         """Each graph's key and step, largest first, its inputs laid out for the capture as
@@ -124,9 +125,9 @@ class DecodeGraphs:
             head[6, :n] = top_k
             head[7, :n] = top_p.view(np.int32)
             head[8, :n] = min_p.view(np.int32)
-        head[:9, n:] = _PADDING
-        head[9, :n] = decode_order(inputs.seq_lens)
-        head[9, n:] = self.rows[n:bs]  # empty: last
+        head[:_ORDER, n:] = _PADDING
+        head[_ORDER, :n] = decode_order(inputs.seq_lens)
+        head[_ORDER, n:] = self.rows[n:bs]  # empty: last
         tables = inputs.tables
         used = 1 + bs * (_FIELDS + tables.shape[1])
         host[1 + _FIELDS * bs : used].reshape(-1, bs)[:, :n] = tables.T
