@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_paged.kernels import reference
+from hf_paged.kernels.block_scales import BlockScales, dequantize
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 # Decode attention starts its programs in the given order (longest context first) from this many
@@ -64,31 +65,42 @@ def _small_m(x: torch.Tensor, weight: torch.Tensor, bias, small_m_rows: int) -> 
                 and x.stride(1) == weight.stride(1) == 1)
 
 
+def _plain(x: torch.Tensor, weight: torch.Tensor, scales: BlockScales | None) -> torch.Tensor:
+    """The weight as ``F.linear`` takes it: a block-quantized one dequantized to ``x``'s dtype
+    (the reference path of the FP8 projections)."""
+    return weight if scales is None else dequantize(weight, scales, x.dtype)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           small_m_rows: int = 0) -> torch.Tensor:
-    """``F.linear``, or the small-M Triton kernel where ``_small_m`` says."""
+           small_m_rows: int = 0, scales: BlockScales | None = None) -> torch.Tensor:
+    """``F.linear``, or the small-M Triton kernel where ``_small_m`` says. ``scales``: the
+    weight is block-quantized FP8 (``kernels.block_scales``)."""
+    if scales is not None:
+        return F.linear(x, _plain(x, weight, scales), bias)
     if _small_m(x, weight, bias, small_m_rows):
         return _triton_kernel("small_m", "linear")(x, weight)
     return F.linear(x, weight, bias)
 
 
-def gated_linear(x: torch.Tensor, weight: torch.Tensor, small_m_rows: int = 0) -> torch.Tensor:
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, small_m_rows: int = 0,
+                 scales: BlockScales | None = None) -> torch.Tensor:
     """``silu_and_mul(F.linear(x, weight))`` for a merged gate/up ``weight``; where
     ``_small_m`` says, one small-M kernel computes both."""
-    if _small_m(x, weight, None, small_m_rows):
+    if scales is None and _small_m(x, weight, None, small_m_rows):
         return _triton_kernel("small_m", "gated_linear")(x, weight)
-    return silu_and_mul(F.linear(x, weight))
+    return silu_and_mul(F.linear(x, _plain(x, weight, scales)))
 
 
 def normed_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
     weight: torch.Tensor, bias: torch.Tensor | None = None, small_m_rows: int = 0,
-    gated: bool = False,
+    gated: bool = False, scales: BlockScales | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The projection (``gated``: ``gated_linear``) of ``rms_norm(x + residual)``, and
     ``x + residual`` (``x`` when ``residual`` is None), as ``add_rms_norm`` then the
     projection compute them; where ``_small_m`` says, one small-M kernel does it all."""
-    if (_small_m(x, weight, bias, small_m_rows) and norm_weight.dtype == x.dtype
+    if (scales is None and _small_m(x, weight, bias, small_m_rows)
+            and norm_weight.dtype == x.dtype
             and (residual is None or residual.stride(1) == 1)):
         return _triton_kernel("small_m", "normed_linear")(x, residual, norm_weight, eps, weight,
                                                           gated)
@@ -97,8 +109,8 @@ def normed_linear(
     else:
         x, residual = add_rms_norm(x, residual, norm_weight, eps)
     if gated:
-        return gated_linear(x, weight, small_m_rows), residual
-    return linear(x, weight, bias, small_m_rows), residual
+        return gated_linear(x, weight, small_m_rows, scales), residual
+    return linear(x, weight, bias, small_m_rows, scales), residual
 
 
 copy_blocks = _dispatch("block_copy", "copy_blocks")
@@ -112,6 +124,6 @@ moe_route = _dispatch("moe_routing", "moe_route")
 moe_experts = _dispatch("moe_gemm", "moe_experts")
 
 __all__ = [
-    "add_rms_norm", "copy_blocks", "gated_linear", "linear", "moe_experts", "moe_route",
-    "norm_rope_store", "normed_linear", "rms_norm", "sample", "silu_and_mul",
+    "BlockScales", "add_rms_norm", "copy_blocks", "gated_linear", "linear", "moe_experts",
+    "moe_route", "norm_rope_store", "normed_linear", "rms_norm", "sample", "silu_and_mul",
 ]

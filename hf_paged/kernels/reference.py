@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hf_paged.kernels.block_scales import BlockScales, dequantize
+
 
 def store_kv(
     key: torch.Tensor,
@@ -180,7 +182,9 @@ def moe_route(router_logits: torch.Tensor, top_k: int,
 
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                ids: torch.Tensor, config: object | None = None) -> torch.Tensor:
+                ids: torch.Tensor, config: object | None = None,
+                w13_scales: BlockScales | None = None, w2_scales: BlockScales | None = None,
+                ) -> torch.Tensor:
     """transformers' Qwen3MoeExperts: token ``t`` of ``x [T, H]`` goes through its experts
     ``ids[t]`` (distinct in a row), each ``F.linear(silu(gate) * up, w2[e])`` with ``gate,
     up`` the halves of ``F.linear(x[t], w13[e])``, times ``weights[t, slot]``, summed.
@@ -189,17 +193,28 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: t
     down projection; under tensor parallelism, a rank's slices of both. As transformers, the
     experts are taken in index order, each over its (slot, token) pairs in that order, and
     added up with ``index_add_`` in ``x``'s dtype, so float32 results match it bit for bit.
-    ``config`` (the Triton twin's tiles) is ignored."""
+    ``config`` (the Triton twin's tiles) is ignored. ``w13_scales`` / ``w2_scales``: the
+    weights are block-quantized FP8, each expert dequantized to ``x``'s dtype before use (as
+    transformers dequantizes them when it loads them)."""
     out = torch.zeros_like(x)
     ids = ids.long()
     inter = w2.shape[-1]
     for expert in ids.unique().tolist():
         slot, token = torch.where(ids.T == expert)
-        hidden = F.linear(x[token], w13[expert])
+        hidden = F.linear(x[token], _expert(w13, w13_scales, expert, x.dtype))
         hidden = F.silu(hidden[:, :inter]) * hidden[:, inter:]
-        hidden = F.linear(hidden, w2[expert]) * weights[token, slot, None]
+        hidden = F.linear(hidden, _expert(w2, w2_scales, expert, x.dtype))
+        hidden = hidden * weights[token, slot, None]
         out.index_add_(0, token, hidden.to(x.dtype))
     return out
+
+
+def _expert(w: torch.Tensor, scales: BlockScales | None, expert: int, dtype: torch.dtype
+            ) -> torch.Tensor:
+    """Expert ``expert``'s matrix of ``w``, dequantized when ``scales`` are given."""
+    if scales is None:
+        return w[expert]
+    return dequantize(w[expert], scales._replace(inv=scales.inv[expert]), dtype)
 
 
 def sample(
