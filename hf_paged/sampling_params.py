@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import torch
 
-    from hf_paged.engine.sequence import Sequence
+
+class Request(Protocol):
+    """A request handed to hooks and proposers. The engine hands its ``Sequence`` objects
+    (``hf_paged.engine.sequence``: these fields and the rest of a request's state); this
+    module sits below the engine, so it names them by this protocol."""
+
+    seq_id: int  # unique for the engine's lifetime
+    request_id: object  # the caller's id (the ``seq_id`` unless one was given)
+    token_ids: list[int]  # the prompt, then every generated token the host has
+    num_prompt_tokens: int
+    params: SamplingParams
 
 
 class RequestHooks:
@@ -25,22 +35,22 @@ class RequestHooks:
     #: step, since speculative decoding verifies drafts on the model's own logits.
     processes_logits: bool = True
 
-    def process(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+    def process(self, seqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
         """Scores to sample from, given the float32 logits rows of ``seqs``."""
         return logits
 
-    def record(self, seqs: list[Sequence], tokens: torch.Tensor) -> None:
+    def record(self, seqs: list[Request], tokens: torch.Tensor) -> None:
         """Called with the tokens just sampled (on the device) for the requests ``process``
         saw, before they reach the host."""
 
-    def on_tokens(self, seqs: list[Sequence]) -> list[tuple[Sequence, int]]:
+    def on_tokens(self, seqs: list[Request]) -> list[tuple[Request, int]]:
         """Called once a step with the requests that received a token (already appended;
         those it finished by EOS or length included). Returns the requests to stop, each with
         the number of new tokens it keeps (a decision about an earlier token drops the later
         ones, as for a token sampled after EOS)."""
         return []
 
-    def may_compute(self, seq: Sequence) -> bool:
+    def may_compute(self, seq: Request) -> bool:
         """Whether ``seq`` may be scheduled to sample its next token now (False holds it back
         for a step; the engine overrides a hold when nothing else can run)."""
         return True
@@ -48,10 +58,10 @@ class RequestHooks:
 
 class Proposer:
     """Drafts tokens for speculative decoding (``Speculation.proposer``): prompt lookup
-    (``hf_paged.engine.ngram.NgramProposer``) or a draft model
-    (``hf_paged.engine.draft_proposer.DraftProposer``)."""
+    (``hf_paged.engine.speculation.ngram.NgramProposer``) or a draft model
+    (``hf_paged.engine.speculation.draft_proposer.DraftProposer``)."""
 
-    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+    def propose(self, seqs: list[Request], limits: list[int]) -> list[list[int]]:
         """Draft tokens to follow each of ``seqs`` (every token of theirs known to the host),
         at most ``limits[i]`` for ``seqs[i]`` (each limit at least 1)."""
         raise NotImplementedError

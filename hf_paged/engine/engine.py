@@ -17,11 +17,11 @@ from hf_paged.engine import followers
 from hf_paged.engine.batch import ScheduledBatch
 from hf_paged.engine.block_manager import BlockManager
 from hf_paged.engine.loading import load
-from hf_paged.engine.run_loop import step_until_finished
+from hf_paged.engine.run_loop import progress_text, step_until_finished, stream_new_tokens
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.sequence import Sequence, Status
-from hf_paged.engine.speculative import Speculator, default_speculation
-from hf_paged.engine.validation import check_request
+from hf_paged.engine.speculation.speculator import Speculator, default_speculation
+from hf_paged.engine.validation import check_fork_count, check_request
 from hf_paged.sampling_params import SamplingParams
 from hf_paged.worker.executor import Executor
 
@@ -57,13 +57,12 @@ class EngineCore:
         self.block_manager = BlockManager(
             executor.num_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens, max_model_len
-        )
-        self.speculator = Speculator(self.scheduler, config, default_speculation(
+        # A draft checkpoint (``speculative_model``) loads into an engine like this one.
+        self.speculator = Speculator(config, max_model_len, default_speculation(
             config, self.device, self.dtype, max_model_len, executor.num_blocks,
-            self.hf_config.vocab_size, executor.is_leader))
-        self.scheduler.speculator = self.speculator
+            self.hf_config.vocab_size, EngineCore.from_pretrained, executor.is_leader))
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens, max_model_len, self.speculator)
         # The step launched whose tokens are not collected yet: its batch and the executor's
         # handle of it.
         self.in_flight: tuple[ScheduledBatch, object] | None = None
@@ -182,11 +181,7 @@ class EngineCore:
         computed the requests fork (sharing the prompt's KV blocks) and each samples its own
         first token from those logits, then they go their own ways (as transformers' batch
         expanded by ``num_return_sequences`` does). Returns the ``n`` sequences."""
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= self.config.max_num_seqs:
-            raise ValueError(
-                f"n must be an integer from 1 to max_num_seqs ({self.config.max_num_seqs}), "
-                f"got {n!r}"
-            )
+        check_fork_count(n, self.config.max_num_seqs)
         self.validate_request(prompt_token_ids, params)
         seqs = [Sequence(prompt_token_ids, params) for _ in range(n)]
         self.scheduler.add(seqs[0], seqs[1:])
@@ -209,7 +204,7 @@ class EngineCore:
             if previous is not None and previous[0].feeds_next_step:
                 finished = self._collect(previous)
                 previous = None
-            self.speculator.propose()
+            self.speculator.propose(self.scheduler.running)
             batch = self.scheduler.schedule()
             if batch.seqs:
                 self.in_flight = batch, self.executor.launch(batch.plan())
@@ -260,19 +255,7 @@ class EngineCore:
     ) -> Iterator[tuple[int, list[int]]]:
         """Generate for each prompt, yielding ``(prompt index, new token ids)`` as the engine
         collects them. Requests still running when the iterator is closed are aborted."""
-        seqs = self.add_requests(prompts, params)
-        sent = [0] * len(seqs)
-        try:
-            while not all(s.is_finished for s in seqs):
-                self.step()
-                for i, seq in enumerate(seqs):
-                    if seq.num_new_tokens > sent[i]:
-                        yield i, seq.output_token_ids[sent[i]:]
-                        sent[i] = seq.num_new_tokens
-        finally:
-            for seq in seqs:
-                if not seq.is_finished:
-                    self.abort(seq)
+        yield from stream_new_tokens(self.add_requests(prompts, params), self.step, self.abort)
 
     def run(
         self, seqs: list[Sequence], progress_bar: bool | None = None, on_step=None
@@ -298,13 +281,7 @@ class EngineCore:
         return seqs
 
     def _progress(self, seconds: float) -> str:
-        """The progress bar's text after a step of ``seconds``."""
-        batch = self._last_batch
-        kind = "decode" if batch.is_decode else "prefill"
-        tokens = len(batch.seqs) if batch.is_decode else batch.num_prefill_tokens
-        stats = self.stats()
-        hit = stats["prefix_cache_hits"] / max(stats["prefix_cache_queries"], 1)
-        return f"{kind} {tokens / seconds:,.0f} tok/s, cache hit {hit:.0%}"
+        return progress_text(self._last_batch, self.stats(), seconds)
 
     # ---- lifecycle ------------------------------------------------------------------------
 

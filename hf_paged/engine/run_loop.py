@@ -1,14 +1,15 @@
-"""Stepping an engine until a set of its requests has finished, with tqdm's progress bar when
+"""Stepping an engine until a set of its requests has finished: with tqdm's progress bar when
 asked for (off by default: transformers' generate() prints nothing, and a drop-in must not
-either)."""
+either), or yielding new tokens as they arrive."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from tqdm.auto import tqdm
 
+from hf_paged.engine.batch import ScheduledBatch
 from hf_paged.engine.sequence import Sequence
 
 
@@ -42,3 +43,31 @@ def step_until_finished(
         raise
     finally:
         bar.close()
+
+
+def stream_new_tokens(seqs: list[Sequence], step: Callable[[], list[Sequence]],
+                      abort: Callable[[Sequence], None]) -> Iterator[tuple[int, list[int]]]:
+    """``step()`` until every one of ``seqs`` has finished, yielding ``(index in seqs, new
+    token ids)`` as they arrive; those still running when the iterator is closed are
+    ``abort``ed."""
+    sent = [0] * len(seqs)
+    try:
+        while not all(s.is_finished for s in seqs):
+            step()
+            for i, seq in enumerate(seqs):
+                if seq.num_new_tokens > sent[i]:
+                    yield i, seq.output_token_ids[sent[i]:]
+                    sent[i] = seq.num_new_tokens
+    finally:
+        for seq in seqs:
+            if not seq.is_finished:
+                abort(seq)
+
+
+def progress_text(batch: ScheduledBatch, stats: dict[str, int], seconds: float) -> str:
+    """The progress bar's text after a step of ``seconds`` that ran ``batch``, with the
+    engine's ``stats`` then."""
+    kind = "decode" if batch.is_decode else "prefill"
+    tokens = len(batch.seqs) if batch.is_decode else batch.num_prefill_tokens
+    hit = stats["prefix_cache_hits"] / max(stats["prefix_cache_queries"], 1)
+    return f"{kind} {tokens / seconds:,.0f} tok/s, cache hit {hit:.0%}"

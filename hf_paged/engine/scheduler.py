@@ -17,54 +17,58 @@ dropped.
 
 Speculative decoding. A request given draft tokens (``seq.draft_token_ids``, by the engine's
 ``Speculator`` before ``schedule``) computes its newest token and its drafts in one chunk and
-draws a token at each of those positions; ``postprocess`` keeps the drafts up to the first the
-model disagreed with plus the model's token there (``speculative.accepted``), appending them one
-at a time so that an EOS or the length ends the request where plain decoding would, and gives
-back the cache of the rejected positions. Drafts never cost a preemption: when blocks run short
-they are dropped first. A step holding a request that may speculate is collected before the next
-is scheduled (``ScheduledBatch.feeds_next_step``), since drafting needs its tokens.
+draws a token at each of those positions; ``postprocess`` keeps what its ``Verifier`` accepts
+(the drafts up to the first the model disagreed with plus the model's token there), appending
+them one at a time so that an EOS or the length ends the request where plain decoding would,
+and gives back the cache of the rejected positions. Drafts never cost a preemption: when blocks
+run short they are dropped first. A step holding a request that may speculate is collected
+before the next is scheduled (``ScheduledBatch.feeds_next_step``), since drafting needs its
+tokens. The scheduler knows speculation only through ``Verifier``; who drafts lives in
+``hf_paged.engine.speculation``.
 
-Forks. Requests added as followers of a leader share its prompt: when the leader's prompt is
-first sampled they are forked from it (sharing its blocks) and each samples its own token from
-the same logits row. The members of a ``SequenceGroup`` (beam search) report candidates
-instead of sampling; once all have reported, the group's choice forks the members that
-continue and frees the others. Admission reserves the most sequences a request may become
-(``Sequence.num_seq_slots``) so that forks never exceed ``max_num_seqs``.
+Forks, group choices, aborts and the queues themselves: ``RequestQueues``.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from typing import Protocol
 
 from hf_paged.engine.batch import ScheduledBatch
 from hf_paged.engine.block_manager import BlockManager
+from hf_paged.engine.queues import RequestQueues
 from hf_paged.engine.sequence import Sequence, SequenceGroup, Status
-from hf_paged.engine.speculative import Speculator, accepted, drafts_next
 
 
-class Scheduler:
+class Verifier(Protocol):
+    """Speculative decoding as the scheduler sees it (the engine's ``Speculator``)."""
+
+    def adopt(self, seq: Sequence) -> None:
+        """Settle a new request's speculation."""
+
+    def needs_tokens(self, seq: Sequence, num_running: int) -> bool:
+        """Whether ``seq`` may draft at its next step while ``num_running`` requests run."""
+
+    def verify(self, seq: Sequence, drafts: list[int], drawn: list[int]) -> list[int]:
+        """The tokens a verified step of ``seq`` keeps, of those it ``drawn`` (one after its
+        newest token and after each of its ``drafts``)."""
+
+
+class Scheduler(RequestQueues):
     def __init__(
         self,
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        speculator: Verifier | None = None,
     ):
-        self.block_manager = block_manager
+        super().__init__(block_manager)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.waiting: deque[Sequence] = deque()
-        # Preempted group members that had reported: they need nothing until their group's
-        # choice, which sends those that go on to the front of the queue.
-        self.parked: list[Sequence] = []
-        self.running: list[Sequence] = []
-        self.num_preemptions = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        self.num_seq_slots = 0  # of max_num_seqs, reserved by admitted requests
-        self.dropped: list[Sequence] = []  # group members freed since the last take_dropped
-        self.speculator: Speculator | None = None  # set by the engine
+        self.speculator = speculator  # None: requests never speculate
 
     def add(self, seq: Sequence, followers: list[Sequence] = ()) -> None:
         """Queue a request; ``followers`` (requests with the same prompt) fork from it when
@@ -76,9 +80,6 @@ class Scheduler:
             for request in (seq, *followers):
                 self.speculator.adopt(request)
         self.waiting.append(seq)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.parked)
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -218,8 +219,7 @@ class Scheduler:
         drafts, seq.draft_token_ids = seq.draft_token_ids, []
         if seq.is_finished:
             return False
-        kept = accepted(drafts, drawn)
-        self.speculator.verified(seq, drafts, kept)
+        kept = self.speculator.verify(seq, drafts, drawn)
         self._append(seq, kept[0], finished)
         for token in kept[1:]:
             if seq.is_finished:
@@ -252,125 +252,9 @@ class Scheduler:
                     seq.finish_reason = "stop"
                     self._finish(seq, finished)
 
-    def _finish(self, seq: Sequence, finished: list[Sequence]) -> None:
-        self._release(seq)
-        seq.status = Status.FINISHED
-        finished.append(seq)
-
-    def _advance(self, group: SequenceGroup, finished: list[Sequence]) -> None:
-        """Apply a group's choice: each chosen member continues with its token (a member
-        chosen again is forked first, sharing its blocks); the members not chosen leave."""
-        choices = group.advance()
-        group.reports = {}
-        if not choices:
-            for seq in group.members:
-                self._drop(seq)
-            self.num_seq_slots -= group.width
-            group.admitted = False
-            root = group.root
-            root.status, root.finish_reason = Status.FINISHED, root.finish_reason or "stop"
-            finished.append(root)
-            return
-        chosen: set[int] = set()
-        members = []
-        for parent, token in choices:  # forks first: they copy the parent's tokens
-            if parent.seq_id in chosen:
-                child = self.fork(parent)
-                child.token_ids.append(token)
-                members.append(child)
-            else:
-                chosen.add(parent.seq_id)
-                members.append(parent)
-        for parent, token in choices:  # a parent continues with its first choice
-            if parent.seq_id in chosen:
-                chosen.discard(parent.seq_id)
-                parent.token_ids.append(token)
-        kept = {s.seq_id for s in members}
-        for seq in group.members:
-            if seq.seq_id not in kept:
-                self._drop(seq)
-        group.members = members
-        for seq in reversed(members):
-            if seq in self.parked:
-                self.parked.remove(seq)
-                self.waiting.appendleft(seq)
-
-    def fork(self, parent: Sequence) -> Sequence:
-        """A copy of ``parent`` sharing its blocks, next to it in the running or waiting queue."""
-        child = parent.fork()
-        if parent.status is Status.RUNNING:
-            self.block_manager.fork(parent, child)
-            self.running.append(child)
-        elif parent in self.parked:
-            self.parked.append(child)
-        else:
-            self.waiting.insert(self.waiting.index(parent) + 1, child)
-        return child
-
-    def _drop(self, seq: Sequence) -> None:
-        """A group member leaves (its group holds the slots)."""
-        if seq.status is Status.RUNNING:
-            self.block_manager.free(seq)
-        elif seq.status is Status.WAITING:
-            self._unqueue(seq)
-        seq.status = Status.FINISHED
-        self.dropped.append(seq)
-
-    def _unqueue(self, seq: Sequence) -> None:
-        (self.parked if seq in self.parked else self.waiting).remove(seq)
-
-    def take_dropped(self) -> list[Sequence]:
-        dropped, self.dropped = self.dropped, []
-        return dropped
-
-    def _release(self, seq: Sequence) -> None:
-        """Free a request that stops while running, or take it off the queue if it was
-        preempted meanwhile; give back its slots."""
-        if seq.status is Status.RUNNING:
-            self.block_manager.free(seq)
-            self.num_seq_slots -= 1 + len(seq.followers)
-        elif seq.status is Status.WAITING:
-            self.waiting.remove(seq)
-
     def _length_reached(self, seq: Sequence, num_tokens: int) -> bool:
         new = num_tokens - seq.num_prompt_tokens
         return new >= seq.params.max_new_tokens or num_tokens >= self.max_model_len
-
-    def abort(self, seq: Sequence) -> None:
-        """Drop a request wherever it is, releasing its blocks (a group: all its members)."""
-        group = seq.group
-        if group is not None:
-            for member in group.members:
-                if member is not group.root:
-                    self._drop(member)
-            self.running = [s for s in self.running if s.status is Status.RUNNING]
-            if group.admitted:
-                self.num_seq_slots -= group.width
-                group.admitted = False
-            group.members = [group.root]
-            seq = group.root
-        elif seq.leader is not None:  # a follower not forked yet: in no queue
-            seq.leader.followers.remove(seq)
-            self.num_seq_slots -= seq.leader.status is Status.RUNNING
-            seq.leader, seq.status, seq.finish_reason = None, Status.FINISHED, "abort"
-            return
-        elif seq.followers:  # the first follower takes the prompt over, from the queue's front
-            heir, *rest = seq.followers
-            heir.leader, heir.followers = None, rest
-            for follower in rest:
-                follower.leader = heir
-            seq.followers = []
-            if seq.status is Status.RUNNING:
-                self.num_seq_slots -= 1 + len(rest)
-            self.waiting.appendleft(heir)
-        if seq.status is Status.RUNNING:
-            self.running.remove(seq)
-            self.block_manager.free(seq)
-            self.num_seq_slots -= seq.group is None
-        elif seq.status is Status.WAITING:
-            self._unqueue(seq)
-        seq.status = Status.FINISHED
-        seq.finish_reason = seq.finish_reason or "abort"
 
     def _preempt_idle_member(self) -> bool:
         """Preempt the latest group member that waits for its group's choice (it is parked),
@@ -392,19 +276,6 @@ class Scheduler:
                 return i
         return None
 
-    def _preempt(self, seq: Sequence, park: bool = False) -> None:
-        self.block_manager.free(seq)
-        seq.draft_token_ids = []
-        seq.num_computed_tokens = 0
-        seq.status = Status.WAITING
-        if park:
-            self.parked.append(seq)
-        else:
-            self.waiting.appendleft(seq)
-        self.num_preemptions += 1
-        if seq.group is None:  # a group keeps its slots for its members
-            self.num_seq_slots -= 1 + len(seq.followers)
-
     def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
         """Count the chunk as computed (the step will have stored its K/V before any later
         step reads them) and its sampled token, if any, as pending. A group member's step
@@ -413,8 +284,8 @@ class Scheduler:
         drafts = len(seq.draft_token_ids)
         sample = start + n == seq.num_tokens + drafts
         batch.add(seq, start, n, sample, drafts)
-        if sample and self.speculator is not None and self.speculator.active \
-                and drafts_next(seq):
+        if sample and self.speculator is not None \
+                and self.speculator.needs_tokens(seq, len(self.running)):
             batch.speculative = True  # its next step may draft: it needs this one's tokens
         seq.num_computed_tokens = start + n
         seq.num_pending += sample and seq.group is None

@@ -18,6 +18,13 @@ def check_request(prompt_token_ids: list[int], max_new_tokens: int, vocab_size: 
     _check_fits(len(prompt_token_ids), max_new_tokens, max_model_len, blocks, memory)
 
 
+def check_fork_count(n: int, max_num_seqs: int) -> None:
+    """Raise ValueError naming ``n`` unless ``n`` requests may fork from one prompt."""
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= max_num_seqs:
+        raise ValueError(f"n must be an integer from 1 to max_num_seqs ({max_num_seqs}), "
+                         f"got {n!r}")
+
+
 def _check_fits(prompt_len: int, max_new_tokens: int, max_model_len: int, bm: BlockManager,
                 memory: str) -> None:
     """Blame the prompt when it leaves no room for even one new token (no value of

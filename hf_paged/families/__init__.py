@@ -16,8 +16,6 @@ from types import ModuleType
 
 from transformers import PretrainedConfig
 
-from hf_paged.families.build import build_model
-
 # config.model_type -> the module of the family that serves it.
 REGISTRY: dict[str, str] = {
     "qwen3": "hf_paged.families.qwen3",
@@ -65,5 +63,5 @@ def check_model(config: PretrainedConfig, tp_size: int) -> None:
     family.check_shardable(config, tp_size)
 
 
-__all__ = ["REGISTRY", "all_families", "build_model", "check_model", "family_for",
-           "supported_description", "supported_model_types"]
+__all__ = ["REGISTRY", "all_families", "check_model", "family_for", "supported_description",
+           "supported_model_types"]

@@ -8,7 +8,6 @@ import torch
 import transformers
 from transformers import PretrainedConfig
 
-# The module, not its names: its __init__ imports this file before defining them.
 from hf_paged import families
 from hf_paged.modeling.loader import (
     Checkpoint,

@@ -24,9 +24,9 @@ from contextlib import contextmanager
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import GenerationMode
 
-from hf_paged.engine.draft_engine import draft_engine_for
-from hf_paged.engine.draft_proposer import DraftProposer
-from hf_paged.engine.ngram import NgramProposer
+from hf_paged.engine.speculation.draft_proposer import DraftProposer
+from hf_paged.engine.speculation.ngram import NgramProposer
+from hf_paged.generation.assistant_engine import draft_engine_for
 from hf_paged.generation.settings import Resolved
 from hf_paged.sampling_params import SCHEDULES, Speculation
 

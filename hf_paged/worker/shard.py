@@ -14,7 +14,7 @@ import logging
 import torch
 
 from hf_paged.cuda_graphs import capture_graph
-from hf_paged.families import build_model
+from hf_paged.families.build import build_model
 from hf_paged.kernels.launch import hash_triton_in_background
 from hf_paged.modeling.all_reduce import SymmetricAllReduce
 from hf_paged.modeling.tp import TensorParallel

@@ -13,10 +13,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 import hf_paged
 from hf_paged.config import EngineConfig
-from hf_paged.engine.draft_engine import draft_engine_for, draft_engine_from_checkpoint
-from hf_paged.engine.draft_proposer import DraftProposer
 from hf_paged.engine.engine import EngineCore
 from hf_paged.engine.sequence import Sequence
+from hf_paged.engine.speculation.draft_engine import draft_engine_from_checkpoint
+from hf_paged.engine.speculation.draft_proposer import DraftProposer
+from hf_paged.generation.assistant_engine import draft_engine_for
 from hf_paged.random_checkpoint import random_qwen3
 from hf_paged.sampling_params import SamplingParams, Speculation
 from tests.conftest import SMALL, TINY_CONFIGS
@@ -90,11 +91,13 @@ def test_models_that_cannot_draft_are_refused(checkpoints, make):
 def test_engine_from_checkpoint(checkpoints):
     config = EngineConfig(**SMALL, max_num_seqs=4, speculative_model=checkpoints[NAME])
     options = dict(dtype=None, device="cpu", config=config, max_model_len=64, num_blocks=40)
-    engine = draft_engine_from_checkpoint(checkpoints[NAME], **options, vocab_size=1024)
+    engine = draft_engine_from_checkpoint(checkpoints[NAME], EngineCore.from_pretrained, **options,
+                                          vocab_size=1024)
     assert engine.block_manager.num_blocks == 40 and engine.max_model_len == 64
     assert engine.config.max_num_seqs == 4 and engine.config.speculative_method is None
     with pytest.raises(ValueError, match="speculative_model"):
-        draft_engine_from_checkpoint(checkpoints[NAME], **options, vocab_size=2048)
+        draft_engine_from_checkpoint(checkpoints[NAME], EngineCore.from_pretrained, **options,
+                                     vocab_size=2048)
 
 
 def test_engine_drafting_for_itself_keeps_greedy_output(checkpoints):

@@ -11,9 +11,9 @@ import random
 import pytest
 import torch
 
-from hf_paged.engine.draft_proposer import DraftProposer, common_prefix_len
 from hf_paged.engine.engine import EngineCore
 from hf_paged.engine.sequence import Sequence
+from hf_paged.engine.speculation.draft_proposer import DraftProposer, common_prefix_len
 from hf_paged.sampling_params import SamplingParams, Speculation
 from tests.conftest import SMALL, TINY_CONFIGS
 

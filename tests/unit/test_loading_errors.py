@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 import hf_paged
-from hf_paged.families import build_model
+from hf_paged.families.build import build_model
 from hf_paged.modeling.tp import SINGLE, TensorParallel
 
 SMALL = dict(device="cpu", max_model_len=64, num_kv_blocks=16, block_size=8, max_num_seqs=4)

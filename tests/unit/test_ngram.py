@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
-from hf_paged.engine.ngram import lookup
+from hf_paged.engine.speculation.ngram import lookup
 
 
 def transformers_drafts(tokens: list[int], limit: int, max_ngram: int, eos: list[int]):

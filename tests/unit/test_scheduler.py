@@ -263,3 +263,43 @@ def test_aborts_of_followers_leaders_and_groups_leak_nothing():
     run_with_groups(sched)
     assert second.num_new_tokens == 5 and first.finish_reason == leader.finish_reason == "abort"
     assert sched.block_manager.num_free_blocks == 32 and sched.num_seq_slots == 0
+
+
+class KeepFirstDraft:
+    """A ``Verifier`` that keeps one draft of each verified step (whatever was drawn) and
+    records what it was asked."""
+
+    def __init__(self):
+        self.adopted, self.verified = [], []
+
+    def adopt(self, seq):
+        self.adopted.append(seq)
+
+    def needs_tokens(self, seq, num_running):
+        return True
+
+    def verify(self, seq, drafts, drawn):
+        self.verified.append((list(drafts), list(drawn)))
+        return [drafts[0], drawn[1]]
+
+
+def test_speculation_only_through_the_verifier():
+    """The scheduler drives drafts with any ``Verifier``: it verifies them in one chunk, keeps
+    what ``verify`` returns and gives back the cache of the rest."""
+    verifier = KeepFirstDraft()
+    bm = BlockManager(64, 4, True)
+    sched = Scheduler(bm, 8, 32, 512, verifier)
+    seq = Sequence([1, 2, 3], SamplingParams(max_new_tokens=10))
+    sched.add(seq)
+    assert verifier.adopted == [seq]
+    first = sched.schedule()
+    assert first.feeds_next_step  # its next step may draft: collected before scheduling on
+    sched.postprocess(first, [4])
+    seq.draft_token_ids = [7, 8, 9]
+    batch = sched.schedule()
+    assert batch.num_tokens == [4] and batch.num_draft_tokens == [3]
+    sched.postprocess(batch, [7, 5, 6, 0])
+    assert verifier.verified == [([7, 8, 9], [7, 5, 6, 0])]
+    assert seq.token_ids == [1, 2, 3, 4, 7, 5] and seq.draft_token_ids == []
+    assert seq.num_computed_tokens == 5 and seq.num_pending == 0
+    assert len(seq.block_table) == bm.blocks_needed(5)

@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import Qwen3Config
 
-from hf_paged.families import build_model, check_model
+from hf_paged.families import check_model
+from hf_paged.families.build import build_model
 from hf_paged.modeling.embedding import VocabParallelEmbedding
 from hf_paged.modeling.linear import (
     MergedColumnParallelLinear,

@@ -21,15 +21,16 @@ which keep the host/device overlap that drafting gives up.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+
+import torch
 
 from hf_paged.config import EngineConfig
-from hf_paged.engine.ngram import NgramProposer
 from hf_paged.engine.sequence import Sequence, Status
+from hf_paged.engine.speculation.draft_engine import DraftEngine, draft_engine_from_checkpoint
+from hf_paged.engine.speculation.draft_proposer import DraftProposer
+from hf_paged.engine.speculation.ngram import NgramProposer
 from hf_paged.sampling_params import Proposer, Speculation
-
-if TYPE_CHECKING:
-    from hf_paged.engine.scheduler import Scheduler
 
 
 def accepted(drafts: list[int], drawn: list[int]) -> list[int]:
@@ -59,12 +60,12 @@ MAX_PAUSE = 3  # most steps a request sits out of drafting after finding nothing
 
 
 class Speculator:
-    """The engine's speculative decoding: proposes before each step, keeps counts."""
+    """The engine's speculative decoding: proposes before each step, verifies what a step
+    drew (the scheduler's ``Verifier``), keeps counts."""
 
-    def __init__(self, scheduler: Scheduler, config: EngineConfig, default: Speculation | None):
-        self.scheduler = scheduler
+    def __init__(self, config: EngineConfig, max_model_len: int, default: Speculation | None):
         self.max_batch = config.speculative_max_batch
-        self.max_model_len = scheduler.max_model_len
+        self.max_model_len = max_model_len
         self.default = default  # for requests whose SamplingParams name none
         self.proposers: dict[int, Proposer] = {}  # every proposer a request used, by id
         self.drafted: list[Sequence] = []  # the requests given drafts by the last ``propose``
@@ -80,20 +81,20 @@ class Speculator:
             seq.draft_length = spec.num_tokens
             self.proposers.setdefault(id(spec.proposer), spec.proposer)
 
-    @property
-    def active(self) -> bool:
-        """Whether requests speculate now (few enough run)."""
-        return len(self.scheduler.running) <= self.max_batch
+    def needs_tokens(self, seq: Sequence, num_running: int) -> bool:
+        """Whether ``seq`` may draft at its next step while ``num_running`` requests run (its
+        tokens are then needed on the host before that step is scheduled)."""
+        return num_running <= self.max_batch and drafts_next(seq)
 
-    def propose(self) -> None:
-        """Give each running request that may speculate this step its drafts
-        (``seq.draft_token_ids``), one proposer call for all the requests that share it."""
+    def propose(self, running: list[Sequence]) -> None:
+        """Give each of the ``running`` requests that may speculate this step its drafts
+        (``seq.draft_token_ids``), one proposer call for all the requests that share it;
+        none while more than ``speculative_max_batch`` run."""
         for seq in self.drafted:  # drafts of a step that left a request out are stale
             seq.draft_token_ids = []
         self.drafted = []
-        if not self.active:
+        if len(running) > self.max_batch:
             return
-        running = self.scheduler.running
         by_proposer: dict[int, tuple[Proposer, list[Sequence], list[int]]] = {}
         for seq in running:
             if seq.draft_pause:
@@ -127,9 +128,10 @@ class Speculator:
                    self.max_model_len - len(seq.token_ids))
         return max(0, min(seq.draft_length, room - 1))
 
-    def verified(self, seq: Sequence, drafts: list[int], kept: list[int]) -> None:
-        """Count a verified step of ``seq`` (``kept``: what ``accepted`` kept of it) and adapt
-        its draft length to its schedule."""
+    def verify(self, seq: Sequence, drafts: list[int], drawn: list[int]) -> list[int]:
+        """The tokens a verified step of ``seq`` keeps (``accepted``); counts them and adapts
+        the request's draft length to its schedule."""
+        kept = accepted(drafts, drawn)
         agreed = len(kept) - 1
         self.num_verify_steps += 1
         self.num_draft_tokens += len(drafts)
@@ -139,6 +141,7 @@ class Speculator:
                 seq.draft_length += 2
             else:
                 seq.draft_length = max(1, seq.draft_length - 1)
+        return kept
 
     def release(self, seqs: list[Sequence]) -> None:
         """Tell the proposers that these requests are over."""
@@ -166,22 +169,23 @@ class Speculator:
         }
 
 
-def default_speculation(config: EngineConfig, device, dtype, max_model_len: int,
-                        num_blocks: int, vocab_size: int, is_leader: bool = True
+def default_speculation(config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                        max_model_len: int, num_blocks: int, vocab_size: int,
+                        build: Callable[..., DraftEngine], is_leader: bool = True
                         ) -> Speculation | None:
     """The engine's own speculation (``EngineConfig.speculative_method``), for requests whose
     SamplingParams name none; a draft checkpoint loads beside the model (on the scheduling
-    rank only: the others follow its steps)."""
+    rank only: the others follow its steps) through ``build`` (the engine class's
+    ``from_pretrained``)."""
     method = config.speculative_method
     if method is None or not is_leader:
         return None
     if method == "ngram":
         proposer = NgramProposer(config.prompt_lookup_max)
-    else:  # the draft proposer builds engines: imported here, after the engine module
-        from hf_paged.engine.draft_engine import draft_engine_from_checkpoint
-        from hf_paged.engine.draft_proposer import DraftProposer
-        draft = draft_engine_from_checkpoint(config.speculative_model, dtype=dtype, device=device,
-                                             config=config, max_model_len=max_model_len,
+    else:
+        draft = draft_engine_from_checkpoint(config.speculative_model, build, dtype=dtype,
+                                             device=device, config=config,
+                                             max_model_len=max_model_len,
                                              num_blocks=num_blocks, vocab_size=vocab_size)
         proposer = DraftProposer(draft, owns_engine=True)
     return Speculation(proposer, config.num_speculative_tokens)

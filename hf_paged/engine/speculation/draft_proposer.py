@@ -24,13 +24,29 @@ Building a draft engine (from a model object or a checkpoint) lives in ``draft_e
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
+from hf_paged.config import EngineConfig
 from hf_paged.engine.batch import ScheduledBatch
-from hf_paged.engine.engine import EngineCore
+from hf_paged.engine.block_manager import BlockManager
 from hf_paged.engine.sequence import Sequence
 from hf_paged.sampling_params import Proposer, SamplingParams
+from hf_paged.worker.executor import Executor
+
+
+class DraftEngine(Protocol):
+    """What drafting uses of the engine it drafts on (an ``EngineCore``): its steps go
+    straight to the executor, over the engine's blocks."""
+
+    config: EngineConfig
+    max_model_len: int
+    block_manager: BlockManager
+    executor: Executor
+
+    def close(self) -> None:
+        """Free the engine (a proposer that owns it closes it)."""
 
 # Drafts are greedy and never end on their own: the proposer decides where they stop.
 _GREEDY = SamplingParams(temperature=0.0, max_new_tokens=1 << 62, ignore_eos=True)
@@ -84,7 +100,7 @@ class DraftProposer(Proposer):
     room for.
     """
 
-    def __init__(self, engine: EngineCore, owns_engine: bool = False):
+    def __init__(self, engine: DraftEngine, owns_engine: bool = False):
         self.engine = engine
         self.owns_engine = owns_engine
         self.block_manager = engine.block_manager
