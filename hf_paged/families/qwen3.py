@@ -154,6 +154,14 @@ class Qwen3PagedAttention(nn.Module):
         self.k_scale: torch.Tensor | None = None
         self.v_scale: torch.Tensor | None = None
 
+    def set_kv_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """A checkpoint's KV-cache scales, one number or one per KV head of the whole model:
+        this rank's heads' (``QKVParallelLinear.kv_shard``)."""
+        first = self.qkv_proj.kv_shard * self.num_kv_heads
+        self.k_scale, self.v_scale = (
+            s.expand(self.num_kv_heads).clone() if s.numel() == 1
+            else s[first:first + self.num_kv_heads].clone() for s in (k_scale, v_scale))
+
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
         norm: nn.Module, meta: AttentionMetadata, rotary: RotaryEmbedding,

@@ -6,10 +6,12 @@ tokens top-k / top-p sampling can draw)."""
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
 import transformers.models.qwen3.modeling_qwen3 as modeling_qwen3
+from safetensors.torch import load_file, save_file
 
 import hf_paged
 from hf_paged.kernels import reference
@@ -165,3 +167,51 @@ def test_kv_cache_dtype_is_checked_by_name(checkpoints):
     with pytest.raises(ValueError, match="kv_cache_dtype 'fp8' is not supported by "
                                          "attention_backend 'flash_attn'"):
         engine(checkpoints, "gqa_tied", "fp8", attention_backend="flash_attn")
+
+
+def with_scales(checkpoints, tmp_path, names: dict[str, torch.Tensor]) -> dict[str, str]:
+    """gqa_tied's checkpoint plus the tensors ``names``."""
+    tensors = load_file(f"{checkpoints['gqa_tied']}/model.safetensors")
+    shutil.copytree(checkpoints["gqa_tied"], tmp_path, dirs_exist_ok=True)
+    save_file({**tensors, **names}, f"{tmp_path}/model.safetensors", metadata={"format": "pt"})
+    return {"gqa_tied": str(tmp_path)}
+
+
+def test_scales_from_the_checkpoint(checkpoints, hf_models, e4m3_attention, tmp_path):
+    layers = TINY_CONFIGS["gqa_tied"]["num_hidden_layers"]
+    kv_heads = TINY_CONFIGS["gqa_tied"]["num_key_value_heads"]
+    # Per tensor in ModelOpt's names for layer 0, per KV head in compressed-tensors' for the rest.
+    shipped = {"model.layers.0.self_attn.k_scale": torch.tensor(0.02),
+               "model.layers.0.self_attn.v_scale": torch.tensor(0.05)}
+    for i in range(1, layers):
+        shipped[f"model.layers.{i}.self_attn.k_proj.output_scale"] = torch.tensor([0.01, 0.03])
+        shipped[f"model.layers.{i}.self_attn.v_proj.output_scale"] = torch.tensor([0.06, 0.04])
+    path = with_scales(checkpoints, tmp_path, shipped)
+    fp8 = engine(path, "gqa_tied", "fp8")
+    first = fp8.model.attention_layers[0]
+    assert torch.equal(first.k_scale, torch.full((kv_heads,), 0.02))
+    assert torch.equal(fp8.model.attention_layers[1].v_scale, torch.tensor([0.06, 0.04]))
+    e4m3_attention(fp8)
+    ids, mask = left_padded([7, 17], TINY_CONFIGS["gqa_tied"]["vocab_size"], seed=5)
+    ref = hf_models["gqa_tied"].generate(ids, attention_mask=mask, max_new_tokens=12,
+                                         do_sample=False)
+    assert torch.equal(fp8.generate(ids, attention_mask=mask, max_new_tokens=12), ref)
+
+
+def test_checkpoint_scales_leave_the_float_cache_alone(checkpoints, tmp_path):
+    path = with_scales(checkpoints, tmp_path, {
+        f"model.layers.{i}.self_attn.kv_scale": torch.tensor(0.5)
+        for i in range(TINY_CONFIGS["gqa_tied"]["num_hidden_layers"])})
+    ids, mask = left_padded([7, 17], TINY_CONFIGS["gqa_tied"]["vocab_size"], seed=5)
+    outs = [engine(p, "gqa_tied", "auto").generate(ids, attention_mask=mask, max_new_tokens=8)
+            for p in (path, checkpoints)]
+    assert torch.equal(*outs)
+
+
+def test_scales_missing_for_a_layer_are_refused_by_key(checkpoints, tmp_path):
+    path = with_scales(checkpoints, tmp_path, {"model.layers.0.self_attn.k_scale":
+                                               torch.tensor(0.02),
+                                               "model.layers.0.self_attn.v_scale":
+                                               torch.tensor(0.02)})
+    with pytest.raises(ValueError, match=r"not model\.layers\.1\.self_attn\.k_scale"):
+        engine(path, "gqa_tied", "fp8")
