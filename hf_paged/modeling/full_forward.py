@@ -76,8 +76,8 @@ def _scratch_cache(model: PagedModel, num_blocks: int, block_size: int):
     layers = model.attention_layers
     weight = model.embed_tokens.weight
     shape = (num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
-    dtype = layers[0].k_cache.dtype if layers[0].k_scale is not None else weight.dtype
-    k, v = (torch.zeros(shape, dtype=dtype, device=weight.device) for _ in "kv")
+    k, v = (torch.zeros(shape, dtype=layers[0].k_cache.dtype, device=weight.device)
+            for _ in "kv")
     saved = [(layer.k_cache, layer.v_cache) for layer in layers]
     try:
         for layer in layers:
