@@ -26,13 +26,15 @@ def _cache_value(x, scale, FP8: tl.constexpr):
     exact value: Triton's interpreter, which the CPU tests run, rounds float8 casts otherwise
     (up at ties, and 31.9 to 16 for want of a carry into the exponent)."""
     if FP8:
-        y = tl.clamp(x.to(tl.float32) / scale, -448.0, 448.0)
+        # IEEE division, as torch's (``/`` on float32 is an approximate one on the GPU).
+        y = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -448.0, 448.0)
         # The step between e4m3 values around y: 3 bits below its leading one, and 2**-9 (the
-        # subnormals') below 2**-6; as a biased float32 exponent.
-        exponent = (y.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        step = ((tl.maximum(exponent, 127 - 6) - 3) << 23).to(tl.float32, bitcast=True)
+        # subnormals') below 2**-6; as a biased float32 exponent, and its exact reciprocal.
+        exponent = tl.maximum((y.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6) - 3
+        step = (exponent << 23).to(tl.float32, bitcast=True)
+        inverse = ((254 - exponent) << 23).to(tl.float32, bitcast=True)
         # Adding and taking away 1.5 * 2**23 rounds |y / step| <= 16 to an integer, ties to even.
-        y = ((y / step + 12582912.0) - 12582912.0) * step
+        y = ((y * inverse + 12582912.0) - 12582912.0) * step
         return y.to(tl.float8e4nv)
     return x
 
