@@ -14,6 +14,7 @@ import transformers.models.qwen3.modeling_qwen3 as modeling_qwen3
 from safetensors.torch import load_file, save_file
 
 import hf_paged
+from hf_paged import kernels
 from hf_paged.kernels import reference
 from tests.conftest import TINY_CONFIGS, left_padded
 
@@ -146,7 +147,7 @@ def test_agreement_with_the_float_cache(checkpoints, name):
 
 
 def test_prefix_cache_hits_and_copy_on_write_over_fp8_blocks(checkpoints, hf_models,
-                                                             e4m3_attention):
+                                                             e4m3_attention, monkeypatch):
     fp8 = engine(checkpoints, "gqa_tied", "fp8")
     e4m3_attention(fp8)
     ids, mask = left_padded([9, 20], TINY_CONFIGS["gqa_tied"]["vocab_size"], seed=3)
@@ -155,10 +156,15 @@ def test_prefix_cache_hits_and_copy_on_write_over_fp8_blocks(checkpoints, hf_mod
     assert torch.equal(again, first)
     assert fp8.stats()["prefix_cache_hits"] > 0
     # Beams fork sequences that share partly filled blocks: copy-on-write copies FP8 blocks.
+    copied = []
+    copy_blocks = kernels.copy_blocks
+    monkeypatch.setattr(kernels, "copy_blocks", lambda k, v, *pairs: (
+        copied.append(k.dtype), copy_blocks(k, v, *pairs)))
     ref = hf_models["gqa_tied"].generate(ids, attention_mask=mask, max_new_tokens=12,
                                          num_beams=3, do_sample=False)
     assert torch.equal(fp8.generate(ids, attention_mask=mask, max_new_tokens=12, num_beams=3),
                        ref)
+    assert copied and set(copied) == {torch.float8_e4m3fn}
 
 
 def test_fp8_cache_holds_twice_the_tokens(checkpoints):
