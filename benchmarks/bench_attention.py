@@ -1,7 +1,9 @@
 """Paged decode attention against the memory bandwidth: at W1-like batches (256 sequences,
-contexts drawn from 100 to 2,048 tokens, bf16, the engine's block size), the kernel's time
-over the bytes it must read (every sequence's K and V once, the queries) and write (the
-outputs), as a fraction of the device's measured copy bandwidth. With ``--sweep-batches``, also
+contexts drawn from 100 to 2,048 tokens, bf16 queries, the engine's block size), the kernel's
+time over the bytes it must read (every sequence's K and V once, the queries) and write (the
+outputs), as a fraction of the device's measured copy bandwidth; over a bf16 cache and over an
+FP8 one (``kv_cache_dtype="fp8"``: one byte an element, per-KV-head scales). With
+``--sweep-batches``, also
 smaller batches (W1's tail: fewer sequences, longer contexts) at the split-K policy's choice and
 at each of ``--splits``. Writes ``attention-decode-<device>.json``.
 
@@ -12,6 +14,7 @@ usage: python -m benchmarks.bench_attention [--batch 256] [--repeats 50]
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 from pathlib import Path
 
@@ -23,6 +26,7 @@ from benchmarks.timing import graph_seconds
 from hf_paged.config import EngineConfig
 from hf_paged.kernels.attention import DECODE_TILE, paged_attention
 from hf_paged.kernels.decode_attention import decode_splits
+from hf_paged.kernels.reference import quantize_kv
 from hf_paged.modeling.attention import decode_order
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,8 +35,10 @@ HEAD_DIM = 128
 SHAPES = [(16, 8), (32, 8)]
 
 
-def decode_batch(lengths: list[int], heads: int, kv_heads: int, page: int, device):
-    """Queries and a paged cache holding each sequence's context in randomly placed blocks."""
+def decode_batch(lengths: list[int], heads: int, kv_heads: int, page: int, device,
+                 fp8: bool = False):
+    """Queries and a paged cache holding each sequence's context in randomly placed blocks
+    (``fp8``: quantized with scales per KV head, which end the tuple)."""
     blocks = [-(-n // page) for n in lengths]
     total = sum(blocks)
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -47,7 +53,12 @@ def decode_batch(lengths: list[int], heads: int, kv_heads: int, page: int, devic
     query = torch.randn(len(lengths), heads, HEAD_DIM, dtype=torch.bfloat16, device=device)
     cu = torch.arange(len(lengths) + 1, dtype=torch.int32, device=device)
     seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
-    return query, *cache, cu, seq_lens, tables.to(device)
+    batch = (query, *cache, cu, seq_lens, tables.to(device))
+    if not fp8:
+        return batch
+    scales = [c.float().abs().amax(dim=(0, 1, 3)) / 200 for c in cache]
+    cache = [quantize_kv(c.flatten(0, 1), s).view(c.shape) for c, s in zip(cache, scales)]
+    return (query, *cache, cu, seq_lens, tables.to(device), *scales)
 
 
 def kernel_seconds(args: tuple, repeats: int, num_splits: int | None = None) -> float:
@@ -55,15 +66,17 @@ def kernel_seconds(args: tuple, repeats: int, num_splits: int | None = None) -> 
     started longest context first as the engine starts them."""
     scale = HEAD_DIM**-0.5
     order = torch.from_numpy(decode_order(args[4].tolist())).to(args[4].device)
+    scales = dict(zip(("k_scale", "v_scale"), args[6:]))
     return graph_seconds(lambda: paged_attention(
-        *args, scale, max_query_len=1, num_splits=num_splits, order=order), repeats)
+        *args[:6], scale, max_query_len=1, num_splits=num_splits, order=order, **scales),
+        repeats)
 
 
 def fraction(lengths: list[int], heads: int, kv_heads: int, seconds: float,
-             bandwidth: float) -> tuple[int, float]:
+             bandwidth: float, kv_element_bytes: int = 2) -> tuple[int, float]:
     """Bytes the call must move (every sequence's K and V once, queries in, outputs out), and
     the fraction of ``bandwidth`` that moving them in ``seconds`` reaches."""
-    kv_bytes = sum(lengths) * kv_heads * HEAD_DIM * 2 * 2  # K and V, bf16
+    kv_bytes = sum(lengths) * kv_heads * HEAD_DIM * 2 * kv_element_bytes  # K and V
     io_bytes = 2 * len(lengths) * heads * HEAD_DIM * 2
     return kv_bytes + io_bytes, (kv_bytes + io_bytes) / seconds / bandwidth
 
@@ -112,16 +125,18 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(0)
     lengths = [rng.randint(args.min_context, args.max_context) for _ in range(args.batch)]
     rows = []
-    for heads, kv_heads in SHAPES:
-        batch = decode_batch(lengths, heads, kv_heads, page, device)
+    for (heads, kv_heads), cache in itertools.product(SHAPES, ("bfloat16", "fp8")):
+        batch = decode_batch(lengths, heads, kv_heads, page, device, fp8=cache == "fp8")
         seconds = kernel_seconds(batch, args.repeats)
-        moved, share = fraction(lengths, heads, kv_heads, seconds, bandwidth)
+        moved, share = fraction(lengths, heads, kv_heads, seconds, bandwidth,
+                                batch[1].element_size())
         rows.append({"query_heads": heads, "kv_heads": kv_heads, "head_dim": HEAD_DIM,
-                     "kernel_us": round(seconds * 1e6, 2), "bytes": moved,
-                     "achieved_bytes_per_s": moved / seconds,
+                     "kv_cache_dtype": cache, "kernel_us": round(seconds * 1e6, 2),
+                     "bytes": moved, "achieved_bytes_per_s": moved / seconds,
                      "fraction_of_copy_bandwidth": round(share, 3)})
-        print(f"decode attention {heads}/{kv_heads} heads: {seconds * 1e6:.1f} us, "
-              f"{moved / seconds / 1e12:.2f} TB/s, {share:.1%} of copy bandwidth", flush=True)
+        print(f"decode attention {heads}/{kv_heads} heads, {cache} cache: "
+              f"{seconds * 1e6:.1f} us, {moved / seconds / 1e12:.2f} TB/s, {share:.1%} of copy "
+              "bandwidth", flush=True)
         del batch
     info = device_info(device)
     result = {

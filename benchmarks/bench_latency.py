@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     top = common.max_token_id(args.model)
     decode = w2_decode(args.repeats, args.prompt_len, args.new_tokens, top)
     ttft = w2_ttft(args.repeats, args.ttft_prompt_len, top)
-    cost = MemoryCost.from_checkpoint(args.model, dtype)
+    options = common.engine_options(args.engine_option)
+    cost = MemoryCost.from_checkpoint(args.model, dtype, options.get("kv_cache_dtype", "auto"))
     floor = floor_settings(device, args.bandwidth, cost)
     bandwidth = floor["bandwidth_bytes_per_s"]
     floor_ms = cost.floor_bytes(decode.head(1)) / bandwidth * 1e3 / args.new_tokens
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         label = f"tensor_parallel_size_{n}" if by_size else "hf_paged"
         print(f"{result['workload']} {label}")
         paged = partial(PagedSystem, args.model, dtype, device, tensor_parallel_size=n,
-                        **common.engine_options(args.engine_option))
+                        **options)
         result["hf_paged"][label] = measure(paged, decode, ttft, device)
         result.save()
 

@@ -125,7 +125,9 @@ def main(argv: list[str] | None = None) -> None:
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     workload, description = build_workload(args, common.max_token_id(args.model))
-    cost = MemoryCost.from_checkpoint(args.model, dtype)
+    options = common.engine_options(args.engine_option)
+    cost = MemoryCost.from_checkpoint(args.model, dtype,
+                                      options.get("kv_cache_dtype", "auto"))
     result = common.ResultFile(args.workload, args, device, summary)
     result["workload_description"] = description
     result["floor"] = floor_settings(device, args.bandwidth, cost)
@@ -138,7 +140,6 @@ def main(argv: list[str] | None = None) -> None:
         bandwidth = result["floor"]["bandwidth_bytes_per_s"] * ranks  # every rank reads at once
         return partial(measure, build, requests, args.batch_size, cost, bandwidth, device)
 
-    options = common.engine_options(args.engine_option)
     sampling = {"temperature": args.temperature}
     paged = partial(PagedSystem, args.model, dtype, device, sampling=sampling, **options)
     tp_sizes = args.tensor_parallel_size or ([1, 2, 4] if args.workload == "w4" else [1])

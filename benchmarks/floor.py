@@ -79,7 +79,9 @@ class MemoryCost:
     experts: Experts | None = None
 
     @classmethod
-    def from_checkpoint(cls, path: str, dtype: torch.dtype) -> MemoryCost:
+    def from_checkpoint(cls, path: str, dtype: torch.dtype,
+                        kv_cache_dtype: str = "auto") -> MemoryCost:
+        """``kv_cache_dtype``: the engine option; an FP8 cache stores one byte an element."""
         config = AutoConfig.from_pretrained(path)
         numel: dict[str, int] = {}
         for file in Path(path).glob("*.safetensors"):
@@ -93,7 +95,8 @@ class MemoryCost:
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
-        kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * size
+        kv_size = size if kv_cache_dtype == "auto" else 1
+        kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * kv_size
         experts = _experts(config, numel, size, path)
         dense = total * size - (0 if experts is None else experts.total_bytes)
         return cls(dense_bytes=dense, kv_bytes_per_token=kv, experts=experts)

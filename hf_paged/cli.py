@@ -13,6 +13,7 @@ from functools import partial
 from pathlib import Path
 
 from hf_paged.checkpoint_shapes import SHAPES
+from hf_paged.config import KV_CACHE_DTYPES
 
 DEFAULT_MODEL = Path.home() / ".cache" / "hf_paged" / "random-qwen3-tiny"
 
@@ -36,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     gen.add_argument("--tensor-parallel-size", type=int, default=1,
                      help="split the model across this many GPUs (processes on CPU)")
+    gen.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                     help="the KV cache's dtype: auto (the model's) or fp8 (e4m3, scaled per KV "
+                          "head: twice the tokens, half the bytes a decode step reads)")
     gen.add_argument("--check", action="store_true",
                      help="also run stock transformers generate and compare the tokens")
 
@@ -172,10 +176,14 @@ def _generate(args: argparse.Namespace) -> int:
             from hf_paged.random_checkpoint import make_checkpoint
 
             make_checkpoint("tiny", model, dtype="float32")
+    if args.check and args.kv_cache_dtype != "auto":
+        raise ValueError("--check compares tokens with stock transformers, whose cache is not "
+                         f"{args.kv_cache_dtype}: leave --kv-cache-dtype at auto")
     t0 = time.perf_counter()
     path = _checkpoint_folder(model)
     engine = hf_paged.from_pretrained(path, dtype=args.dtype, device=args.device,
-                                      tensor_parallel_size=args.tensor_parallel_size)
+                                      tensor_parallel_size=args.tensor_parallel_size,
+                                      kv_cache_dtype=args.kv_cache_dtype)
     print(f"loaded {model} on {engine.device} in {time.perf_counter() - t0:.1f} s")
     tokenizer = _tokenizer(path)
     try:

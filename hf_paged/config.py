@@ -6,6 +6,8 @@ from dataclasses import dataclass, fields
 
 ATTENTION_BACKENDS = ("triton", "sdpa", "flash_attn")
 SPECULATIVE_METHODS = ("ngram", "draft")
+# "auto": the model's dtype; the others: float8_e4m3fn with per-KV-head scales.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass
@@ -33,6 +35,12 @@ class EngineConfig:
         attention_backend: ``"triton"`` (CUDA default), ``"sdpa"`` (torch only; CPU default)
             or ``"flash_attn"`` (only when the flash-attn package imports; needs
             ``block_size=256``, flash-attn's page granularity).
+        kv_cache_dtype: ``"auto"`` (the default: the model's dtype) or ``"fp8"`` /
+            ``"fp8_e4m3"``: keys and values stored as float8_e4m3fn, one byte an element, with
+            float32 scales per layer and KV head (from the checkpoint where it ships them,
+            else calibrated at start-up; ``worker.kv_scales``): the cache holds twice the
+            tokens and decode attention reads half the bytes, at an fp8 rounding error on
+            every key and value. Not with ``attention_backend="flash_attn"``.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes across requests.
         progress_bar: show a tqdm bar with prefill/decode throughput while requests run. Off
             by default: transformers' ``generate()`` prints nothing, and neither does the
@@ -69,6 +77,7 @@ class EngineConfig:
     enforce_eager: bool = False
     max_graph_batch_size: int | None = None
     attention_backend: str | None = None
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     progress_bar: bool = False
     tensor_parallel_size: int = 1
@@ -111,6 +120,12 @@ class EngineConfig:
                 f"attention_backend must be one of {ATTENTION_BACKENDS} or None, "
                 f"got {self.attention_backend!r}"
             )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype != "auto" and self.attention_backend == "flash_attn":
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported by "
+                             "attention_backend 'flash_attn' (use 'triton')")
 
     @classmethod
     def from_options(cls, **options: object) -> EngineConfig:

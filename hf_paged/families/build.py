@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import torch
@@ -9,6 +10,8 @@ import transformers
 from transformers import PretrainedConfig
 
 from hf_paged import families
+from hf_paged.modeling.kv_scale_keys import PATTERN as KV_SCALE_KEYS
+from hf_paged.modeling.kv_scale_keys import read_kv_scales
 from hf_paged.modeling.loader import (
     Checkpoint,
     ExpectedKeys,
@@ -31,7 +34,8 @@ def build_model(
 ) -> PagedModel:
     """transformers' skeleton of the family on meta -> the keys it expects (in the
     checkpoint's layout) -> the family's swap -> check the checkpoint's keys -> allocate on
-    ``device`` -> load this rank's weights. ``config`` has passed ``families.check_model``."""
+    ``device`` -> load this rank's weights, and the KV-cache scales where the checkpoint ships
+    them (``modeling.kv_scale_keys``). ``config`` has passed ``families.check_model``."""
     family = families.family_for(config)
     with torch.device("meta"):
         hf = getattr(transformers, family.ARCHITECTURE)(config)
@@ -39,8 +43,11 @@ def build_model(
         family.swap_modules(hf, attention_backend, max_positions, tp)
     # Every rank checks (and fails alike); rank 0 alone logs.
     weights = Checkpoint.open(checkpoint)
+    # The KV-cache scales are optional keys, consumed below.
     expected = replace(expected, shapes=family.checkpoint_keys(expected.shapes,
-                                                                weights.shapes.keys()))
+                                                                weights.shapes.keys()),
+                       ignored=re.compile(f"{expected.ignored.pattern}|{KV_SCALE_KEYS.pattern}"))
+    kv_scales = read_kv_scales(weights, config.num_hidden_layers, config.num_key_value_heads)
     tied = ties_embeddings(weights, bool(getattr(config, "tie_word_embeddings", False)),
                            log=tp.rank == 0)
     sources = match_keys(weights, expected, tied, log=tp.rank == 0)
@@ -51,4 +58,6 @@ def build_model(
         hf.lm_head.weight = hf.model.embed_tokens.weight
     hf.model.rotary_emb.build_cache(device)
     load_weights(hf, weights, sources, family.weight_target)
+    for layer, (k_scale, v_scale) in kv_scales.items():
+        hf.model.layers[layer].self_attn.set_kv_scales(k_scale.to(device), v_scale.to(device))
     return PagedModel(hf)

@@ -129,7 +129,8 @@ class Qwen3PagedAttention(nn.Module):
     """Merged QKV projection, per-head q/k RMSNorm, RoPE, paged attention, output projection.
 
     The caches ``k_cache``/``v_cache`` (``[num_blocks, block_size, kv_heads, head_dim]``) are
-    attached by the model runner once it has sized them.
+    attached by the model runner once it has sized them; an FP8 cache's float32 scales per KV
+    head, ``k_scale``/``v_scale``, beside them (``worker.kv_cache``).
     """
 
     def __init__(self, config: PretrainedConfig, backend: str, tp: TensorParallel = SINGLE):
@@ -150,6 +151,16 @@ class Qwen3PagedAttention(nn.Module):
         self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
         self.attend = attention_function(backend)
         self.k_cache = self.v_cache = torch.empty(0)
+        self.k_scale: torch.Tensor | None = None
+        self.v_scale: torch.Tensor | None = None
+
+    def set_kv_scales(self, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+        """A checkpoint's KV-cache scales, one number or one per KV head of the whole model:
+        this rank's heads' (``QKVParallelLinear.kv_shard``)."""
+        first = self.qkv_proj.kv_shard * self.num_kv_heads
+        self.k_scale, self.v_scale = (
+            s.expand(self.num_kv_heads).clone() if s.numel() == 1
+            else s[first:first + self.num_kv_heads].clone() for s in (k_scale, v_scale))
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
@@ -165,11 +176,12 @@ class Qwen3PagedAttention(nn.Module):
             v.reshape(-1, self.num_kv_heads, self.head_dim),
             self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
             positions, rotary.cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping,
+            self.k_scale, self.v_scale,
         )
         out = self.attend(
             q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
             self.scale, max_query_len=meta.max_query_len, shared_prefix=meta.shared_prefix,
-            order=meta.decode_order,
+            order=meta.decode_order, k_scale=self.k_scale, v_scale=self.v_scale,
         )
         return self.o_proj(out.reshape(-1, q_size)), residual
 

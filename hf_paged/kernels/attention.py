@@ -22,6 +22,10 @@ Given the shared length (a device scalar, so one captured graph serves any), one
 attends tiles of ``BLOCK_Q`` query tokens to the shared prefix, reading each key once per tile;
 the decode kernel covers only each sequence's own keys after it, and the partial results merge
 as the splits do.
+
+An FP8 cache (float8_e4m3fn, one code path by the constexpr ``FP8``): keys and values are
+converted to the query's dtype as loaded (exact), the KV head's key scale is folded into the
+softmax scale and its value scale into the output, so a decode step reads one byte an element.
 """
 
 from __future__ import annotations
@@ -74,15 +78,17 @@ def _find_sequence(cu_q_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
             do_not_specialize_on_alignment=_INDEX_ARGS)
 def _attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    cu_q_ptr, seq_lens_ptr, block_tables_ptr, shared_ptr, order_ptr,
+    cu_q_ptr, seq_lens_ptr, block_tables_ptr, shared_ptr, order_ptr, k_scale_ptr, v_scale_ptr,
     scale_log2, num_seqs, num_heads, num_splits, num_parts,
     q_s0, q_s1, o_s0, o_s1, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2, bt_s0, bt_s1,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, DECODE: tl.constexpr,
     SPLIT: tl.constexpr, CASCADE: tl.constexpr, ORDERED: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     kv_head = tl.program_id(1)
+    if FP8:  # the key scale in the softmax's (scales are set at start-up, never in a step)
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
     if DECODE:  # at most one query token per sequence
         if ORDERED:  # grid (split, KV head, rank): ``order[rank]`` is the sequence
             split = tl.program_id(0)
@@ -144,6 +150,8 @@ def _attention_kernel(
     # A row that saw no key (an empty split, a padded sequence of length 0) comes out as zeros.
     denom = tl.where(denom == 0.0, 1.0, denom)
     out = acc / denom[:, None]
+    if FP8:
+        out = out * tl.load(v_scale_ptr + kv_head)
     if SPLIT:  # partial result and its log-sum-exp (base 2; -inf when empty), after the
         # shared prefix's parts
         part = (q_rows * num_heads + head) * num_parts + num_parts - num_splits + split
@@ -167,6 +175,8 @@ def paged_attention(
     num_splits: int | None = None,
     shared_prefix: torch.Tensor | None = None,
     order: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton twin of ``reference.paged_attention``.
 
@@ -179,12 +189,15 @@ def paged_attention(
     ``block_tables[0]``; with it, decode runs as a cascade (module docstring). ``order``
     (decode only): int32, the sequences in the order their programs should start, longest
     context first (``modeling.attention.decode_order``), taken from ``ORDERED_MIN_SEQS``
-    sequences on; without it, or below that, batch order.
+    sequences on; without it, or below that, batch order. ``k_scale`` / ``v_scale``: an FP8
+    cache's float32 scales per KV head.
     """
     num_tokens, num_heads, head_dim = query.shape
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group, num_seqs = num_heads // num_kv_heads, seq_lens.shape[0]
-    assert query.dtype == k_cache.dtype == v_cache.dtype
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    assert k_cache.dtype == v_cache.dtype and (fp8 or query.dtype == k_cache.dtype)
+    assert not fp8 or (k_scale is not None and v_scale is not None)
     assert query.stride(-1) == k_cache.stride(-1) == v_cache.stride(-1) == 1
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_tokens == 0 or num_seqs == 0:
@@ -226,11 +239,12 @@ def paged_attention(
         launch(
             shared_prefix_kernel, (shared_tiles, num_kv_heads, shared_splits),
             query, k_cache, v_cache, part_out, part_lse, block_tables, block_tables.stride(1),
-            shared_prefix, scale * _LOG2E, num_tokens, num_heads, num_parts,
+            shared_prefix, k_scale if fp8 else shared_prefix, v_scale if fp8 else shared_prefix,
+            scale * _LOG2E, num_tokens, num_heads, num_parts,
             query.stride(0), query.stride(1), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             GROUP=group, BLOCK_Q=shared_m // group, BLOCK_M=shared_m, BLOCK_N=shared_n,
-            BLOCK_D=block_d, HEAD_DIM=head_dim, PAGE=page, PRECISION=precision,
+            BLOCK_D=block_d, HEAD_DIM=head_dim, PAGE=page, PRECISION=precision, FP8=fp8,
             num_warps=shared_warps, num_stages=shared_stages, **pdl_options(query),
         )
     ordered = decode and order is not None and num_seqs >= ORDERED_MIN_SEQS
@@ -240,6 +254,7 @@ def paged_attention(
         _attention_kernel, grid,
         query, k_cache, v_cache, out, part_out, part_lse, cu_seqlens_q, seq_lens, block_tables,
         shared_prefix if cascade else seq_lens, order if ordered else seq_lens,
+        k_scale if fp8 else seq_lens, v_scale if fp8 else seq_lens,
         scale * _LOG2E, num_seqs, num_heads, num_splits, num_parts,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -247,7 +262,7 @@ def paged_attention(
         block_tables.stride(1),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HEAD_DIM=head_dim, PAGE=page, DECODE=decode, SPLIT=split, CASCADE=cascade,
-        ORDERED=ordered, PRECISION=precision, num_warps=num_warps, num_stages=num_stages,
+        ORDERED=ordered, PRECISION=precision, FP8=fp8, num_warps=num_warps, num_stages=num_stages,
         **pdl_options(query),
     )
     if split:

@@ -16,7 +16,9 @@ def attend_tiles(
 ):
     """Online-softmax update of ``(acc, m, denom)`` over key tiles ``[tile_lo, tile_hi)``.
     ``MASKED``: the tiles may hold keys past a row's position or past the context. The block
-    table's entries lie ``table_stride`` apart (a decode graph's tables are column-major)."""
+    table's entries lie ``table_stride`` apart (a decode graph's tables are column-major).
+    Keys and values are converted to the query's dtype as loaded: an FP8 cache's, exactly (the
+    caller folds their scales into ``scale_log2`` and the output)."""
     dims = tl.arange(0, BLOCK_D)
     for tile in range(tile_lo, tile_hi):
         keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -28,9 +30,9 @@ def attend_tiles(
                         other=0).to(tl.int64)
         offset = keys % PAGE
         k = tl.load(k_ptr + block[:, None] * k_s0 + offset[:, None] * k_s1 + dims[None, :],
-                    mask=kv_mask, other=0.0)
+                    mask=kv_mask, other=0.0).to(q.dtype)
         v = tl.load(v_ptr + block[:, None] * v_s0 + offset[:, None] * v_s1 + dims[None, :],
-                    mask=kv_mask, other=0.0)
+                    mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         if MASKED:
             s = tl.where(keys[None, :] <= pos[:, None], s, float("-inf"))

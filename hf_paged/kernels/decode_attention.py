@@ -20,18 +20,20 @@ MAX_SPLITS = 32
             do_not_specialize_on_alignment=["table_ptr", "shared_ptr"])
 def shared_prefix_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_lse_ptr, table_ptr, table_stride,
-    shared_ptr,
+    shared_ptr, k_scale_ptr, v_scale_ptr,
     scale_log2, num_tokens, num_heads, num_parts,
     q_s0, q_s1, k_s0, k_s1, k_s2, v_s0, v_s1, v_s2,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     """Parts ``0..P-1`` (one per program along axis 2) of every query token's attention over
     the shared prefix: the first ``shared`` keys, rounded down to whole key tiles, held in the
-    blocks of ``table_ptr`` and visible to every query."""
+    blocks of ``table_ptr`` and visible to every query. ``FP8``: as ``kernels.attention``."""
     wait_for_previous(PDL)
     kv_head = tl.program_id(1)
+    if FP8:
+        scale_log2 = scale_log2 * tl.load(k_scale_ptr + kv_head)
     split = tl.program_id(2)
     rows = tl.arange(0, BLOCK_M)
     tok = tl.program_id(0) * BLOCK_Q + rows // GROUP
@@ -55,8 +57,10 @@ def shared_prefix_kernel(
         BLOCK_N, BLOCK_D, HEAD_DIM, PAGE, False, PRECISION)
     denom = tl.where(denom == 0.0, 1.0, denom)
     part = (q_rows * num_heads + head) * num_parts + split
-    tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc / denom[:, None],
-             mask=mask)
+    out = acc / denom[:, None]
+    if FP8:
+        out = out * tl.load(v_scale_ptr + kv_head)
+    tl.store(part_out_ptr + part[:, None] * HEAD_DIM + dims[None, :], out, mask=mask)
     tl.store(part_lse_ptr + part, m + tl.log2(denom), mask=row_ok)
 
 

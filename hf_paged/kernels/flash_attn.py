@@ -46,6 +46,9 @@ def paged_attention(
     bottom right, as ours: query ``i`` of ``q`` new tokens sees keys up to
     ``seq_len - q + i``. The longest context is bounded by the block-table width (a bound is
     all flash-attn needs), so nothing here waits for the device."""
+    if k_cache.dtype != query.dtype:
+        raise ValueError(f"attention_backend 'flash_attn' reads no {k_cache.dtype} KV cache "
+                         "(kv_cache_dtype 'auto' only)")
     cu_seqlens_k = F.pad(seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
     return _varlen_func()(
         query, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k,

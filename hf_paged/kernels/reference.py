@@ -12,6 +12,25 @@ import torch.nn.functional as F
 
 from hf_paged.kernels.block_scales import BlockScales, dequantize
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448: larger values saturate to it
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``[T, Hkv, D]`` keys or values as an FP8 cache holds them: divided by their KV head's
+    float32 ``scale [Hkv]`` in float32, saturated to +-448, rounded to nearest even."""
+    return (x.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def _bytes(cache: torch.Tensor) -> torch.Tensor:
+    """An FP8 cache as the uint8 tensor torch's CPU copies take (they lack float8)."""
+    return cache.view(torch.uint8) if cache.dtype == FP8 else cache
+
+
+def dequantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """FP8 cache rows ``[..., Hkv, D]`` back to ``dtype``: times their KV head's scale."""
+    return (x.float() * scale[:, None]).to(dtype)
+
 
 def store_kv(
     key: torch.Tensor,
@@ -19,16 +38,22 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write ``key``/``value`` ``[T, Hkv, D]`` into the paged caches ``[N, B, Hkv, D]``.
 
     ``slot_mapping[t]`` is ``block_id * block_size + offset``; a negative slot skips the token
-    (padding of CUDA-graph batches).
+    (padding of CUDA-graph batches). An FP8 cache stores ``quantize_kv`` of them with the
+    per-KV-head scales ``k_scale`` / ``v_scale``.
     """
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key[keep])
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value[keep])
+    key, value = key[keep], value[keep]
+    if k_cache.dtype == FP8:
+        key, value = quantize_kv(key, k_scale), quantize_kv(value, v_scale)
+    for cache, rows in ((k_cache, key), (v_cache, value)):
+        _bytes(cache).view(-1, *cache.shape[2:]).index_copy_(0, slots, _bytes(rows))
 
 
 def copy_blocks(
@@ -37,7 +62,7 @@ def copy_blocks(
     """Copy cache block ``src[i]`` onto block ``dst[i]`` in both caches ``[N, B, Hkv, D]``
     (copy-on-write of blocks shared by forked sequences). No block may be both a source and a
     destination of one call: the Triton twin copies all pairs at once."""
-    for cache in (k_cache, v_cache):
+    for cache in (_bytes(k_cache), _bytes(v_cache)):
         cache.index_copy_(0, dst, cache[src])
 
 
@@ -49,6 +74,8 @@ def paged_attention(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of variable-length queries over their paged context.
 
@@ -57,7 +84,8 @@ def paged_attention(
     these new tokens), all already stored in the cache. Query ``i`` of a sequence with ``q``
     new tokens sits at position ``seq_lens[b] - q + i`` and attends to keys ``0..position``.
     ``block_tables[b, j]`` is the cache block holding positions ``j*B .. j*B+B-1``.
-    Grouped-query heads: query head ``h`` reads KV head ``h // (H // Hkv)``.
+    Grouped-query heads: query head ``h`` reads KV head ``h // (H // Hkv)``. An FP8 cache is
+    read as ``dequantize_kv`` with the per-KV-head scales ``k_scale`` / ``v_scale``.
     """
     block_size = k_cache.shape[1]
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
@@ -70,6 +98,8 @@ def paged_attention(
         blocks = block_tables[b, : (ctx + block_size - 1) // block_size].long()
         k = k_cache[blocks].flatten(0, 1)[:ctx]
         v = v_cache[blocks].flatten(0, 1)[:ctx]
+        if k_cache.dtype == FP8:
+            k, v = dequantize_kv(k, k_scale, query.dtype), dequantize_kv(v, v_scale, query.dtype)
         q = query[q0:q1]
         pos = torch.arange(ctx - (q1 - q0), ctx, device=q.device)
         mask = torch.arange(ctx, device=q.device)[None, :] <= pos[:, None]
@@ -136,14 +166,16 @@ def norm_rope_store(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3's attention inputs: per-head ``rms_norm`` of query and key, ``rope`` on both, and
-    ``store_kv`` of the rotated key and the value. Returns ``(query, key)``; the Triton twin
-    writes them in place of its inputs."""
+    ``store_kv`` of the rotated key and the value (scaled into an FP8 cache). Returns
+    ``(query, key)``; the Triton twin writes them in place of its inputs."""
     query = rms_norm(query, q_weight, eps)
     key = rms_norm(key, k_weight, eps)
     query, key = rope(query, key, positions, cos_sin_cache)
-    store_kv(key, value, k_cache, v_cache, slot_mapping)
+    store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return query, key
 
 

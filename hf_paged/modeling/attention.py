@@ -44,10 +44,11 @@ def decode_order(seq_lens: Sequence[int]) -> np.ndarray:
 
 def attention_function(backend: str):
     """The paged attention implementation of a backend, all with reference's signature plus
-    the hints ``max_query_len``, ``shared_prefix`` and ``order``."""
+    the hints ``max_query_len``, ``shared_prefix`` and ``order`` (and an FP8 cache's
+    ``k_scale`` / ``v_scale``)."""
     if backend == "sdpa":
-        return lambda *args, max_query_len, shared_prefix=None, order=None: (
-            reference.paged_attention(*args))
+        return lambda *args, max_query_len, shared_prefix=None, order=None, **scales: (
+            reference.paged_attention(*args, **scales))
     if backend == "triton":
         from hf_paged.kernels.attention import paged_attention
 
@@ -55,6 +56,6 @@ def attention_function(backend: str):
     if backend == "flash_attn":
         from hf_paged.kernels.flash_attn import paged_attention
 
-        return lambda *args, shared_prefix=None, order=None, **hints: paged_attention(
-            *args, **hints)
+        return lambda *args, shared_prefix=None, order=None, k_scale=None, v_scale=None, \
+            **hints: paged_attention(*args, **hints)
     raise ValueError(f"attention_backend {backend!r} is not available")

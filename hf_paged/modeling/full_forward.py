@@ -71,11 +71,13 @@ def full_forward(
 
 @contextlib.contextmanager
 def _scratch_cache(model: PagedModel, num_blocks: int, block_size: int):
-    """Point every attention layer at one fresh, zeroed cache, then back at the engine's."""
+    """Point every attention layer at one fresh, zeroed cache of the engine's cache dtype (an
+    FP8 one scores as generation computes), then back at the engine's."""
     layers = model.attention_layers
     weight = model.embed_tokens.weight
     shape = (num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
-    k, v = (torch.zeros(shape, dtype=weight.dtype, device=weight.device) for _ in "kv")
+    k, v = (torch.zeros(shape, dtype=layers[0].k_cache.dtype, device=weight.device)
+            for _ in "kv")
     saved = [(layer.k_cache, layer.v_cache) for layer in layers]
     try:
         for layer in layers:

@@ -9,8 +9,10 @@ What a family's swap must leave (``hf_paged.families``): ``model.embed_tokens`` 
 hidden states), ``model.layers`` whose ``self_attn(positions, hidden, residual, norm, meta,
 rotary)`` and ``mlp(hidden, residual, norm)`` each return the block's output and the new
 residual stream, norming their input with the layer's ``input_layernorm`` /
-``post_attention_layernorm``; ``model.norm(hidden, residual)``, ``model.rotary_emb`` (a
-``RotaryEmbedding``) and ``lm_head`` (a ``ParallelLMHead``).
+``post_attention_layernorm`` (``self_attn`` also holds the layer's ``k_cache`` / ``v_cache``
+and an FP8 cache's ``k_scale`` / ``v_scale``, and takes a checkpoint's in ``set_kv_scales``);
+``model.norm(hidden, residual)``, ``model.rotary_emb`` (a ``RotaryEmbedding``) and
+``lm_head`` (a ``ParallelLMHead``).
 """
 
 from __future__ import annotations

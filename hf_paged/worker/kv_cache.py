@@ -1,6 +1,13 @@
 """The paged KV cache: per attention layer one K and one V tensor of
 ``[num_blocks, block_size, kv_heads, head_dim]``, attached to the layer, and the copy-on-write
-block copies a step makes before its forward."""
+block copies a step makes before its forward.
+
+An FP8 cache (``kv_cache_dtype="fp8"``) holds float8_e4m3fn, one byte an element, so the same
+memory holds twice the tokens of a bfloat16 one; each layer carries the float32 scales of its
+keys and values per KV head, ``k_scale`` / ``v_scale`` ``[kv_heads]``, beside its caches: the
+checkpoint's where it ships them, else calibrated at start-up (``worker.kv_scales``). They are
+updated in place only, so the CUDA graphs that read them by address see them.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +15,11 @@ import torch
 
 from hf_paged import kernels
 from hf_paged.device_copy import to_device
+
+
+def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype an ``EngineConfig.kv_cache_dtype`` stores (``"auto"``: the model's)."""
+    return model_dtype if kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
 
 class KVCache:
@@ -18,6 +30,15 @@ class KVCache:
         self.dtype = dtype
         self.device = device
         self.num_blocks = 0
+        # Whether start-up calibrates the scales: an FP8 cache whose checkpoint shipped none.
+        self.calibrates = False
+        if dtype == torch.float8_e4m3fn:
+            self.calibrates = any(layer.k_scale is None for layer in attention_layers)
+            for layer in attention_layers:
+                if self.calibrates or layer.k_scale is None:
+                    layer.k_scale, layer.v_scale = (
+                        torch.ones(layer.num_kv_heads, dtype=torch.float32, device=device)
+                        for _ in "kv")
 
     def block_bytes(self) -> int:
         """Bytes of one block over every layer, K and V."""

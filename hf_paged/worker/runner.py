@@ -29,7 +29,7 @@ from hf_paged.modeling.tp import SINGLE, TensorParallel
 from hf_paged.step import StepInputs, StepPlan, StepResult
 from hf_paged.worker.decode_graphs import DecodeGraphs
 from hf_paged.worker.inputs import CASCADE_MIN_SEQS, StepPreparer
-from hf_paged.worker.kv_cache import KVCache
+from hf_paged.worker.kv_cache import KVCache, cache_dtype
 from hf_paged.worker.prefill_graphs import PrefillGraphs
 from hf_paged.worker.sampler import Sampler, draw_counts, kernel_settings, per_draw
 from hf_paged.worker.shard import SYMMETRIC_ALL_REDUCE_TOKENS
@@ -64,7 +64,8 @@ class ModelRunner:
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
         self.width = -(-max_model_len // config.block_size)  # blocks of the longest sequence
-        self.kv = KVCache(model.attention_layers, config.block_size, self.dtype, self.device)
+        self.kv = KVCache(model.attention_layers, config.block_size,
+                          cache_dtype(config.kv_cache_dtype, self.dtype), self.device)
         self.preparer = StepPreparer(config.block_size, self.width,
                                      cascade=config.attention_backend == "triton")
         self.sampler = Sampler(model.config.vocab_size, self.device)

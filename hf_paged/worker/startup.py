@@ -1,5 +1,6 @@
 """A runner's start-up, in order: time the projections' kernels, compile every kernel variant
-ahead, size and allocate the KV cache, run the warm-up steps, capture the CUDA graphs.
+ahead, calibrate an FP8 KV cache's scales (where the checkpoint ships none), size and allocate
+the KV cache, run the warm-up steps, capture the CUDA graphs.
 
 On CUDA every kernel variant compiles first, all at once, so that sizing the KV cache, the
 warm-up steps and the captures run compiled kernels only. The KV cache is sized from free GPU
@@ -26,6 +27,7 @@ from hf_paged.modeling.tp import TensorParallel
 from hf_paged.step import RowSampling
 from hf_paged.worker.inputs import CASCADE_MIN_SEQS
 from hf_paged.worker.kv_cache import KVCache
+from hf_paged.worker.kv_scales import calibrate
 from hf_paged.worker.prefill_graphs import PrefillGraphs
 from hf_paged.worker.projection_tuning import tune_projections
 from hf_paged.worker.sampler import Sampler
@@ -61,6 +63,9 @@ class Startup:
             self._log(f"small-M kernel up to these rows, by projection shape: {chosen}")
             with self._stage("kernels", "compiling kernels"):
                 self._compile_ahead()
+        if self.kv.calibrates:
+            with self._stage("kv_scales", "calibrating the FP8 KV cache's scales"):
+                calibrate(self.model, self.block_size, self.max_model_len)
         with self._stage("kv_cache", "sizing and allocating the KV cache"):
             self.kv.allocate(self._num_blocks())
         self._log(f"KV cache of {self.kv.num_blocks} blocks "

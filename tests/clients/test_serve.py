@@ -371,6 +371,7 @@ def idle_stats(model, timeout: float = 10.0) -> dict:
 @pytest.mark.parametrize("argv, match", [
     (["serve", "--engine-option", "bogus=1"], "unknown engine option(s) bogus"),
     (["serve", "--engine-option=block_size=7"], "block_size must be a power of two"),
+    (["serve", "--engine-option", "kv_cache_dtype=fp4"], "kv_cache_dtype must be one of"),
     (["serve", "--engine-option", "max_model_len"], "takes KEY=VALUE"),
     (["serve", "--engine-option"], "needs KEY=VALUE"),
     (["run", "--engine-option", "max_num_seqs=0", "-m", "json.tool"], "max_num_seqs"),
@@ -390,8 +391,10 @@ def test_run_module_with_engine_options(capsys, monkeypatch, tiny_checkpoint):
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(sys, "path", list(sys.path))
     try:
-        assert main(["run", "--engine-option", "max_model_len=96", "-m",
-                     "tests.clients.print_engine", tiny_checkpoint]) == 0
+        assert main(["run", "--engine-option", "max_model_len=96", "--engine-option",
+                     "kv_cache_dtype=fp8", "-m", "tests.clients.print_engine",
+                     tiny_checkpoint]) == 0
     finally:
         unpatch_transformers()
-    assert capsys.readouterr().out.splitlines()[-1] == "Qwen3ForCausalLM max_model_len=96"
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "Qwen3ForCausalLM max_model_len=96 kv_cache=torch.float8_e4m3fn")

@@ -23,6 +23,7 @@ def _one_line_error(capsys, argv: list[str], match: str) -> None:
     (["--token-ids", "5,6,7", "--max-new-tokens", "100000"], "max_new_tokens"),
     (["--token-ids", "5,6,5000"], "input_ids"),
     (["--dtype", "int4"], "dtype"),
+    (["--kv-cache-dtype", "fp8", "--check"], "--check compares tokens with stock transformers"),
     (["--dtype", "floa32"], "dtype must be one of float32, bfloat16, float16"),
     (["--prompt", ""], "--prompt '' tokenizes to no tokens"),
     (["--prompt", "Hello", "--prompt", ""], "--prompt '' tokenizes to no tokens"),
@@ -75,6 +76,13 @@ def test_check_labels_what_it_prints(capsys, tiny_checkpoint):
     for label in ("hf_paged [0]: '", "hf_paged [1]: '", "transformers [0]: '",
                   "transformers [1]: '", "parity with transformers: identical tokens"):
         assert label in out
+
+
+def test_generate_on_an_fp8_kv_cache(capsys, tiny_checkpoint):
+    argv = ["generate", "--model", tiny_checkpoint, "--token-ids", "5,6,7", "--max-new-tokens",
+            "4", "--kv-cache-dtype", "fp8", "--device", "cpu"]
+    assert main(argv) == 0
+    assert "hf_paged: 1 sequences, 4 new tokens" in capsys.readouterr().out
 
 
 def test_a_qwen3_moe_checkpoint_with_fewer_layers_generates_as_transformers(capsys, tmp_path):

@@ -16,17 +16,17 @@ from tests.conftest import left_padded
 
 
 def kernel_and_twin_tokens(monkeypatch, path: str, dtype: torch.dtype,
-                           small_m: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                           small_m: bool = False, **options) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens of three prompts through the Triton kernels (interpreter), then through the
     plain-torch twins; ``small_m`` sends every projection of decode rows to the small-M kernel,
-    as start-up may choose on a GPU."""
+    as start-up may choose on a GPU; ``options``: engine options."""
     ids, mask = left_padded([5, 9, 3], 1024, seed=4)
 
     def tokens(through_triton: bool) -> torch.Tensor:
         monkeypatch.setattr(kernels, "_TRITON_ON_CPU", through_triton)
         backend = "triton" if through_triton else "sdpa"
         with hf_paged.from_pretrained(path, device="cpu", dtype=dtype,
-                                      attention_backend=backend) as engine:
+                                      attention_backend=backend, **options) as engine:
             for module in engine.model.layers.modules() if small_m else ():
                 if isinstance(module, _ParallelLinear):
                     module.small_m_rows = MAX_ROWS
@@ -49,4 +49,13 @@ def test_a_qwen3_moe_engine_on_the_kernels_gives_the_reference_tokens(moe_checkp
     them, in prefill and decode steps, float32: the twins' tokens."""
     triton_tokens, twin_tokens = kernel_and_twin_tokens(
         monkeypatch, moe_checkpoints["e6_k3_raw_dense0"], torch.float32)
+    assert torch.equal(triton_tokens, twin_tokens)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the kernels always run")
+def test_an_fp8_kv_cache_on_the_kernels_gives_the_reference_tokens(checkpoints, monkeypatch):
+    """The FP8 cache's store, prefill and decode reads (split and not) and the calibration
+    prefill through the kernels, float32: the twins' tokens."""
+    triton_tokens, twin_tokens = kernel_and_twin_tokens(
+        monkeypatch, checkpoints["gqa_tied"], torch.float32, kv_cache_dtype="fp8")
     assert torch.equal(triton_tokens, twin_tokens)

@@ -43,6 +43,8 @@ def test_dense_steps_read_every_weight(tiny):
     cost = MemoryCost.from_checkpoint(tiny, torch.float32)
     assert cost.experts is None and cost.dense_bytes == parameter_bytes(tiny)
     assert cost.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # K and V, layers, kv heads, head_dim
+    fp8 = MemoryCost.from_checkpoint(tiny, torch.float32, kv_cache_dtype="fp8")
+    assert fp8.kv_bytes_per_token == 2 * 2 * 2 * 16  # one byte an element
     assert cost.weight_bytes(1) == cost.weight_bytes(256) == cost.dense_bytes
     floor = cost.floor_bytes(WORK)
     assert isinstance(floor, int)  # S*W exactly, as before experts were counted

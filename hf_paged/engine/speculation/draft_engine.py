@@ -44,7 +44,7 @@ def draft_options(config: EngineConfig, max_model_len: int, num_blocks: int,
         max_num_seqs=min(config.speculative_max_batch, config.max_num_seqs),
         max_num_batched_tokens=config.max_num_batched_tokens,
         enforce_eager=config.enforce_eager, attention_backend=config.attention_backend,
-        enable_prefix_caching=config.enable_prefix_caching,
+        enable_prefix_caching=config.enable_prefix_caching, kv_cache_dtype=config.kv_cache_dtype,
     )
 
 

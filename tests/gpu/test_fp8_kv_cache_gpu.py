@@ -1,0 +1,99 @@
+"""On a CUDA GPU, the FP8 KV cache: the kernels at the Qwen3-0.6B shape against their twins
+(the store's e4m3 values, decode attention split and unsplit, cascade, replayed from a CUDA
+graph), and the engine on it: float32 tokens of the Triton backend equal to the plain-torch
+backend's over the same FP8 cache, CUDA graphs equal to eager, and in bf16 at the 0.6B shape
+greedy top-1 agreement with the bf16 cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_paged
+from hf_paged.kernels import reference
+from hf_paged.kernels.attention import paged_attention
+from hf_paged.kernels.attention_inputs import norm_rope_store
+from tests.kernels.test_elementwise import attention_inputs
+from tests.kernels.test_fp8_kv_cache import FP8, bits, fp8_batch
+
+pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda")
+
+
+def test_store_rounds_as_the_reference():
+    _, args = attention_inputs(300, 16, 8, 128, 64, 8, torch.bfloat16)
+    caches = [torch.zeros(c.shape, device=CUDA).to(FP8) for c in args[8:10]]
+    k_scale, v_scale = (torch.rand(8, device=CUDA) * 0.05 + 1e-3 for _ in "kv")
+    expected = [c.clone() for c in caches]
+    reference.norm_rope_store(*[a.clone() for a in args[:3]], *args[3:8], *expected, args[10],
+                              k_scale, v_scale)
+    norm_rope_store(*args[:8], *caches, args[10], k_scale, v_scale)
+    for got, want in zip(caches, expected):
+        # The same e4m3 value, but where the kernel's norm and RoPE (another rsqrt, fused
+        # products) moved a key across a rounding midpoint: then the neighbouring one.
+        same = torch.eq(bits(got), bits(want))
+        step = torch.maximum(want.float().abs(), torch.tensor(2.0**-6, device=CUDA)) / 8
+        assert ((got.float() - want.float()).abs() <= step).all()
+        assert same.float().mean() > 0.999
+
+
+@pytest.mark.parametrize("num_splits,shared", [(1, 0), (None, 0), (4, 0), (None, 5)])
+def test_decode_at_the_real_shape_from_a_graph(num_splits, shared):
+    gen = torch.Generator().manual_seed(num_splits or 0)
+    lens = [int(n) for n in torch.randint(400, 2000, (24,), generator=gen)]
+    query, k8, v8, cu, seq_lens, tables, k_scale, v_scale = fp8_batch(
+        lens, [1] * len(lens), 16, 8, 128, 64, torch.bfloat16, shared=shared)
+    hints = dict(max_query_len=1, num_splits=num_splits, k_scale=k_scale, v_scale=v_scale)
+    if shared:
+        hints["shared_prefix"] = torch.tensor([shared * 64], dtype=torch.int32, device=CUDA)
+    args = (query, k8, v8, cu, seq_lens, tables, 128**-0.5)
+    paged_attention(*args, **hints)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = paged_attention(*args, **hints)
+    graph.replay()
+    expected = reference.paged_attention(query.float(), k8, v8, cu, seq_lens, tables,
+                                         128**-0.5, k_scale, v_scale)
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2,
+                               atol=2e-2 * float(expected.abs().max()))
+
+
+def test_engine_on_the_kernels_is_the_twins_over_an_fp8_cache(tmp_path):
+    """float32: graphs replay eager decode's tokens; the Triton backend's logits are the
+    plain-torch backend's up to a key or value rounded to a neighbouring e4m3 value (their
+    norms and RoPE may round a last bit apart)."""
+    from hf_paged.random_checkpoint import make_checkpoint
+
+    path = make_checkpoint("tiny", str(tmp_path), dtype="float32")
+    ids = torch.randint(3, 1000, (4, 40), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    outs, logits = {}, {}
+    for name, options in {"triton": {}, "eager": dict(enforce_eager=True),
+                          "sdpa": dict(attention_backend="sdpa")}.items():
+        with hf_paged.from_pretrained(path, device="cuda", kv_cache_dtype="fp8",
+                                      **options) as engine:
+            outs[name] = engine.generate(ids, max_new_tokens=24).cpu()
+            logits[name] = engine.forward(ids, torch.ones_like(ids), positions).float().cpu()
+    assert torch.equal(outs["triton"], outs["eager"])
+    size = float(logits["sdpa"].abs().max())
+    torch.testing.assert_close(logits["triton"], logits["sdpa"], rtol=0, atol=size / 16)
+    agree = (logits["triton"].argmax(-1) == logits["sdpa"].argmax(-1)).float().mean()
+    assert agree >= 0.95, agree
+
+
+def test_agreement_with_the_bf16_cache_at_the_real_shape(checkpoint, batch):
+    """Teacher-forced over the bf16 cache's own greedy tokens: the FP8 cache's top-1 agrees on
+    most positions (transformers' near-ties aside, fp8 error moves bf16 logits by a few of
+    their steps)."""
+    ids, mask = batch
+    with hf_paged.from_pretrained(checkpoint, device="cuda") as engine:
+        out = engine.generate(ids, attention_mask=mask, max_new_tokens=32)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        full = torch.cat([positions, positions[:, -1:] + torch.arange(1, 33)], dim=1)
+        full_mask = torch.cat([mask, torch.ones(mask.shape[0], 32, dtype=mask.dtype)], dim=1)
+        plain = engine.forward(out, full_mask, full).float()
+    with hf_paged.from_pretrained(checkpoint, device="cuda", kv_cache_dtype="fp8") as engine:
+        fp8 = engine.forward(out, full_mask, full).float()
+    new = slice(ids.shape[1] - 1, -1)
+    agree = (plain[:, new].argmax(-1) == fp8[:, new].argmax(-1)).float().mean()
+    assert agree >= 0.9, agree
