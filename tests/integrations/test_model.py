@@ -212,6 +212,10 @@ def test_forward_leaves_the_engine_cache_alone(model):
     (lambda m: m(IDS, use_cache=True), "use_cache"),
     (lambda m: m(inputs_embeds=torch.zeros(1, 3, 64)), "inputs_embeds"),
     (lambda m: m(IDS, output_attentions=True), "output_attentions"),
+    # What a tokenizer that adds no BOS token gives for "": stock fails in a reshape.
+    (lambda m: m(IDS[:, :0]), r"^input_ids is empty \(shape \(1, 0\)\)"),
+    (lambda m: m.generate(IDS[:, :0], attention_mask=IDS[:, :0]),
+     r"^input_ids is empty \(shape \(1, 0\)\)"),
 ])
 def test_bad_forward_input(model, call, match):
     with pytest.raises(ValueError, match=match):
