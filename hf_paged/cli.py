@@ -76,8 +76,26 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     except (ValueError, TypeError, OSError, RuntimeError) as error:
         # Bad input: one line, no traceback.
-        print(f"error: {' '.join(str(error).split())}", file=sys.stderr)
+        print(f"error: {_one_line(error)}", file=sys.stderr)
         return 2
+
+
+def _one_line(error: BaseException) -> str:
+    """An error's message on one line. A listing (a line ending in ':', then its items on
+    lines indented deeper, as a checkpoint that does not fit is reported) reads 'heading:
+    item, item'; the other lines are joined by '; '."""
+    parts: list[str] = []
+    heading_indent = None  # the indentation of the listing being read
+    for line in str(error).splitlines():
+        text, indent = " ".join(line.split()), len(line) - len(line.lstrip())
+        if not text:
+            continue
+        if heading_indent is not None and indent > heading_indent:
+            parts[-1] += (" " if parts[-1].endswith(":") else ", ") + text
+            continue
+        parts.append(text)
+        heading_indent = indent if text.endswith(":") else None
+    return "; ".join(parts)
 
 
 RUN_USAGE = """\
@@ -111,7 +129,7 @@ def _front(command: str, argv: list[str]) -> int:
             start = _run_target(rest)
         hf_paged.patch_transformers(**options)
     except (ValueError, TypeError, LookupError) as error:
-        print(f"error: {command}: {' '.join(str(error).split())}", file=sys.stderr)
+        print(f"error: {command}: {_one_line(error)}", file=sys.stderr)
         return 2
     return start()
 
@@ -226,14 +244,13 @@ def _generate(args: argparse.Namespace) -> int:
 def _checkpoint_folder(model: str) -> str:
     """``--model`` as a local checkpoint folder (a hub id downloaded), or a one-line error
     naming ``--model``."""
-    from hf_paged.engine.loading import resolve_checkpoint
+    from hf_paged.engine.loading import check_has_config, resolve_checkpoint
 
     try:
         path = resolve_checkpoint(model)
+        check_has_config(path)
     except OSError as error:
         raise OSError(f"--model {error}") from error
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise OSError(f"--model {model!r} is a folder without a config.json, not a checkpoint")
     return path
 
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 
 import huggingface_hub
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from hf_paged.cli import main
 
@@ -87,3 +90,30 @@ def test_a_qwen3_moe_checkpoint_with_fewer_layers_generates_as_transformers(caps
     assert main(["generate", "--model", out_dir, "--prompt", "Hello there", "--prompt",
                  "The river", "--max-new-tokens", "6", "--check", "--device", "cpu"]) == 0
     assert "parity with transformers: identical tokens" in capsys.readouterr().out
+
+
+def _copy(checkpoint: str, folder) -> str:
+    shutil.copytree(checkpoint, folder)
+    return str(folder)
+
+
+def test_damaged_checkpoint_file_is_one_line_naming_it(capsys, tiny_checkpoint, tmp_path):
+    path = _copy(tiny_checkpoint, tmp_path / "cut")
+    file = os.path.join(path, "model.safetensors")
+    os.truncate(file, os.path.getsize(file) // 2)
+    _one_line_error(capsys, ["generate", "--model", path, "--device", "cpu"],
+                    f"error: {file} is truncated or corrupt, not a readable safetensors file")
+
+
+def test_checkpoint_that_does_not_fit_is_one_readable_line(capsys, tiny_checkpoint, tmp_path):
+    """The API's listing (a heading, then a key a line) reads as 'missing (1): key; ...'."""
+    path = _copy(tiny_checkpoint, tmp_path / "misfit")
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    del tensors["model.layers.1.self_attn.q_proj.weight"]
+    tensors["model.layers.0.mlp.gate_proj.weight"] = torch.zeros(3, 64)
+    save_file(tensors, file, metadata={"format": "pt"})
+    _one_line_error(capsys, ["generate", "--model", path, "--device", "cpu"],
+                    "config.json describes it; nothing was loaded; missing (1): "
+                    "model.layers.1.self_attn.q_proj.weight; wrong shape (1): "
+                    "model.layers.0.mlp.gate_proj.weight: checkpoint [3, 64], model [128, 64]")
