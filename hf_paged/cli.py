@@ -121,6 +121,8 @@ def _front(command: str, argv: list[str]) -> int:
         if command == "serve":
             if any(a in ("-h", "--help") for a in rest):
                 print(serve.SERVE_HELP)
+            else:
+                serve.check_serve_extras()
             start = partial(serve.transformers_serve, rest)
         elif not rest or rest[0] in ("-h", "--help"):
             print(RUN_USAGE, file=sys.stdout if rest else sys.stderr)
@@ -128,7 +130,7 @@ def _front(command: str, argv: list[str]) -> int:
         else:
             start = _run_target(rest)
         hf_paged.patch_transformers(**options)
-    except (ValueError, TypeError, LookupError) as error:
+    except (ValueError, TypeError, LookupError, ImportError) as error:
         print(f"error: {command}: {_one_line(error)}", file=sys.stderr)
         return 2
     return start()
