@@ -6,13 +6,21 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
 
 import huggingface_hub
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import hf_paged
+from hf_paged import cli
 from hf_paged.cli import main
+
+ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def _one_line_error(capsys, argv: list[str], match: str) -> None:
@@ -117,3 +125,47 @@ def test_checkpoint_that_does_not_fit_is_one_readable_line(capsys, tiny_checkpoi
                     "config.json describes it; nothing was loaded; missing (1): "
                     "model.layers.1.self_attn.q_proj.weight; wrong shape (1): "
                     "model.layers.0.mlp.gate_proj.weight: checkpoint [3, 64], model [128, 64]")
+
+
+def test_version_names_hf_paged_transformers_and_torch(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == (
+        f"hf-paged {hf_paged.__version__} (transformers {version('transformers')}, "
+        f"torch {version('torch')})\n")
+
+
+def test_default_checkpoint_says_where_it_is_written(capsys, monkeypatch, tmp_path):
+    """Written once, where the message says, then reused without a word."""
+    monkeypatch.setattr(cli, "DEFAULT_MODEL", tmp_path / "default")
+    argv = ["generate", "--device", "cpu", "--max-new-tokens", "2"]
+    assert main(argv) == 0
+    written = f"wrote a random tiny Qwen3 checkpoint to {tmp_path / 'default'}"
+    assert written in capsys.readouterr().out
+    assert os.path.isfile(tmp_path / "default" / "config.json")
+    assert main(argv) == 0
+    assert "wrote" not in capsys.readouterr().out
+
+
+def test_sampled_check_says_it_cannot_compare(capsys, tiny_checkpoint):
+    argv = ["generate", "--model", tiny_checkpoint, "--token-ids", "5,6,7", "--do-sample",
+            "--max-new-tokens", "4", "--check", "--device", "cpu"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "transformers [0]: " in out and "DIFFERENT" not in out
+    assert ("parity with transformers: not compared: sampled tokens cannot be compared token "
+            "for token") in out
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["generate", "--help"], ["--help"]])
+def test_help_and_version_import_neither_torch_nor_transformers(argv):
+    """The command line imports what a command needs when it runs: asking for help or the
+    version takes a fraction of a second, not the seconds torch and transformers take."""
+    code = ("import sys\nfrom hf_paged.cli import main\ntry:\n    main(sys.argv[1:])\n"
+            "except SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]", done.stdout
