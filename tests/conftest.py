@@ -11,6 +11,12 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from hf_paged.random_checkpoint import SHAPES, make_checkpoint, random_qwen3
 
+# Float32 results against stock transformers': the paged kernels sum in another order, so they
+# differ by rounding that grows with the value. Comparisons take an absolute tolerance for values
+# near zero (logits, per-token log-probabilities) and this relative one, 16 float32 steps of the
+# value's size, for sums over many tokens (one step of a log-likelihood of 1,744 is 1.2e-4).
+FLOAT32_RTOL = 16 * torch.finfo(torch.float32).eps
+
 # Tiny shapes: grouped-query heads with tied embeddings, multi-head attention with an untied
 # LM head, a wider-head GQA model, and a single KV head (replicated under tensor parallelism);
 # vocabularies small enough for fast CPU runs.

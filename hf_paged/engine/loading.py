@@ -30,6 +30,14 @@ def resolve_checkpoint(path_or_id: str, hub: dict | None = None) -> str:
         ) from error
 
 
+def check_has_config(path: str) -> None:
+    """Raise OSError naming a checkpoint folder without a config.json (transformers'
+    ``AutoConfig`` says the config lacks a ``model_type`` key)."""
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise OSError(f"{os.path.normpath(path)!r} is a folder without a config.json, not a "
+                      "checkpoint")
+
+
 def _short_reason(error: BaseException) -> str:
     """The exception's class and its cause's: 'LocalEntryNotFoundError: ConnectError' says
     what went wrong (offline, no such repository, not a valid id) in a few words."""
@@ -89,12 +97,14 @@ def load(path_or_id: str, dtype: torch.dtype | str | None, device: torch.device 
     checkpoint's generation config and the longest sequence (see ``from_pretrained``)."""
     config = EngineConfig.from_options(**engine_options)
     path = resolve_checkpoint(path_or_id)
-    hf_config = hf_config if hf_config is not None else AutoConfig.from_pretrained(path)
+    if hf_config is None:
+        check_has_config(path)
+        hf_config = AutoConfig.from_pretrained(path)
     device = resolve_device(device)
-    max_positions = hf_config.max_position_embeddings
-    max_model_len = config.max_model_len or max_positions
-    spec = WorkerSpec(hf_config, path, None, device, config, max_model_len)
+    spec = WorkerSpec(hf_config, path, None, device, config, config.max_model_len)
     check_spec(spec)  # the model and tensor_parallel_size first: they decide the rest
+    max_positions = hf_config.max_position_embeddings
+    spec.max_model_len = max_model_len = config.max_model_len or max_positions
     spec.dtype = resolve_dtype(dtype, hf_config)
     if max_model_len > max_positions:
         raise ValueError(

@@ -140,6 +140,10 @@ def resolve(
         and base.min_length is None
     )
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+    for name in ("num_beams", "num_return_sequences"):  # counts of rows: None means 1
+        value = getattr(config, name)
+        if value is not None and (type(value) is not int or value < 1):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     for name in ("output_attentions", "output_hidden_states"):
         if getattr(config, name, False):
             raise ValueError(f"{name} is not supported by hf_paged's generate(): {_REFUSED[name]}")
@@ -215,6 +219,9 @@ def _check_input_ids(input_ids) -> torch.Tensor:
         raise ValueError(
             f"input_ids must be a 2-D tensor [batch, seq_len], got shape {tuple(input_ids.shape)}"
         )
+    if input_ids.shape[1] == 0:  # as a tokenizer gives for "" when it adds no BOS
+        raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}): generate needs "
+                         "a prompt token, or no input_ids at all to start from bos_token_id")
     if input_ids.dtype not in (torch.int16, torch.int32, torch.int64):
         raise ValueError(
             f"input_ids must hold token ids as int16, int32 or int64, got dtype {input_ids.dtype}"

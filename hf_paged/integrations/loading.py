@@ -18,7 +18,7 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.utils import logging
 
 from hf_paged.config import EngineConfig
-from hf_paged.engine.loading import resolve_checkpoint
+from hf_paged.engine.loading import check_has_config, resolve_checkpoint
 from hf_paged.generation.paged_engine import PagedEngine
 
 # transformers' own hub keywords, passed to huggingface_hub to find a checkpoint by id
@@ -95,8 +95,10 @@ def model_config(path: str, config: PretrainedConfig | str | None,
         raise ValueError(f"config must be a transformers PretrainedConfig or the path of one, "
                          f"got {type(config).__name__}")
     else:
-        config, unused = AutoConfig.from_pretrained(
-            config if config is not None else path, return_unused_kwargs=True, **overrides)
+        config = config if config is not None else path
+        check_has_config(config)
+        config, unused = AutoConfig.from_pretrained(config, return_unused_kwargs=True,
+                                                    **overrides)
     if unused:
         raise TypeError(
             f"from_pretrained() got keyword(s) that are neither transformers' loading options, "

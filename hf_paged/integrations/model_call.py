@@ -61,6 +61,9 @@ def _check_input_ids(input_ids, vocab_size: int) -> torch.Tensor:
         shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else None
         raise ValueError(f"input_ids must be a 2-D tensor [batch, seq_len], got "
                          f"{type(input_ids).__name__} of shape {shape}")
+    if input_ids.shape[1] == 0:  # as a tokenizer gives for "" when it adds no BOS
+        raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}): a forward "
+                         "needs at least one token")
     if input_ids.dtype not in (torch.int16, torch.int32, torch.int64):
         raise ValueError(f"input_ids must hold token ids as int16, int32 or int64, got "
                          f"{input_ids.dtype} (8-bit types cannot hold a vocabulary's ids)")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata
+import importlib.util
 import sys
 
 ENGINE_OPTION = "--engine-option"
@@ -33,6 +34,21 @@ hf-paged's own option (repeatable, anywhere among the arguments):
                              (VALUE is a Python literal: 128, 0.9, True, None; else a string)
 Every other argument is transformers serve's own:
 """
+
+
+# What ``transformers serve`` needs beyond transformers itself: the modules its own check
+# (``is_serve_available``) looks for, installed by transformers' ``serving`` extra.
+SERVE_MODULES = ("pydantic", "fastapi", "uvicorn", "openai")
+
+
+def check_serve_extras() -> None:
+    """Raise ImportError naming what to install when transformers serve's extras are missing,
+    before transformers' command is imported (its own error ends a long traceback)."""
+    missing = [name for name in SERVE_MODULES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ImportError(f"transformers serve needs its serving extras, and {', '.join(missing)} "
+                          f"{'is' if len(missing) == 1 else 'are'} not installed: "
+                          'pip install "transformers[serving]"')
 
 
 def parse_engine_option(text: str) -> tuple[str, object]:

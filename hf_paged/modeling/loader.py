@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -64,10 +64,14 @@ class Checkpoint:
     def open(cls, path: str) -> Checkpoint:
         checkpoint = cls(path)
         for file in checkpoint_files(path):
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    checkpoint.files[name] = file
-                    checkpoint.shapes[name] = tuple(f.get_slice(name).get_shape())
+            try:
+                with safe_open(file, framework="pt") as f:
+                    for name in f.keys():
+                        checkpoint.files[name] = file
+                        checkpoint.shapes[name] = tuple(f.get_slice(name).get_shape())
+            except SafetensorError as error:  # a header that does not cover the file
+                raise OSError(f"{file} is truncated or corrupt, not a readable safetensors "
+                              f"file ({error})") from error
         return checkpoint
 
     def tensor(self, name: str) -> torch.Tensor:

@@ -13,7 +13,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 
 import hf_paged
-from tests.conftest import SMALL
+from tests.conftest import FLOAT32_RTOL, SMALL
 
 # A window shorter than the rolling texts, so loglikelihood_rolling scores several windows.
 LM_ARGS = dict(batch_size=4, max_length=48)
@@ -102,7 +102,7 @@ def test_loglikelihood(stock_lm, paged_lm):
     assert [greedy for _, greedy in got] == [greedy for _, greedy in expected]
     torch.testing.assert_close(torch.tensor([lp for lp, _ in got], dtype=torch.float64),
                                torch.tensor([lp for lp, _ in expected], dtype=torch.float64),
-                               atol=1e-4, rtol=0)
+                               atol=1e-4, rtol=FLOAT32_RTOL)
 
 
 def test_loglikelihood_rolling(stock_lm, paged_lm):
@@ -111,7 +111,8 @@ def test_loglikelihood_rolling(stock_lm, paged_lm):
     expected = stock_lm.loglikelihood_rolling(requests("loglikelihood_rolling", arguments), True)
     got = paged_lm().loglikelihood_rolling(requests("loglikelihood_rolling", arguments), True)
     torch.testing.assert_close(torch.tensor(got, dtype=torch.float64),
-                               torch.tensor(expected, dtype=torch.float64), atol=1e-4, rtol=0)
+                               torch.tensor(expected, dtype=torch.float64),
+                               atol=1e-4, rtol=FLOAT32_RTOL)
 
 
 @pytest.mark.parametrize("which", ["words", "shared"])

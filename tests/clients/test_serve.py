@@ -12,9 +12,13 @@ blocks afterwards.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 import sys
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
@@ -234,6 +238,30 @@ def test_models_endpoint(servers, mode):
     assert MODEL in expected
 
 
+def test_responses_endpoint(servers):
+    """``/v1/responses``, which the README lists, answers as stock's does (transformers
+    streams its responses, asked to or not)."""
+    def answer(url: str) -> list[str]:
+        with client(url) as c:
+            events = c.responses.create(model=MODEL, input="Hello there", max_output_tokens=8,
+                                        stream=True)
+            return [e.text for e in events if e.type == "response.output_text.done"]
+
+    expected = answer(servers["stock"].url())
+    assert len(expected) == 1 and answer(servers["generate"].url()) == expected
+
+
+def test_readme_lists_routes_the_installed_server_has(servers):
+    """The routes the README names for ``hf-paged serve`` are among those of the installed
+    transformers serve's app (its OpenAPI listing)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## transformers' continuous batching", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"`(/[a-z0-9_/.]+)`", section))
+    with urllib.request.urlopen(f"{servers['generate'].url()}/openapi.json", timeout=30) as page:
+        served = set(json.load(page)["paths"])
+    assert "/v1/chat/completions" in listed and listed <= served, (listed, served)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_cancelled_stream_then_server_answers(servers, stock, mode):
     """A client closing a stream early stops its generation; the server goes on answering."""
@@ -383,6 +411,21 @@ def test_front_errors_are_one_line(capsys, argv, match):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith(f"error: {argv[0]}: "), err
     assert match in err, err
+
+
+@pytest.mark.parametrize("missing", [["fastapi"], ["fastapi", "uvicorn"]])
+def test_serve_without_its_extras_says_what_to_install(capsys, monkeypatch, missing):
+    """As on a machine where transformers was installed without its serving extra: one line,
+    before transformers' command is imported, where its own error ends a long traceback."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name in missing else find_spec(name, *a))
+    assert main(["serve", "some/model", "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    verb = "is" if len(missing) == 1 else "are"
+    assert err == (f"error: serve: transformers serve needs its serving extras, and "
+                   f"{', '.join(missing)} {verb} not installed: "
+                   'pip install "transformers[serving]"\n')
 
 
 def test_run_module_with_engine_options(capsys, monkeypatch, tiny_checkpoint):

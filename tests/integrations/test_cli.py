@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
 
 import huggingface_hub
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
+import hf_paged
+from hf_paged import cli
 from hf_paged.cli import main
+
+ROOT = str(Path(__file__).resolve().parents[2])
 
 
 def _one_line_error(capsys, argv: list[str], match: str) -> None:
@@ -95,3 +106,74 @@ def test_a_qwen3_moe_checkpoint_with_fewer_layers_generates_as_transformers(caps
     assert main(["generate", "--model", out_dir, "--prompt", "Hello there", "--prompt",
                  "The river", "--max-new-tokens", "6", "--check", "--device", "cpu"]) == 0
     assert "parity with transformers: identical tokens" in capsys.readouterr().out
+
+
+def _copy(checkpoint: str, folder) -> str:
+    shutil.copytree(checkpoint, folder)
+    return str(folder)
+
+
+def test_damaged_checkpoint_file_is_one_line_naming_it(capsys, tiny_checkpoint, tmp_path):
+    path = _copy(tiny_checkpoint, tmp_path / "cut")
+    file = os.path.join(path, "model.safetensors")
+    os.truncate(file, os.path.getsize(file) // 2)
+    _one_line_error(capsys, ["generate", "--model", path, "--device", "cpu"],
+                    f"error: {file} is truncated or corrupt, not a readable safetensors file")
+
+
+def test_checkpoint_that_does_not_fit_is_one_readable_line(capsys, tiny_checkpoint, tmp_path):
+    """The API's listing (a heading, then a key a line) reads as 'missing (1): key; ...'."""
+    path = _copy(tiny_checkpoint, tmp_path / "misfit")
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    del tensors["model.layers.1.self_attn.q_proj.weight"]
+    tensors["model.layers.0.mlp.gate_proj.weight"] = torch.zeros(3, 64)
+    save_file(tensors, file, metadata={"format": "pt"})
+    _one_line_error(capsys, ["generate", "--model", path, "--device", "cpu"],
+                    "config.json describes it; nothing was loaded; missing (1): "
+                    "model.layers.1.self_attn.q_proj.weight; wrong shape (1): "
+                    "model.layers.0.mlp.gate_proj.weight: checkpoint [3, 64], model [128, 64]")
+
+
+def test_version_names_hf_paged_transformers_and_torch(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == (
+        f"hf-paged {hf_paged.__version__} (transformers {version('transformers')}, "
+        f"torch {version('torch')})\n")
+
+
+def test_default_checkpoint_says_where_it_is_written(capsys, monkeypatch, tmp_path):
+    """Written once, where the message says, then reused without a word."""
+    monkeypatch.setattr(cli, "DEFAULT_MODEL", tmp_path / "default")
+    argv = ["generate", "--device", "cpu", "--max-new-tokens", "2"]
+    assert main(argv) == 0
+    written = f"wrote a random tiny Qwen3 checkpoint to {tmp_path / 'default'}"
+    assert written in capsys.readouterr().out
+    assert os.path.isfile(tmp_path / "default" / "config.json")
+    assert main(argv) == 0
+    assert "wrote" not in capsys.readouterr().out
+
+
+def test_sampled_check_says_it_cannot_compare(capsys, tiny_checkpoint):
+    argv = ["generate", "--model", tiny_checkpoint, "--token-ids", "5,6,7", "--do-sample",
+            "--max-new-tokens", "4", "--check", "--device", "cpu"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "transformers [0]: " in out and "DIFFERENT" not in out
+    assert ("parity with transformers: not compared: sampled tokens cannot be compared token "
+            "for token") in out
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["generate", "--help"], ["--help"]])
+def test_help_and_version_import_neither_torch_nor_transformers(argv):
+    """The command line imports what a command needs when it runs: asking for help or the
+    version takes a fraction of a second, not the seconds torch and transformers take."""
+    code = ("import sys\nfrom hf_paged.cli import main\ntry:\n    main(sys.argv[1:])\n"
+            "except SystemExit:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]", done.stdout

@@ -63,6 +63,13 @@ def test_other_architectures_load_stock_with_a_warning(llama_checkpoint):
     assert len([w for w in caught if "hf_paged" in str(w.message)]) == 1
 
 
+def test_the_import_swap_refuses_other_architectures(llama_checkpoint):
+    """``from hf_paged import AutoModelForCausalLM`` serves hf_paged's families only: another
+    architecture is refused by its model_type, not handed to stock (the patch does that)."""
+    with pytest.raises(ValueError, match="this checkpoint has model_type 'llama'$"):
+        hf_paged.AutoModelForCausalLM.from_pretrained(llama_checkpoint)
+
+
 def test_a_config_object_and_overrides_load_on_hf_paged(tiny_checkpoint, stock_model):
     """transformers applies a config object and config keywords; so does the patched loader."""
     config = transformers.AutoConfig.from_pretrained(tiny_checkpoint)

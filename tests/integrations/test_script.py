@@ -4,10 +4,13 @@ hf_paged's model."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.conftest import FLOAT32_RTOL
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(Path(__file__).parent / "scripts" / "generate_and_score.py")
@@ -45,7 +48,8 @@ def check_same_text(checkpoint: str, loss_tolerance: float, exact: bool = True) 
     for way, lines in runs.items():
         assert lines.pop("model class") == ["hf_paged Qwen3ForCausalLM"], way
         loss = float(lines.pop("loss")[0])
-        assert abs(loss - float(stock["loss"][0])) <= loss_tolerance, way
+        assert math.isclose(loss, float(stock["loss"][0]), abs_tol=loss_tolerance,
+                            rel_tol=FLOAT32_RTOL), way
         if exact:
             assert lines == expected, way
         else:

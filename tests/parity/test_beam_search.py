@@ -9,7 +9,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_paged
-from tests.conftest import TINY_CONFIGS, left_padded
+from tests.conftest import FLOAT32_RTOL, TINY_CONFIGS, left_padded
 
 LENGTHS = [3, 8, 13]
 
@@ -27,7 +27,7 @@ def assert_same_beams(out, ref):
         if theirs is not None:
             assert len(ours) == len(theirs)
             for a, b in zip(ours, theirs):
-                torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+                torch.testing.assert_close(a, b, atol=1e-4, rtol=FLOAT32_RTOL)
 
 
 def engine_for(checkpoints, name="gqa_tied", **options):

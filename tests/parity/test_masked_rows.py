@@ -8,7 +8,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_paged
-from tests.conftest import TINY_CONFIGS, left_padded
+from tests.conftest import FLOAT32_RTOL, TINY_CONFIGS, left_padded
 
 VOCAB = TINY_CONFIGS["gqa_tied"]["vocab_size"]
 BOS = 1
@@ -62,7 +62,7 @@ def test_a_masked_row_beside_others(pair):
     assert torch.equal(mine.sequences, theirs.sequences)
     for name in ("scores", "logits"):
         for step, ref in zip(getattr(mine, name), getattr(theirs, name), strict=True):
-            torch.testing.assert_close(step, ref, atol=1e-4, rtol=0)
+            torch.testing.assert_close(step, ref, atol=1e-4, rtol=FLOAT32_RTOL)
 
 
 def test_beam_search_over_a_masked_row_is_refused_by_name(pair):

@@ -10,7 +10,7 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 import hf_paged
-from tests.conftest import TINY_CONFIGS, left_padded
+from tests.conftest import FLOAT32_RTOL, TINY_CONFIGS, left_padded
 
 VOCAB = TINY_CONFIGS["gqa_tied"]["vocab_size"]
 
@@ -96,10 +96,10 @@ def test_criteria_in_lockstep_with_scores(model):
     out = engine.generate(ids, stopping_criteria=StoppingCriteriaList([mine]), **args)
     assert torch.equal(out.sequences, expected.sequences)
     for my_step, ref_step in zip(out.scores, expected.scores, strict=True):
-        torch.testing.assert_close(my_step, ref_step, atol=1e-4, rtol=0)
+        torch.testing.assert_close(my_step, ref_step, atol=1e-4, rtol=FLOAT32_RTOL)
     assert [c[0].tolist() for c in mine.calls] == [c[0].tolist() for c in theirs.calls]
     for (_, my_scores), (_, scores_ref) in zip(mine.calls, theirs.calls):
-        torch.testing.assert_close(my_scores, scores_ref, atol=1e-4, rtol=0)
+        torch.testing.assert_close(my_scores, scores_ref, atol=1e-4, rtol=FLOAT32_RTOL)
 
 
 def test_a_criterion_that_reads_scores(model):

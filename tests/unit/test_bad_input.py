@@ -55,6 +55,10 @@ BAD_CALLS = [
     (dict(input_ids=IDS, position_ids=torch.arange(4)[None]), "position_ids"),
     (dict(input_ids=IDS, stop_strings="x"), "tokenizer"),
     (dict(input_ids=IDS, num_beams=2, do_sample=True), "num_beams"),
+    (dict(input_ids=IDS, num_beams=0), "^num_beams must be a positive integer, got 0$"),
+    (dict(input_ids=IDS, num_beams=2.0), "^num_beams must be a positive integer, got 2.0$"),
+    (dict(input_ids=IDS, num_return_sequences=0), "^num_return_sequences must be a positive"),
+    (dict(input_ids=IDS[:, :0]), r"^input_ids is empty \(shape \(1, 0\)\)"),
     (dict(input_ids=IDS, streamer=object()), "streamer"),
     (dict(input_ids=IDS, generation_config={"max_new_tokens": 3}), "generation_config"),
 ]

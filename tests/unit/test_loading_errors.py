@@ -13,6 +13,7 @@ import shutil
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
@@ -243,3 +244,47 @@ def test_base_model_keys_load_under_the_prefix(checkpoints, tmp_path, name):
     loaded = params(rewrite(checkpoints[name], tmp_path, edit))
     assert loaded.keys() == whole.keys()
     assert all(torch.equal(p, whole[k]) for k, p in loaded.items())
+
+
+LOADERS = [hf_paged.from_pretrained, hf_paged.AutoModelForCausalLM.from_pretrained]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt header"])
+def test_damaged_safetensors_file_is_named(checkpoints, tmp_path, reference, damage):
+    """A download cut short or a damaged header: one line naming the file, not safetensors'
+    bare 'Error while deserializing header'; a good checkpoint loads afterwards."""
+    path = rewrite(checkpoints["gqa_tied"], tmp_path)
+    file = os.path.join(path, "model.safetensors")
+    if damage == "truncated":
+        os.truncate(file, os.path.getsize(file) // 2)
+    else:
+        with open(file, "r+b") as f:
+            f.seek(8)
+            f.write(b"\xff" * 16)
+    for load in LOADERS:
+        with pytest.raises(OSError, match=f"^{re.escape(file)} is truncated or corrupt, not a "
+                           r"readable safetensors file \(Error while deserializing header"):
+            load(path, **SMALL)
+    with hf_paged.from_pretrained(checkpoints["gqa_tied"], **SMALL) as engine:
+        assert torch.equal(engine.generate(IDS, max_new_tokens=6, do_sample=False), reference)
+
+
+def test_folder_without_config_json_is_named(checkpoints, tmp_path):
+    """transformers' AutoConfig would say the config has no ``model_type`` key."""
+    shutil.copy(os.path.join(checkpoints["gqa_tied"], "model.safetensors"), tmp_path)
+    for load in LOADERS:
+        with pytest.raises(OSError, match=f"^{re.escape(repr(str(tmp_path)))} is a folder "
+                           "without a config.json, not a checkpoint$"):
+            load(str(tmp_path), **SMALL)
+
+
+def test_a_family_hf_paged_does_not_serve_is_refused_before_its_fields_are_read(tmp_path):
+    """Qwen3.5's vision-language config has no ``max_position_embeddings`` at its top level:
+    the family check names its model_type before anything reads it."""
+    config_class = getattr(transformers, "Qwen3_5Config", None)
+    if config_class is None:
+        pytest.skip("this transformers has no Qwen3_5Config")
+    config_class().save_pretrained(tmp_path)
+    for load in LOADERS:
+        with pytest.raises(ValueError, match="this checkpoint has model_type 'qwen3_5'$"):
+            load(str(tmp_path), **SMALL)
