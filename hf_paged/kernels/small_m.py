@@ -133,16 +133,18 @@ def _weight(w, inv_ptrs, k, K, dtype: tl.constexpr, SCALE_K: tl.constexpr,
     """A strip chunk's values in float32; with SCALE_K, FP8 values times their blocks' scales
     (``inv_ptrs``: each strip row's scale row), rounded to the input's ``dtype`` as
     ``block_scales.dequantize`` rounds them for the plain path."""
-    if not SCALE_K:
-        return w.to(tl.float32)
-    BLOCK_N: tl.constexpr = w.shape[0]
-    BLOCK_K: tl.constexpr = w.shape[1]
-    blocks = k // SCALE_K + tl.arange(0, BLOCK_K // SCALE_K)
-    scale = _load(inv_ptrs[:, None] + blocks[None, :], (blocks < tl.cdiv(K, SCALE_K))[None, :],
-                  EVEN)
-    w = tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // SCALE_K, SCALE_K))
-    w = (w * scale[:, :, None]).to(dtype).to(tl.float32)
-    return tl.reshape(w, (BLOCK_N, BLOCK_K))
+    if SCALE_K:
+        BLOCK_N: tl.constexpr = w.shape[0]
+        BLOCK_K: tl.constexpr = w.shape[1]
+        blocks = k // SCALE_K + tl.arange(0, BLOCK_K // SCALE_K)
+        scale = _load(inv_ptrs[:, None] + blocks[None, :],
+                      (blocks < tl.cdiv(K, SCALE_K))[None, :], EVEN)
+        values = tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // SCALE_K, SCALE_K))
+        values = (values * scale[:, :, None]).to(dtype).to(tl.float32)
+        values = tl.reshape(values, (BLOCK_N, BLOCK_K))
+    else:
+        values = w.to(tl.float32)
+    return values
 
 
 @triton.jit

@@ -32,9 +32,10 @@ def rand(*shape, dtype):
     return torch.randn(*shape, device=DEVICE).to(dtype)
 
 
-def assert_near(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """Within 1e-4 (float32) or 1e-2 (16-bit) of the largest expected magnitude; never NaN."""
-    tol = 1e-4 if actual.dtype == torch.float32 else 1e-2
+def assert_near(actual: torch.Tensor, expected: torch.Tensor, tol: float | None = None) -> None:
+    """Within ``tol`` (default 1e-4 in float32, 1e-2 in 16 bits) of the largest expected
+    magnitude; never NaN."""
+    tol = tol or (1e-4 if actual.dtype == torch.float32 else 1e-2)
     scale = expected.float().abs().max().item()
     torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol * scale)
 
@@ -96,11 +97,14 @@ def test_act_quant_matches_its_twin_bit_for_bit():
 @pytest.mark.parametrize("parts,k", SHAPES)
 @pytest.mark.parametrize("name", ["dequant_linear", "w8a8_linear"])
 def test_gemms(name, dtype, rows, parts, k):
+    """The w8a8 GEMM to 1e-2 in any dtype: a GPU's FP8 tensor cores accumulate a K block's
+    products with fewer bits than float32 (the interpreter's are exact)."""
     weight, scales = fp8_weight(parts, k)
     x = rand(rows, k, dtype=dtype)
     bias = rand(sum(parts), dtype=dtype) if rows == 70 else None
     expected = getattr(reference, name)(x, weight, scales, bias)
-    assert_near(getattr(fp8_gemm, name)(x, weight, scales, bias), expected)
+    assert_near(getattr(fp8_gemm, name)(x, weight, scales, bias), expected,
+                1e-2 if name == "w8a8_linear" else None)
 
 
 def test_w8a8_twin_stays_near_the_definition():
