@@ -79,6 +79,7 @@ def _fp8_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     activations on the FP8 tensor cores from ``w8a8_rows`` rows on (0: never), the weight
     dequantized tile by tile below (start-up's choice per shape, ``worker/fp8_tuning.py``)."""
     rows = x.reshape(-1, x.shape[-1])
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     name = "w8a8_linear" if w8a8_rows and rows.shape[0] >= w8a8_rows else "dequant_linear"
     out = _triton_kernel("fp8_gemm", name)(rows, weight, scales, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
