@@ -115,17 +115,20 @@ def _gemm_kernel(
 
 
 def gemm_config(m: int, w8a8: bool) -> dict[str, int]:
-    """Tiles and launch settings by row count: small-M tiles keep enough programs along N for
-    every multiprocessor while the weight streams; larger ones reuse each weight tile over
-    more rows."""
+    """Tiles and launch settings by row count. Few rows: narrow tiles, so that enough programs
+    stream the weight; more rows: wider ones, which reuse each weight tile over more rows.
+    Swept on an H100 over the Qwen3-8B projections (the best of 3 to 9 settings a row count
+    within about 10% on each shape)."""
     if m <= 16:
-        block_m, block_n, warps, stages = 16, 64, 4, 4
+        block_m, block_n, block_k, warps, stages = 16, 32, 128, 4, 4
     elif m <= 64:
-        block_m, block_n, warps, stages = 64, 64, 4, 4
+        block_m, block_n, block_k, warps, stages = 64, 64, 128 if w8a8 else 64, 4, 4
+    elif m <= 256 or w8a8:  # w8a8: 128x128 tiles of 8 warps took 1.2-1.3x as long
+        block_m, block_n, block_k, warps, stages = 64, 128, 128, 4, 4
     else:
-        block_m, block_n, warps, stages = 128, 128, 8, 3 if w8a8 else 2
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128 if w8a8 else 64,
-                GROUP_M=8, num_warps=warps, num_stages=stages)
+        block_m, block_n, block_k, warps, stages = 128, 128, 64, 4, 4
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+                num_warps=warps, num_stages=stages)
 
 
 def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torch.Tensor,

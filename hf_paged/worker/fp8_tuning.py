@@ -122,10 +122,11 @@ def _measure(groups: dict[str, list[_ParallelLinear]], dtype: torch.dtype) -> di
         with compiling_only():  # every variant, side by side
             for name, modules in groups.items():
                 w = modules[0].weight
-                for rows in (1, *_GEMM_ROWS):
-                    for kernel in _kernels(name.endswith("gated")).values():
-                        kernel(w.new_empty(rows, w.shape[1], dtype=dtype),
-                               (w, scales_of(modules[0])))
+                for rows in (1, *_GEMM_ROWS):  # the small-M kernel at one row only
+                    for kernel, run in _kernels(name.endswith("gated")).items():
+                        if rows == 1 or kernel != "small_m":
+                            run(w.new_empty(rows, w.shape[1], dtype=dtype),
+                                (w, scales_of(modules[0])))
         report = {}
         for name, modules in groups.items():
             weights = [(m.weight, scales_of(m)) for m in modules]
