@@ -59,6 +59,7 @@
 #       `T_MOE_W2=400 scripts/gpu_run.sh moe-w2 moe-prof`, and later calls
 #       `BASELINES=reuse scripts/gpu_run.sh moe`
 #   moe-kernels: the MoE kernels on their own (benchmarks.bench_moe); T_MOE_K=120
+#   fp8-kernels: the FP8 projections on their own (benchmarks.bench_fp8_linear); T_FP8_K=150
 #   speculation: W6 (benchmarks.bench_speculation): an 8B target and three 0.6B drafts of known
 #       acceptance (they follow a token permutation; 16 + 3 x 1.5 GB in bf16, W4's random 8B
 #       cannot serve), built once under SPEC_CKPTS=/tmp/ckpt/speculation (drawn on the GPU,
@@ -189,10 +190,12 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
       moe-w1|moe-w2|moe-prof) moe "${s#moe-}" ;;
       moe-kernels) step moe-kernels "${T_MOE_K:-120}" python -m benchmarks.bench_moe \
             --results-dir "$RESULTS" ;;
+      fp8-kernels) step fp8-kernels "${T_FP8_K:-150}" python -m benchmarks.bench_fp8_linear \
+            --results-dir "$RESULTS" ;;
       speculation) bench speculation "${T_SPEC:-480}" bench_speculation "${SPEC_ARGS:-}" \
             --checkpoints "${SPEC_CKPTS:-/tmp/ckpt/speculation}" "${BASELINE_ARGS[@]}" ;;
       *) echo "unknown step $s (steps: tests w1 w2 w3 preempt profile w1-split dropin w4 beam tp-tests" \
-              "startup lm-eval serving moe moe-w1 moe-w2 moe-prof moe-kernels speculation)"
+              "startup lm-eval serving moe moe-w1 moe-w2 moe-prof moe-kernels fp8-kernels speculation)"
          STATUS+=("$s unknown") ;;
     esac
   done

@@ -57,11 +57,13 @@ def _dispatch(module: str, name: str):
     return run
 
 
-def _small_m(x: torch.Tensor, weight: torch.Tensor, bias, small_m_rows: int) -> bool:
+def _small_m(x: torch.Tensor, weight: torch.Tensor, bias, small_m_rows: int,
+             scales: BlockScales | None = None) -> bool:
     """Whether the small-M kernel serves this projection: at most ``small_m_rows`` rows (which
-    start-up sets per projection where it measured the kernel faster), no bias, one dtype."""
+    start-up sets per projection where it measured the kernel faster), no bias, one dtype (or
+    a block-quantized FP8 weight)."""
     return bool(small_m_rows and x.dim() == 2 and x.shape[0] <= small_m_rows and bias is None
-                and _use_triton(x) and x.dtype == weight.dtype
+                and _use_triton(x) and (x.dtype == weight.dtype or scales is not None)
                 and x.stride(1) == weight.stride(1) == 1)
 
 
@@ -71,46 +73,60 @@ def _plain(x: torch.Tensor, weight: torch.Tensor, scales: BlockScales | None) ->
     return weight if scales is None else dequantize(weight, scales, x.dtype)
 
 
+def _fp8_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              scales: BlockScales, w8a8_rows: int) -> torch.Tensor:
+    """A block-quantized projection of any number of rows through a Triton GEMM: FP8
+    activations on the FP8 tensor cores from ``w8a8_rows`` rows on (0: never), the weight
+    dequantized tile by tile below (start-up's choice per shape, ``worker/fp8_tuning.py``)."""
+    rows = x.reshape(-1, x.shape[-1])
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    name = "w8a8_linear" if w8a8_rows and rows.shape[0] >= w8a8_rows else "dequant_linear"
+    out = _triton_kernel("fp8_gemm", name)(rows, weight, scales, bias)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           small_m_rows: int = 0, scales: BlockScales | None = None) -> torch.Tensor:
+           small_m_rows: int = 0, scales: BlockScales | None = None,
+           w8a8_rows: int = 0) -> torch.Tensor:
     """``F.linear``, or the small-M Triton kernel where ``_small_m`` says. ``scales``: the
-    weight is block-quantized FP8 (``kernels.block_scales``)."""
-    if scales is not None:
-        return F.linear(x, _plain(x, weight, scales), bias)
-    if _small_m(x, weight, bias, small_m_rows):
-        return _triton_kernel("small_m", "linear")(x, weight)
-    return F.linear(x, weight, bias)
+    weight is block-quantized FP8 (``kernels.block_scales``); Triton reads it as FP8 (the
+    small-M kernel, else ``_fp8_gemm``, from ``w8a8_rows`` rows on the w8a8 GEMM), the plain
+    path dequantizes it."""
+    if _small_m(x, weight, bias, small_m_rows, scales):
+        return _triton_kernel("small_m", "linear")(x, weight, scales)
+    if scales is not None and _use_triton(x):
+        return _fp8_gemm(x, weight, bias, scales, w8a8_rows)
+    return F.linear(x, _plain(x, weight, scales), bias)
 
 
 def gated_linear(x: torch.Tensor, weight: torch.Tensor, small_m_rows: int = 0,
-                 scales: BlockScales | None = None) -> torch.Tensor:
+                 scales: BlockScales | None = None, w8a8_rows: int = 0) -> torch.Tensor:
     """``silu_and_mul(F.linear(x, weight))`` for a merged gate/up ``weight``; where
     ``_small_m`` says, one small-M kernel computes both."""
-    if scales is None and _small_m(x, weight, None, small_m_rows):
-        return _triton_kernel("small_m", "gated_linear")(x, weight)
-    return silu_and_mul(F.linear(x, _plain(x, weight, scales)))
+    if _small_m(x, weight, None, small_m_rows, scales):
+        return _triton_kernel("small_m", "gated_linear")(x, weight, scales)
+    return silu_and_mul(linear(x, weight, None, 0, scales, w8a8_rows))
 
 
 def normed_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
     weight: torch.Tensor, bias: torch.Tensor | None = None, small_m_rows: int = 0,
-    gated: bool = False, scales: BlockScales | None = None,
+    gated: bool = False, scales: BlockScales | None = None, w8a8_rows: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The projection (``gated``: ``gated_linear``) of ``rms_norm(x + residual)``, and
     ``x + residual`` (``x`` when ``residual`` is None), as ``add_rms_norm`` then the
     projection compute them; where ``_small_m`` says, one small-M kernel does it all."""
-    if (scales is None and _small_m(x, weight, bias, small_m_rows)
-            and norm_weight.dtype == x.dtype
+    if (_small_m(x, weight, bias, small_m_rows, scales) and norm_weight.dtype == x.dtype
             and (residual is None or residual.stride(1) == 1)):
         return _triton_kernel("small_m", "normed_linear")(x, residual, norm_weight, eps, weight,
-                                                          gated)
+                                                          gated, scales)
     if residual is None:
         x, residual = rms_norm(x, norm_weight, eps), x
     else:
         x, residual = add_rms_norm(x, residual, norm_weight, eps)
     if gated:
-        return gated_linear(x, weight, small_m_rows, scales), residual
-    return linear(x, weight, bias, small_m_rows, scales), residual
+        return gated_linear(x, weight, small_m_rows, scales, w8a8_rows), residual
+    return linear(x, weight, bias, small_m_rows, scales, w8a8_rows), residual
 
 
 copy_blocks = _dispatch("block_copy", "copy_blocks")

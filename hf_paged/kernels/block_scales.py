@@ -16,6 +16,12 @@ from typing import NamedTuple
 
 import torch
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+# The smallest amax an activation group is scaled by: an all-zero group gets a tiny scale
+# rather than 0, whose quotients would be NaN.
+MIN_AMAX = 1e-10
+
 
 class BlockScales(NamedTuple):
     """The scales of one block-quantized weight, as the kernels take them."""

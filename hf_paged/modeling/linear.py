@@ -37,9 +37,11 @@ class _ParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
         self.small_m_rows = 0  # up to how many rows the small-M kernel serves (start-up's choice)
+        self.w8a8_rows = 0  # FP8 weights: from how many rows the w8a8 GEMM serves (start-up's)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias, self.small_m_rows)
+        return kernels.linear(x, self.weight, self.bias, self.small_m_rows,
+                              w8a8_rows=self.w8a8_rows)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -55,7 +57,7 @@ class ColumnParallelLinear(_ParallelLinear):
         the merged gate/up output), in one small-M kernel where it serves (the norm is an
         ``RMSNorm``, whose launch that saves)."""
         return kernels.normed_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias,
-                                     self.small_m_rows, gated)
+                                     self.small_m_rows, gated, w8a8_rows=self.w8a8_rows)
 
     def weight_loader(self, param: nn.Parameter, loaded) -> None:
         size = param.shape[0]
@@ -115,4 +117,5 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp.rank == 0 else None
-        return self.tp.all_reduce(kernels.linear(x, self.weight, bias, self.small_m_rows))
+        return self.tp.all_reduce(kernels.linear(x, self.weight, bias, self.small_m_rows,
+                                                 w8a8_rows=self.w8a8_rows))

@@ -10,7 +10,8 @@ on replay. The merged gate/up projection is timed with its SwiGLU product: the g
 kernel against cuBLAS then ``silu_and_mul``. The small-M kernel then serves up to the most rows
 at which it took under ``_MARGIN`` of cuBLAS's time at every row count up to there; the margin
 keeps the choice stable between runs. The choice is cached on disk (``cached_report``): only the
-first start-up with a given GPU, model shape and software pays for the timings.
+first start-up with a given GPU, model shape and software pays for the timings. FP8
+projections are chosen for in ``fp8_tuning``.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from hf_paged.modeling.attention import AttentionMetadata
 from hf_paged.modeling.paged_model import PagedModel
 from hf_paged.modeling.tp import TensorParallel
 from hf_paged.step import RowSampling
+from hf_paged.worker.fp8_tuning import tune_fp8_projections
 from hf_paged.worker.inputs import CASCADE_MIN_SEQS
 from hf_paged.worker.kv_cache import KVCache
 from hf_paged.worker.kv_scales import calibrate
@@ -59,6 +60,7 @@ class Startup:
         if cuda:
             with self._stage("projections", "timing the projections"):
                 self.projection_timings = tune_projections(self.model.layers)
+                self.projection_timings |= tune_fp8_projections(self.model.layers)
             chosen = {shape: r["small_m_rows"] for shape, r in self.projection_timings.items()}
             self._log(f"small-M kernel up to these rows, by projection shape: {chosen}")
             with self._stage("kernels", "compiling kernels"):

@@ -1,10 +1,11 @@
-"""Start-up's choice of the small-M kernel for a projection, from the times it measured (the
-timing itself runs on CUDA only: the GPU tests' start-ups)."""
+"""Start-up's choice of the small-M kernel for a projection, and of the GEMM for an FP8 one, from
+the times it measured (the timing itself runs on CUDA only: the GPU tests' start-ups)."""
 
 from __future__ import annotations
 
 import torch
 
+from hf_paged.worker.fp8_tuning import w8a8_rows
 from hf_paged.worker.projection_tuning import cached_report, small_m_rows, tune_projections
 
 
@@ -44,3 +45,11 @@ def test_cached_report_measures_once_per_key(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_PAGED_CACHE_DIR", str(tmp_path / "file" / "cache"))
     assert cached_report("projections", key, measure) == {"4096x1024": {"small_m_rows": 3}}
     assert cached_report("projections", key, measure) == {"4096x1024": {"small_m_rows": 4}}
+
+
+def test_w8a8_serves_from_the_fewest_rows_where_it_won_at_every_larger_count():
+    dequant = {16: 10.0, 64: 12.0, 256: 30.0, 1024: 100.0, 4096: 400.0}
+    assert w8a8_rows(dequant, {16: 12.0, 64: 13.0, 256: 25.0, 1024: 60.0, 4096: 220.0}) == 256
+    assert w8a8_rows(dequant, {16: 9.0, 64: 13.0, 256: 25.0, 1024: 60.0, 4096: 220.0}) == 256
+    assert w8a8_rows(dequant, {16: 9.0, 64: 11.0, 256: 25.0, 1024: 60.0, 4096: 220.0}) == 16
+    assert w8a8_rows(dequant, {16: 9.0, 64: 11.0, 256: 25.0, 1024: 60.0, 4096: 401.0}) == 0

@@ -1,0 +1,172 @@
+"""Block-scaled FP8 projections of more rows than the small-M kernel serves (larger decode
+batches, prefill): ``x [M, K] @ W.T`` with ``W`` float8_e4m3fn and its ``BlockScales``.
+
+Two GEMMs; start-up times both per projection shape (``worker/fp8_tuning.py``):
+
+- ``dequant_linear``: the weight tile is converted and scaled in registers, rounded to the
+  activations' dtype and multiplied on the 16-bit tensor cores: the plain path's numbers
+  (``F.linear`` over ``block_scales.dequantize``) with half its weight bytes.
+- ``w8a8_linear``: the activations are quantized first (``act_quant``: per row and group of
+  ``block_k`` columns to float8_e4m3fn, scale ``amax / 448``, as transformers' ``act_quant``
+  for fine-grained FP8), then each K block of the FP8 tensor cores' product is scaled by
+  ``a_scale[m, kb] * inv[rows[n], kb]`` into a float32 accumulator: twice the 16-bit
+  tensor cores' rate, at the cost of the activations' rounding to FP8 and one more launch.
+
+Both take K in steps of at most one scale block, so a step reads one scale per weight row.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from hf_paged.kernels.block_scales import FP8, FP8_MAX, MIN_AMAX, BlockScales
+from hf_paged.kernels.launch import launch
+
+_GROUPS_PER_PROGRAM = 8
+
+
+@triton.jit
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, x_s0, q_s0, s_s0, GROUP: tl.constexpr,
+                      GROUPS: tl.constexpr, MAX: tl.constexpr, MIN_AMAX: tl.constexpr):
+    row = tl.program_id(0)
+    groups = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    x = tl.load(x_ptr + row * x_s0 + cols, mask=cols < K, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX) / MAX
+    q = _round_e4m3(tl.clamp(tl.math.div_rn(x, scale[:, None]), -MAX, MAX))
+    tl.store(q_ptr + row * q_s0 + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
+    tl.store(s_ptr + row * s_s0 + groups, scale, mask=groups * GROUP < K)
+
+
+@triton.jit
+def _round_e4m3(v):
+    """``v`` (within float8_e4m3fn's range) rounded to the nearest float8_e4m3fn value, ties
+    to even, in float32 arithmetic: the conversion that follows is then exact. The hardware
+    conversion rounds the same way; Triton's interpreter rounds ties up and does not carry a
+    rounded-up mantissa into the exponent (124.3 became 64), so the tests would not see it."""
+    exponent = (v.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    # The spacing of e4m3 values around v: 3 mantissa bits; 2**-9 below 2**-6 (subnormals).
+    step = (tl.maximum(exponent, 127 - 6) - 3) << 23
+    magic = step.to(tl.float32, bitcast=True) * 12582912.0  # 1.5 * 2**23 steps
+    return (v + magic) - magic
+
+
+def act_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton twin of ``reference.act_quant``: ``x [M, K]`` in float8_e4m3fn and its float32
+    scales ``[M, ceil(K / group)]``."""
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=FP8, device=x.device)
+    scales = torch.empty((m, triton.cdiv(k, group)), dtype=torch.float32, device=x.device)
+    if m:
+        launch(_act_quant_kernel, (m, triton.cdiv(scales.shape[1], _GROUPS_PER_PROGRAM)),
+               x, q, scales, k, x.stride(0), q.stride(0), scales.stride(0),
+               GROUP=group, GROUPS=_GROUPS_PER_PROGRAM, MAX=FP8_MAX, MIN_AMAX=MIN_AMAX,
+               num_warps=4)
+    return q, scales
+
+
+@triton.jit
+def _gemm_kernel(
+    a_ptr, a_scale_ptr, w_ptr, inv_ptr, rows_ptr, bias_ptr, out_ptr,
+    M, N, K, a_s0, a_scale_s0, w_s0, inv_s0, out_s0,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALE_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr,
+    W8A8: tl.constexpr, BIAS: tl.constexpr,
+):
+    # Programs run along M first within bands of GROUP_M row blocks, so that the weight
+    # tiles a band reads are still in L2 for its next row block.
+    pid = tl.program_id(0)
+    blocks_m, blocks_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    band = pid // (GROUP_M * blocks_n)
+    first_m = band * GROUP_M
+    band_m = min(blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * blocks_n)) % band_m
+    pid_n = (pid % (GROUP_M * blocks_n)) // band_m
+    ms = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    ns = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = ms < M, ns < N
+    a_ptrs = a_ptr + ms.to(tl.int64)[:, None] * a_s0 + ks[None, :]
+    w_ptrs = w_ptr + ns.to(tl.int64)[None, :] * w_s0 + ks[:, None]  # the tile of W.T
+    inv_ptrs = inv_ptr + tl.load(rows_ptr + ns, mask=n_ok, other=0).to(tl.int64) * inv_s0
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs + k, mask=m_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs + k, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = ks < K - k
+            a = tl.load(a_ptrs + k, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs + k, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        w_scale = tl.load(inv_ptrs + k // SCALE_K)
+        if W8A8:
+            a_scale = tl.load(a_scale_ptr + ms * a_scale_s0 + k // SCALE_K, mask=m_ok,
+                              other=0.0)
+            acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+        else:  # rounded to the activations' dtype, as block_scales.dequantize rounds
+            w = (w.to(tl.float32) * w_scale[None, :]).to(a.dtype)
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+    if BIAS:
+        acc += tl.load(bias_ptr + ns, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + ms.to(tl.int64)[:, None] * out_s0 + ns[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def gemm_config(m: int, w8a8: bool) -> dict[str, int]:
+    """Tiles and launch settings by row count. Few rows: narrow tiles, so that enough programs
+    stream the weight; more rows: wider ones, which reuse each weight tile over more rows.
+    Swept on an H100 over the Qwen3-8B projections (the best of 3 to 9 settings a row count
+    within about 10% on each shape)."""
+    if m <= 16:
+        block_m, block_n, block_k, warps, stages = 16, 32, 128, 4, 4
+    elif m <= 64:
+        block_m, block_n, block_k, warps, stages = 64, 64, 128 if w8a8 else 64, 4, 4
+    elif m <= 256 or w8a8:  # w8a8: 128x128 tiles of 8 warps took 1.2-1.3x as long
+        block_m, block_n, block_k, warps, stages = 64, 128, 128, 4, 4
+    else:
+        block_m, block_n, block_k, warps, stages = 128, 128, 64, 4, 4
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8,
+                num_warps=warps, num_stages=stages)
+
+
+def _gemm(a: torch.Tensor, a_scale: torch.Tensor | None, weight: torch.Tensor,
+          scales: BlockScales, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    m, k = a.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"weight has {weight.shape[1]} input features, x has {k}")
+    assert a.stride(1) == weight.stride(1) == scales.inv.stride(-1) == 1
+    out = torch.empty((m, n), dtype=dtype, device=a.device)
+    if m == 0:
+        return out
+    config = gemm_config(m, a_scale is not None)
+    config["BLOCK_K"] = min(config["BLOCK_K"], scales.block_k)
+    if scales.block_k % config["BLOCK_K"]:
+        raise ValueError(f"scales.block_k ({scales.block_k}) is not a multiple of "
+                         f"{config['BLOCK_K']}")
+    grid = (triton.cdiv(m, config["BLOCK_M"]) * triton.cdiv(n, config["BLOCK_N"]),)
+    launch(_gemm_kernel, grid, a, a if a_scale is None else a_scale, weight, scales.inv,
+           scales.rows, a if bias is None else bias, out, m, n, k, a.stride(0),
+           0 if a_scale is None else a_scale.stride(0), weight.stride(0),
+           scales.inv.stride(0), out.stride(0), SCALE_K=scales.block_k,
+           EVEN_K=k % config["BLOCK_K"] == 0, W8A8=a_scale is not None,
+           BIAS=bias is not None, **config)
+    return out
+
+
+def dequant_linear(x: torch.Tensor, weight: torch.Tensor, scales: BlockScales,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton twin of ``reference.dequant_linear``: ``F.linear`` over the FP8 ``weight``
+    dequantized to ``x``'s dtype, tile by tile."""
+    return _gemm(x, None, weight, scales, bias, x.dtype)
+
+
+def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scales: BlockScales,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton twin of ``reference.w8a8_linear``: ``x`` quantized per group of
+    ``scales.block_k`` columns (``act_quant``), multiplied with the FP8 ``weight`` on the FP8
+    tensor cores, in ``x``'s dtype."""
+    q, a_scale = act_quant(x, scales.block_k)
+    return _gemm(q, a_scale, weight, scales, bias, x.dtype)

@@ -1,0 +1,153 @@
+"""Which kernels serve the block-quantized FP8 projections, measured at start-up per projection
+shape as ``projection_tuning`` measures the 16-bit ones.
+
+An FP8 projection has three Triton kernels (``kernels.small_m``, ``kernels.fp8_gemm``): the
+small-M kernel for decode's few rows, and for more rows the GEMM that dequantizes the weight
+tile by tile (16-bit tensor cores) or the w8a8 GEMM (the activations quantized per 128-column
+group, FP8 tensor cores: twice the rate, plus a quantization launch and the activations'
+rounding). For each shape start-up times, over every layer's weight of that shape in a CUDA
+graph: the small-M kernel against the dequantizing GEMM at 1, 2, 4 and 8 rows (the gate/up
+projection with its SwiGLU product), which sets ``small_m_rows`` by ``small_m_rows``'s rule;
+and both GEMMs at ``_GEMM_ROWS``, which sets ``w8a8_rows``: the fewest rows from which the
+w8a8 GEMM was faster at every larger count measured (0: never). The choice is cached on disk
+with the 16-bit one's (``cached_report``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from hf_paged import kernels
+from hf_paged.kernels.block_scales import FP8, BlockScales
+from hf_paged.kernels.launch import compiling_only
+from hf_paged.modeling.linear import MergedColumnParallelLinear, _ParallelLinear
+from hf_paged.worker.projection_tuning import _ROWS, _micros, cached_report, small_m_rows
+
+logger = logging.getLogger(__name__)
+_GEMM_ROWS = (16, 64, 256, 1024, 4096)
+# The most output one row count's timing graph holds: at many rows the GEMMs are bound by
+# their arithmetic, and a few layers' weights time them as well as all of them.
+_GRAPH_OUTPUT_BYTES = 2**29
+
+
+def w8a8_rows(dequant_us: dict[int, float], w8a8_us: dict[int, float]) -> int:
+    """The fewest rows from which the w8a8 GEMM was faster at every row count measured
+    (0: not even at the most rows)."""
+    rows = 0
+    for r in sorted(dequant_us, reverse=True):
+        if not w8a8_us[r] < dequant_us[r]:
+            break
+        rows = r
+    return rows
+
+
+def scales_of(module: nn.Module) -> BlockScales | None:
+    """The block scales of an FP8 projection (None for any other module)."""
+    scales = getattr(module, "scales", None)
+    return scales if isinstance(scales, BlockScales) else None
+
+
+def tune_fp8_projections(layers: nn.Module) -> dict[str, dict]:
+    """Set ``small_m_rows`` and ``w8a8_rows`` on every bias-free FP8 projection in ``layers``
+    (on CUDA) and return, per weight shape (``fp8``, and ``gated`` for a merged gate/up
+    projection), the microseconds measured and the choice."""
+    groups: dict[str, list[_ParallelLinear]] = defaultdict(list)
+    for module in layers.modules():
+        w = module.weight if isinstance(module, _ParallelLinear) else None
+        if w is not None and module.bias is None and w.is_cuda and w.dtype == FP8:
+            if scales_of(module) is None:
+                raise ValueError(f"an FP8 projection of shape {tuple(w.shape)} has no scales")
+            gated = isinstance(module, MergedColumnParallelLinear)
+            name = "x".join(map(str, w.shape)) + " fp8" + (" gated" if gated else "")
+            groups[name].append(module)
+    if not groups or not kernels.triton_available():
+        return {}
+    dtype = activation_dtype(layers)
+    weight = next(iter(groups.values()))[0].weight
+    key = {"device": torch.cuda.get_device_name(weight.device), "dtype": str(dtype),
+           "shapes": {name: len(modules) for name, modules in groups.items()},
+           "torch": torch.__version__, "kernel": _kernel_digest()}
+    try:
+        report = cached_report("fp8-projections", key, lambda: _measure(groups, dtype))
+    except Exception as e:  # e.g. a GPU this Triton cannot compile FP8 for: the plain path
+        logger.warning("FP8 projections stay on the dequantizing GEMM: timing failed (%s)", e)
+        report = {}
+    for name, modules in groups.items():
+        for m in modules:
+            m.small_m_rows = report[name]["small_m_rows"] if name in report else 0
+            m.w8a8_rows = report[name]["w8a8_rows"] if name in report else 0
+    return report
+
+
+def activation_dtype(layers: nn.Module) -> torch.dtype:
+    """The dtype the projections' inputs come in: the layers' first floating-point parameter
+    that is not FP8 (the norms')."""
+    return next((p.dtype for p in layers.parameters()
+                 if p.is_floating_point() and p.dtype != FP8), torch.bfloat16)
+
+
+def _kernel_digest() -> str:
+    import triton
+
+    from hf_paged.kernels import fp8_gemm, small_m
+
+    text = triton.__version__.encode()
+    for path in (small_m.__file__, fp8_gemm.__file__, __file__):
+        text += Path(path).read_bytes()
+    return hashlib.sha256(text).hexdigest()[:16]
+
+
+def _kernels(gated: bool) -> dict[str, Callable]:
+    """The kernels start-up chooses between, as ``(x, (weight, scales))`` callables."""
+    from hf_paged.kernels import fp8_gemm, small_m
+
+    if gated:
+        return {"small_m": lambda x, w: small_m.gated_linear(x, *w),
+                "dequant": lambda x, w: kernels.silu_and_mul(fp8_gemm.dequant_linear(x, *w)),
+                "w8a8": lambda x, w: kernels.silu_and_mul(fp8_gemm.w8a8_linear(x, *w))}
+    return {"small_m": lambda x, w: small_m.linear(x, *w),
+            "dequant": lambda x, w: fp8_gemm.dequant_linear(x, *w),
+            "w8a8": lambda x, w: fp8_gemm.w8a8_linear(x, *w)}
+
+
+def _measure(groups: dict[str, list[_ParallelLinear]], dtype: torch.dtype) -> dict[str, dict]:
+    with torch.inference_mode():
+        with compiling_only():  # every variant, side by side
+            for name, modules in groups.items():
+                w = modules[0].weight
+                for rows in (1, *_GEMM_ROWS):  # the small-M kernel at one row only
+                    for kernel, run in _kernels(name.endswith("gated")).items():
+                        if rows == 1 or kernel != "small_m":
+                            run(w.new_empty(rows, w.shape[1], dtype=dtype),
+                                (w, scales_of(modules[0])))
+        report = {}
+        for name, modules in groups.items():
+            weights = [(m.weight, scales_of(m)) for m in modules]
+            run = _kernels(name.endswith("gated"))
+            n, k = weights[0][0].shape
+            times: dict[str, dict[int, float]] = {"gemm_us": {}, "small_m_us": {},
+                                                  "dequant_us": {}, "w8a8_us": {}}
+            for rows in _ROWS:  # up to the small-M kernel's first loss
+                x = torch.randn(rows, k, dtype=dtype, device=weights[0][0].device)
+                times["gemm_us"][rows] = _micros(run["dequant"], x, weights)
+                times["small_m_us"][rows] = _micros(run["small_m"], x, weights)
+                if small_m_rows(times["gemm_us"], times["small_m_us"]) < rows:
+                    break
+            for rows in _GEMM_ROWS:
+                x = torch.randn(rows, k, dtype=dtype, device=weights[0][0].device)
+                some = weights[:max(1, _GRAPH_OUTPUT_BYTES // (rows * n * x.element_size()))]
+                times["dequant_us"][rows] = _micros(run["dequant"], x, some)
+                times["w8a8_us"][rows] = _micros(run["w8a8"], x, some)
+            report[name] = dict(**times,
+                                small_m_rows=small_m_rows(times["gemm_us"],
+                                                          times["small_m_us"]),
+                                w8a8_rows=w8a8_rows(times["dequant_us"], times["w8a8_us"]))
+    torch.cuda.empty_cache()  # the timing graphs' memory
+    return report
