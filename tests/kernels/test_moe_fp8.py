@@ -1,0 +1,118 @@
+"""The grouped MoE GEMMs on block-quantized FP8 experts against the reference (which
+dequantizes, then runs the plain path): dimensions that are not multiples of the 128-wide
+scale blocks, a gate/up grid whose up part starts mid-block, K steps shorter than a scale
+block, decode and several alignment chunks; and the arguments refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_paged import kernels
+from hf_paged.kernels import reference
+from hf_paged.kernels.block_scales import BlockScales, grid_rows
+from hf_paged.kernels.moe_gemm import MoEConfig, moe_experts
+from tests.kernels.conftest import DEVICE, HALF, assert_close
+from tests.kernels.test_moe import routing
+
+BLOCK = 128
+# (tokens, experts, top_k, hidden, intermediate): hidden and intermediate cut scale blocks short
+SHAPES = [
+    (1, 8, 2, 160, 72),  # decode; the up rows start inside the gate's last block
+    (5, 6, 2, 136, 200),  # intermediate over one block, experts no power of two
+    (40, 8, 4, 96, 48),  # 160 pairs: two alignment chunks; single, short blocks
+]
+
+
+def fp8_experts(experts: int, hidden: int, inter: int
+                ) -> tuple[torch.Tensor, BlockScales, torch.Tensor, BlockScales]:
+    """Random float8_e4m3fn ``w13`` and ``w2`` with scale grids as a checkpoint stores them:
+    gate and up each with their own grid rows (stacked), down with one grid."""
+    def grid(rows: int, cols: int) -> torch.Tensor:
+        # scales of about 1 / (64 sqrt(K)): outputs of order one for values of order 64
+        cells = (experts, rows, -(-cols // BLOCK))
+        return (0.5 + torch.rand(cells, device=DEVICE)) / (64 * cols ** 0.5)
+
+    def values(*shape: int) -> torch.Tensor:
+        return (torch.randn(shape, device=DEVICE) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+    w13, w2 = values(experts, 2 * inter, hidden), values(experts, hidden, inter)
+    part = -(-inter // BLOCK)
+    s13 = BlockScales(grid(2 * part, hidden), grid_rows([inter, inter], BLOCK, DEVICE), BLOCK)
+    s2 = BlockScales(grid(-(-hidden // BLOCK), inter), grid_rows([hidden], BLOCK, DEVICE),
+                     BLOCK)
+    return w13, s13, w2, s2
+
+
+def activations(tokens: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    """Of order one, as the experts' inputs after the norm (outputs of order one too)."""
+    return torch.randn(tokens, hidden, device=DEVICE).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fp8_experts(dtype, shape):
+    tokens, experts, top_k, hidden, inter = shape
+    x = activations(tokens, hidden, dtype)
+    w13, s13, w2, s2 = fp8_experts(experts, hidden, inter)
+    weights, ids = routing(tokens, experts, top_k, dtype)
+    want = reference.moe_experts(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2)
+    assert want.abs().max() > 0.1  # scales that keep the outputs away from zero
+    assert_close(moe_experts(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2), want)
+
+
+def test_fp8_short_k_steps_and_narrow_tiles():
+    """Four K steps per scale block, N tiles that split the gate/up grid rows."""
+    tokens, experts, top_k, hidden, inter = 6, 4, 2, 200, 72
+    x = activations(tokens, hidden, HALF)
+    w13, s13, w2, s2 = fp8_experts(experts, hidden, inter)
+    weights, ids = routing(tokens, experts, top_k, HALF)
+    config = MoEConfig(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4,
+                       num_stages=2)
+    assert_close(
+        moe_experts(x, w13, w2, weights, ids, config=config, w13_scales=s13, w2_scales=s2),
+        reference.moe_experts(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2))
+
+
+def test_fp8_unused_experts_are_not_read():
+    """NaN in the weights and scales of every expert no token picks leaves the output
+    unchanged."""
+    tokens, experts, top_k, hidden, inter = 2, 8, 2, 64, 40
+    x = activations(tokens, hidden, HALF)
+    w13, s13, w2, s2 = fp8_experts(experts, hidden, inter)
+    weights, ids = routing(tokens, experts, top_k, HALF)
+    want = moe_experts(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2)
+    unused = sorted(set(range(experts)) - set(ids.flatten().tolist()))
+    for tensor in (w13, w2, s13.inv, s2.inv):
+        tensor[unused] = float("nan")
+    assert torch.equal(moe_experts(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2),
+                       want)
+
+
+def test_fp8_arguments_refused_by_name():
+    tokens, experts, top_k, hidden, inter = 2, 4, 2, 64, 32
+    x = activations(tokens, hidden, HALF)
+    w13, s13, w2, s2 = fp8_experts(experts, hidden, inter)
+    weights, ids = routing(tokens, experts, top_k, HALF)
+    with pytest.raises(ValueError, match="w13_scales and w2_scales"):
+        moe_experts(x, w13, w2, weights, ids, w13_scales=s13)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        moe_experts(x, w13.to(HALF), w2.to(HALF), weights, ids, w13_scales=s13, w2_scales=s2)
+    with pytest.raises(ValueError, match="block_k"):
+        moe_experts(x, w13, w2, weights, ids, w13_scales=s13._replace(block_k=48),
+                    w2_scales=s2._replace(block_k=48))
+    with pytest.raises(ValueError, match="do not fit"):
+        moe_experts(x, w13, w2, weights, ids, w13_scales=s13,
+                    w2_scales=s2._replace(rows=s2.rows[:-1]))
+
+
+def test_fp8_dispatch_takes_the_reference_on_cpu_tensors(monkeypatch):
+    monkeypatch.setattr(kernels, "_TRITON_ON_CPU", False)
+    x = torch.randn(3, 144)
+    w13, s13, w2, s2 = (t.cpu() if isinstance(t, torch.Tensor) else
+                        BlockScales(t.inv.cpu(), t.rows.cpu(), t.block_k)
+                        for t in fp8_experts(4, 144, 24))
+    weights, ids = kernels.moe_route(torch.randn(3, 4), 2, True)
+    assert torch.equal(
+        kernels.moe_experts(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2),
+        reference.moe_experts(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2))
