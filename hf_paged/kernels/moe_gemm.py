@@ -14,11 +14,12 @@ and each expert's output are rounded to the model dtype, and the k weighted outp
 in float32 once.
 
 Block-quantized FP8 experts (``kernels.block_scales``) take the same path with ``FP8`` set:
-the weight tile is loaded as float8_e4m3fn (half the bytes of bf16, what decode is bound by),
-widened to the activations' dtype (exact: every e4m3 value is a bf16 and a float16), and each
-K step's product is multiplied by its output columns' scales in float32 before it is added to
-the accumulator. A K step never crosses a 128-column scale block, so one scale per output
-column and step is all the tile needs.
+the weight tile is loaded as float8_e4m3fn (half the bytes of bf16, what decode is bound by)
+and dequantized in registers, times its output columns' scales in float32 and rounded once to
+the activations' dtype (the reference's dequantization), before the same product. A K step
+never crosses a 128-column scale block, so one scale per output column and step is all the
+tile needs. Scaling the weight tile rather than each step's product keeps the accumulator
+chained through the products: on an H100, scaling products ran prefill 2-3x slower.
 
 Both GEMMs launch a program for every block that the pairs could need (sized from the shapes,
 as CUDA graphs need); programs of blocks past the used slots exit at once, so a small batch
@@ -27,8 +28,6 @@ reads only the weights of the experts it routes to.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -36,53 +35,9 @@ import triton.language as tl
 from hf_paged.kernels.block_scales import BlockScales
 from hf_paged.kernels.launch import launch
 from hf_paged.kernels.moe_routing import moe_align
+from hf_paged.kernels.moe_tiles import MoEConfig, moe_config
 
 _SUM_BLOCK = 1024
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """Tiles of the grouped GEMMs: ``block_m`` pairs (of one expert) by ``block_n`` outputs,
-    ``block_k`` along the reduction; ``group_m`` blocks share a column of output tiles
-    before moving on (weight tiles reused from L2). One config serves both GEMMs; the
-    gate/up programs hold two accumulators, so their weight tile is ``2 * block_n`` rows."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int
-    num_warps: int
-    num_stages: int
-
-
-def moe_config(num_tokens: int, num_experts: int, top_k: int, n: int, k: int,
-               dtype: torch.dtype) -> MoEConfig:
-    """Default tiles for ``num_tokens`` routed to ``top_k`` of ``num_experts`` experts, with
-    intermediate size ``n`` (per rank) and hidden size ``k``.
-
-    The tier follows the mean rows per expert, ``num_tokens * top_k / num_experts``. Decode
-    (up to 8) reads weights for very few rows: the smallest M tile the tensor cores take (16)
-    and long steps along K. Prefill grows M with the rows per expert, up to 128, and groups M
-    blocks so that weight tiles are reused from L2. On an H100 at Qwen3-30B-A3B's shape (128
-    experts, k 8, hidden 2,048, intermediate 768, bf16), these came within 5% of the best of
-    a sweep over tiles, warps and stages at 1, 4, 16, 64, 256, 512, 1,024, 2,048 and 8,192
-    tokens; every tier fits in 164 KiB of shared memory (an A100's).
-    """
-    rows = num_tokens * top_k / max(num_experts, 1)
-    if rows <= 8:
-        cfg = MoEConfig(16, 64, 128, 1, 4, 3)
-    elif rows <= 24:
-        cfg = MoEConfig(32, 64, 128, 1, 4, 3)
-    elif rows <= 96:
-        cfg = MoEConfig(64, 128, 64, 8, 4, 3)
-    else:
-        cfg = MoEConfig(128, 128, 64, 8, 8, 3)
-    # Tiles no wider than the matrices (small models), at least the tensor cores' 16; float32
-    # operands take twice the shared memory a stage.
-    limit = max(16, triton.next_power_of_2(min(n, k)))
-    block_k = cfg.block_k // 2 if dtype == torch.float32 else cfg.block_k
-    return MoEConfig(cfg.block_m, min(cfg.block_n, limit), max(16, min(block_k, limit)),
-                     cfg.group_m, cfg.num_warps, cfg.num_stages)
 
 
 @triton.jit
@@ -107,12 +62,12 @@ def _load(ptrs, mask, k_mask, EVEN_K: tl.constexpr):
 @triton.jit
 def _dot(acc, a, w_ptrs, w_mask, k_mask, s_ptrs, k, PRECISION: tl.constexpr,
          EVEN_K: tl.constexpr, FP8: tl.constexpr, SCALE_K: tl.constexpr):
-    """``acc`` plus the K step at ``k`` of ``a @ w``; FP8: the step's product scaled by the
-    ``[BLOCK_N]`` scales at ``s_ptrs`` of the step's K block."""
+    """``acc`` plus the K step at ``k`` of ``a @ w``; FP8: the weight tile dequantized first,
+    times the ``[BLOCK_N]`` scales at ``s_ptrs`` of the step's K block."""
     w = _load(w_ptrs + k, w_mask, k_mask, EVEN_K)
     if FP8:
         scale = tl.load(s_ptrs + k // SCALE_K)
-        return acc + tl.dot(a, w.to(a.dtype), input_precision=PRECISION) * scale[None, :]
+        w = (w.to(tl.float32) * scale[None, :]).to(a.dtype)
     return tl.dot(a, w, acc, input_precision=PRECISION)
 
 
@@ -120,10 +75,10 @@ def _dot(acc, a, w_ptrs, w_mask, k_mask, s_ptrs, k, PRECISION: tl.constexpr,
 def _scale_ptrs(s_ptr, rows_ptr, expert, s_se, s_sn, cols, n, FP8: tl.constexpr):
     """Where the scales of output columns ``cols`` start for ``expert``: the grid row that
     each weight row reads (``BlockScales.rows``; row 0 past ``n``, loaded but unused)."""
+    rows = cols.to(tl.int64) * 0  # unread for plain weights (one return type for both)
     if FP8:
         rows = tl.load(rows_ptr + cols, mask=cols < n, other=0).to(tl.int64)
-        return s_ptr + expert * s_se + rows * s_sn
-    return s_ptr
+    return s_ptr + expert * s_se + rows * s_sn
 
 
 # Integers that follow the token count are not specialised on (divisibility by 16, equality to
@@ -253,7 +208,7 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: t
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
     if tokens == 0:
         return out
-    cfg = config or moe_config(tokens, num_experts, top_k, inter, hidden, x.dtype)
+    cfg = config or moe_config(tokens, num_experts, top_k, inter, hidden, x.dtype, fp8=fp8)
     scale_k = w13_scales.block_k if fp8 else cfg.block_k
     if scale_k % cfg.block_k:
         raise ValueError(f"config.block_k={cfg.block_k} must divide the scales' {scale_k}")

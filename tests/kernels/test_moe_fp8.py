@@ -11,7 +11,8 @@ import torch
 from hf_paged import kernels
 from hf_paged.kernels import reference
 from hf_paged.kernels.block_scales import BlockScales, grid_rows
-from hf_paged.kernels.moe_gemm import MoEConfig, moe_experts
+from hf_paged.kernels.moe_gemm import moe_experts
+from hf_paged.kernels.moe_tiles import MoEConfig, moe_config
 from tests.kernels.conftest import DEVICE, HALF, assert_close
 from tests.kernels.test_moe import routing
 
@@ -116,3 +117,13 @@ def test_fp8_dispatch_takes_the_reference_on_cpu_tensors(monkeypatch):
     assert torch.equal(
         kernels.moe_experts(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2),
         reference.moe_experts(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2))
+
+
+def test_fp8_tiles_step_within_a_scale_block():
+    """Every default tile for FP8 experts takes K steps that divide the 128-column scale
+    blocks; decode takes narrower N tiles than bf16."""
+    for tokens in (1, 16, 64, 256, 2048, 8192):
+        for n, k in ((768, 2048), (72, 160), (24, 32)):
+            for dtype in (torch.float32, torch.bfloat16):
+                assert BLOCK % moe_config(tokens, 128, 8, n, k, dtype, fp8=True).block_k == 0
+    assert moe_config(1, 128, 8, 768, 2048, torch.bfloat16, fp8=True).block_n == 32
