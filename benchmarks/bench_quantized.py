@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.fp8_model:
         costs["fp8_weights"] = MemoryCost.from_checkpoint(args.fp8_model, dtype)
     if "kv" in args.parts:
-        costs["fp8_kv"] = MemoryCost.from_checkpoint(args.model, dtype, torch.float8_e4m3fn)
+        costs["fp8_kv"] = MemoryCost.from_checkpoint(args.model, dtype, "fp8")
     result = common.ResultFile("quantized", args, device, summary)
     result["checkpoint"]["fp8_path"] = args.fp8_model
     result["workload_description"] = {
@@ -163,7 +163,9 @@ def main(argv: list[str] | None = None) -> None:
     }
     result["floor"] = {name: floor_settings(device, args.bandwidth, cost)
                        for name, cost in costs.items()}
-    result["baseline_requests"] = len(few.prompts) if args.baselines else None
+    with_baselines = bool(args.baselines) or args.reuse_baselines is not None
+    result["baseline_requests"] = len(few.prompts) if with_baselines else None
+    common.reuse_baselines(result, args)
     bandwidth = result["floor"]["bf16"]["bandwidth_bytes_per_s"]
     options = common.engine_options(args.engine_option)
     sampling = {"temperature": args.temperature}
@@ -199,12 +201,13 @@ def main(argv: list[str] | None = None) -> None:
             if "decode_ms_per_token" in figures:
                 floor = costs[line].floor_bytes(decode.head(1)) / bandwidth
                 figures["floor_ms_per_token"] = floor * 1e3 / args.new_tokens
-    if args.baselines and args.fp8_model:
+    if "w1" in args.parts and with_baselines:
+        run("w1_fp8_weights@baseline_requests", partial(
+            bench_throughput.measure, paged("fp8_weights", sampling=sampling), few,
+            args.batch_size, costs["fp8_weights"], bandwidth, device))
+    if args.baselines and args.fp8_model and args.reuse_baselines is None:
         measured: dict[str, Any] = {}
         if "w1" in args.parts:
-            run("w1_fp8_weights@baseline_requests", partial(
-                bench_throughput.measure, paged("fp8_weights", sampling=sampling), few,
-                args.batch_size, costs["fp8_weights"], bandwidth, device))
             measured["w1"] = transformers_fp8(
                 args.fp8_model, dtype, device, lambda build: bench_throughput.measure(
                     build, few, args.batch_size, costs["fp8_weights"], bandwidth, device),

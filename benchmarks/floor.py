@@ -94,11 +94,11 @@ class MemoryCost:
 
     @classmethod
     def from_checkpoint(cls, path: str, dtype: torch.dtype,
-                        kv_dtype: torch.dtype | None = None) -> MemoryCost:
+                        kv_cache_dtype: str = "auto") -> MemoryCost:
         """The bytes of ``path``'s weights as they are served in ``dtype``, and of its KV cache
-        in ``kv_dtype`` (default ``dtype``). Weights stored in float8 (a fine-grained FP8
-        checkpoint) stay one byte each and their float32 scale grids four: both are read as
-        stored; every other tensor is read in ``dtype``."""
+        (``kv_cache_dtype``: the engine option; an FP8 cache stores one byte an element).
+        Weights stored in float8 (a fine-grained FP8 checkpoint) stay one byte each and their
+        float32 scale grids four: both are read as stored; every other tensor in ``dtype``."""
         config = AutoConfig.from_pretrained(path)
         size = torch.empty((), dtype=dtype).element_size()
         nbytes: dict[str, int] = {}
@@ -114,7 +114,7 @@ class MemoryCost:
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
-        kv_size = torch.empty((), dtype=kv_dtype or dtype).element_size()
+        kv_size = size if kv_cache_dtype == "auto" else 1
         kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * kv_size
         experts = _experts(config, nbytes, path)
         dense = total - (0 if experts is None else experts.total_bytes)

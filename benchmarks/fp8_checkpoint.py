@@ -1,4 +1,5 @@
-"""A fine-grained FP8 copy of a checkpoint, laid out as Qwen publishes its ``-FP8`` ones: every
+"""A fine-grained FP8 copy of a checkpoint folder, laid out as Qwen publishes its ``-FP8`` ones
+(W8's checkpoints: the same weights as the bf16 checkpoint beside it): every
 attention and MLP projection (each expert's too) float8_e4m3fn with a float32
 ``weight_scale_inv`` per 128x128 block, quantized with transformers' own ``Fp8Quantize``; the
 embedding, the LM head, the norms and the routers as they were; a ``quantization_config``
@@ -7,6 +8,8 @@ naming what stays unquantized.
 A dimension that is not a multiple of 128 is quantized as zero-padded to one (the last block
 cut short: its scale covers the values it holds), which transformers' ``Fp8Quantize`` leaves
 alone.
+
+python -m benchmarks.fp8_checkpoint --source /tmp/ckpt/8b --out /tmp/ckpt/8b-fp8
 """
 
 from __future__ import annotations
@@ -70,3 +73,19 @@ def quantize_checkpoint(src: str, dst: str, device: str = "cpu") -> str:
     }
     (dst_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return str(dst_dir)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--source", type=Path, required=True, help="the checkpoint to copy")
+    parser.add_argument("--out", type=Path, required=True, help="folder to write the copy to")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the weights are quantized")
+    args = parser.parse_args(argv)
+    if not (args.source / "config.json").is_file():
+        parser.error(f"--source {args.source} holds no config.json")
+    print(f"wrote {quantize_checkpoint(str(args.source), str(args.out), args.device)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from hf_paged import kernels
-from hf_paged.kernels.block_scales import BlockScales
 from hf_paged.modeling.linear import divide, narrow
 from hf_paged.modeling.tp import SINGLE, TensorParallel
 
@@ -33,13 +32,7 @@ class PagedExperts(nn.Module):
 
     ``weight_loader`` fills them from either checkpoint layout: the fused 3-D tensors
     (``shard_id`` None) or one expert's ``gate_proj``/``up_proj``/``down_proj`` matrix
-    (``shard_id`` = ``(expert, part)``, part 0 gate, 1 up, None down).
-
-    ``gate_up_scales`` / ``down_scales``: the block scales of FP8 experts, None for float
-    weights."""
-
-    gate_up_scales: BlockScales | None = None
-    down_scales: BlockScales | None = None
+    (``shard_id`` = ``(expert, part)``, part 0 gate, 1 up, None down)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int,
                  tp: TensorParallel = SINGLE):
@@ -91,6 +84,5 @@ class SparseMoEBlock(nn.Module):
         logits = kernels.linear(x, self.gate.weight)
         weights, ids = kernels.moe_route(logits, self.top_k, self.norm_topk_prob)
         out = kernels.moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj,
-                                  weights, ids, w13_scales=self.experts.gate_up_scales,
-                                  w2_scales=self.experts.down_scales)
+                                  weights, ids)
         return self.tp.all_reduce(out), residual

@@ -117,5 +117,5 @@ def test_fp8_weights_count_a_byte_and_their_scales_four(tmp_path):
                                    bytes_per_expert=3 * (32 * 64 + 4))
     attention = 2 * sum(rows * 64 for rows in (64, 32, 32)) + 2 * 64 * 64  # q, k, v, o
     assert cost.dense_bytes == plain.dense_bytes - attention * 3 + 2 * 4 * 4
-    kv8 = MemoryCost.from_checkpoint(path, torch.float32, torch.float8_e4m3fn)
+    kv8 = MemoryCost.from_checkpoint(path, torch.float32, "fp8")
     assert kv8.kv_bytes_per_token * 4 == plain.kv_bytes_per_token == cost.kv_bytes_per_token
