@@ -28,9 +28,11 @@ Triton FP8 kernels on CUDA). Where that cannot run (its kernels come from the Hu
 baseline is transformers dequantizing the checkpoint on load (``FineGrainedFP8Config(
 dequantize=True)``), named so in ``baseline_path``.
 
-On an H100, the 0.6B shape takes about 3 minutes for all parts (each hf_paged line is an
-engine start, 10-25 s, and its run; the baselines about a minute), the 8B ``w1 batch1`` about
-3, the 30B-A3B with 24 layers about 4. Writes ``quantized-<tag>-<device>.json``.
+Time on an H100, estimated from the figures of W1, W2 and W4 (a reduced run of every part on
+the 0.6B shape, 32 requests, took 110 s with its baselines): the 0.6B shape about 3 minutes
+for all parts (each hf_paged line is an engine start, 10-25 s, and its run; the baselines
+about a minute), the 8B ``w1 batch1`` about 3, the 30B-A3B with 24 layers about 4. Writes
+``quantized-<tag>-<device>.json``.
 """
 
 from __future__ import annotations

@@ -65,8 +65,8 @@
 #       checkpoint's FP8 copy built once beside it (<checkpoint>-fp8, T_QUANT_CKPT=240), then
 #       W1 and batch-1 decode on both against their floors with transformers' FP8 generate as
 #       the baseline, and on 0.6b W1 with kv_cache_dtype="fp8" and the two caches' agreement
-#       (T_QUANT=420 a shape; QUANT_ARGS). On an H100 about 3 minutes for 0.6b, 3 for 8b and 4
-#       for 30b-a3b (24 layers) plus its copy: one shape a call, the larger ones with
+#       (T_QUANT=420 a shape; QUANT_ARGS). On an H100 an estimated 3 minutes for 0.6b, 3 for 8b
+#       and 4 for 30b-a3b (24 layers) plus its copy: one shape a call, the larger ones with
 #       BASELINES=0 if the call is short. The 8b and 30b-a3b checkpoints and their copies
 #       (24 + 45 GB) do not fit one 64 GiB disk together: one of them a machine
 #   speculation: W6 (benchmarks.bench_speculation): an 8B target and three 0.6B drafts of known
