@@ -5,8 +5,10 @@ weights of the experts the batch hits, counted from its routing, plus the tokens
 as a fraction of the measured copy bandwidth, and at prefill its TFLOP/s against the device's
 dense bf16 peak; in the same run transformers' ``Qwen3MoeExperts`` on the same weights and
 routing, eager (its expert loop) and ``grouped_mm`` (what a model loaded with
-``from_pretrained`` runs by default), timed with CUDA events, no graphs. Writes
-``moe-kernels-<device>.json``.
+``from_pretrained`` runs by default), timed with CUDA events, no graphs. The same experts
+quantized to FP8 as transformers quantizes a checkpoint (``Fp8Quantize``: 128x128 blocks,
+float32 ``weight_scale_inv``) go through the same kernels, their bytes counted at one a weight
+plus the scales. Writes ``moe-kernels-<device>.json``.
 
 usage: python -m benchmarks.bench_moe [--decode 1 4 16 64 256] [--prefill 2048 8192]
 """
@@ -15,17 +17,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from functools import partial
 from pathlib import Path
 
 import torch
-from transformers import Qwen3MoeConfig
+from transformers import FineGrainedFP8Config, Qwen3MoeConfig
+from transformers.integrations.finegrained_fp8 import Fp8Quantize
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from benchmarks.common import device_info, device_name, git_commit, guarded, write_result
 from benchmarks.floor import measure_copy_bandwidth
 from benchmarks.timing import event_seconds, graph_seconds
-from hf_paged.kernels.moe_gemm import moe_config, moe_experts
+from hf_paged.kernels.block_scales import BlockScales, grid_rows
+from hf_paged.kernels.moe_gemm import moe_experts
 from hf_paged.kernels.moe_routing import moe_route
+from hf_paged.kernels.moe_tiles import moe_config
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
@@ -50,9 +56,42 @@ def transformers_seconds(module: Qwen3MoeExperts, implementation: str, x: torch.
             "max_abs_diff_from_hf_paged": (got.float() - want.float()).abs().max().item()}
 
 
-def measure(module: Qwen3MoeExperts, phase: str, tokens: int, bandwidth: float,
+def fp8_experts(module: Qwen3MoeExperts) -> tuple[torch.Tensor, BlockScales, torch.Tensor,
+                                                  BlockScales]:
+    """The module's experts quantized as transformers quantizes a checkpoint."""
+    quantize = Fp8Quantize(argparse.Namespace(quantization_config=FineGrainedFP8Config()))
+    out = []
+    for name, rows in (("gate_up_proj", [INTER, INTER]), ("down_proj", [HIDDEN])):
+        parts = quantize.convert({name: getattr(module, name).data})
+        grid = grid_rows(rows, 128, module.gate_up_proj.device)
+        out += [parts[name], BlockScales(parts[f"{name}_scale_inv"], grid, 128)]
+    return tuple(out)
+
+
+def measure_fp8(x: torch.Tensor, fp8: tuple, weights: torch.Tensor, ids: torch.Tensor,
+                bandwidth: float, bf16_us: float, args: argparse.Namespace) -> dict:
+    """The kernels on the FP8 experts: time, bytes (a byte a weight and the hit experts'
+    scale grids), and the largest difference from the bf16 kernels on the dequantized
+    weights' reference."""
+    w13, s13, w2, s2 = fp8
+    seconds = graph_seconds(partial(moe_experts, x, w13, w2, weights, ids, w13_scales=s13,
+                                    w2_scales=s2), args.repeats)
+    hit = ids.unique().numel()
+    nbytes = (hit * (w13[0].numel() + w2[0].numel() + 4 * (s13.inv[0].numel()
+                                                         + s2.inv[0].numel()))
+              + 2 * x.shape[0] * HIDDEN * 2)
+    tokens = x.shape[0]
+    config = moe_config(tokens, EXPERTS, TOP_K, INTER, HIDDEN, DTYPE, fp8=True)
+    return {"config": dataclasses.asdict(config), "kernel_us": round(seconds * 1e6, 2),
+            "bytes": nbytes,
+            "fraction_of_copy_bandwidth": round(nbytes / seconds / bandwidth, 3),
+            "speedup_over_bf16": round(bf16_us / (seconds * 1e6), 2)}
+
+
+def measure(module: Qwen3MoeExperts, fp8: tuple, phase: str, tokens: int, bandwidth: float,
             peak: float | None, args: argparse.Namespace) -> dict:
-    """One batch: hf_paged's kernels from a CUDA graph, then transformers' two forwards."""
+    """One batch: hf_paged's kernels from a CUDA graph, on bf16 and FP8 experts, then
+    transformers' two forwards."""
     w13, w2 = module.gate_up_proj.data, module.down_proj.data
     x = torch.randn(tokens, HIDDEN, device=w13.device, dtype=DTYPE)
     logits = torch.randn(tokens, EXPERTS, device=w13.device, dtype=DTYPE)
@@ -72,6 +111,9 @@ def measure(module: Qwen3MoeExperts, phase: str, tokens: int, bandwidth: float,
     print(f"{phase} {tokens} tokens ({hit} experts hit): {seconds * 1e6:.1f} us, "
           f"{nbytes / seconds / 1e9:.0f} GB/s ({row['fraction_of_copy_bandwidth']:.1%} of "
           f"copy), {row['tflops']} TFLOP/s", flush=True)
+    row["fp8"] = measure_fp8(x, fp8, weights, ids, bandwidth, row["kernel_us"], args)
+    print(f"  fp8: {row['fp8']['kernel_us']:.1f} us ({row['fp8']['fraction_of_copy_bandwidth']:.1%}"
+          f" of copy, x{row['fp8']['speedup_over_bf16']} over bf16)", flush=True)
     for implementation in ("eager", "grouped_mm"):
         name = f"transformers_{implementation}"
         row[name] = guarded(name, lambda impl=implementation: transformers_seconds(
@@ -100,6 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     with torch.no_grad():
         module.gate_up_proj.normal_(std=HIDDEN**-0.5)
         module.down_proj.normal_(std=INTER**-0.5)
+    fp8 = fp8_experts(module)
     info = device_info(device)
     result = {
         "workload": "moe-kernels", "git_commit": git_commit(), "device": info,
@@ -112,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     path = args.results_dir / f"moe-kernels-{info['slug']}.json"
     phases = [("decode", t) for t in args.decode] + [("prefill", t) for t in args.prefill]
     for phase, tokens in phases:
-        result["rows"].append(measure(module, phase, tokens, bandwidth, peak, args))
+        result["rows"].append(measure(module, fp8, phase, tokens, bandwidth, peak, args))
         write_result(path, result)
     print(f"wrote {path}")
 

@@ -29,8 +29,10 @@ FLOOR_MODEL = (
     "K = KV-cache bytes per token (2 * layers * kv_heads * head_dim * dtype size); p_i, o_i = "
     "prompt and output lengths of request i, whose step t reads the KV of p_i + t - 1 tokens. "
     "With prefix caching, the C tokens that begin every prompt sit in one copy, read once a "
-    "step: C*K*S bytes instead of C*K*sum_i o_i. Prefill compute, activations and KV writes are "
-    "left out: it is a lower bound."
+    "step: C*K*S bytes instead of C*K*sum_i o_i. Weights stored in float8 (fine-grained FP8) "
+    "count one byte each and their float32 scale grids four, and K the KV cache's own dtype "
+    "(one byte for an FP8 cache). Prefill compute, activations and KV writes are left out: it "
+    "is a lower bound."
 )
 # Appended to FLOOR_MODEL for a mixture-of-experts checkpoint.
 MOE_FLOOR_MODEL = (
@@ -46,6 +48,18 @@ MOE_FLOOR_MODEL = (
 )
 # Every tensor of one sparse layer's experts, whichever layout (per expert or fused [E, ...]).
 _EXPERT_TENSOR = re.compile(r"layers\.(\d+)\.mlp\.experts\.")
+# The scale grids of block-quantized weights (``weight_scale_inv``, fused experts'
+# ``gate_up_proj_scale_inv``): float32, read as stored.
+_SCALE = re.compile(r"_scale_inv$")
+
+
+def _served_size(name: str, stored: str, size: int) -> int:
+    """Bytes an element of tensor ``name`` (safetensors dtype ``stored``) takes when served
+    with other tensors in a dtype of ``size`` bytes: float8 weights stay one byte, their scale
+    grids four."""
+    if stored.startswith("F8"):
+        return 1
+    return 4 if _SCALE.search(name) else size
 
 
 @dataclass(frozen=True)
@@ -81,24 +95,29 @@ class MemoryCost:
     @classmethod
     def from_checkpoint(cls, path: str, dtype: torch.dtype,
                         kv_cache_dtype: str = "auto") -> MemoryCost:
-        """``kv_cache_dtype``: the engine option; an FP8 cache stores one byte an element."""
+        """The bytes of ``path``'s weights as they are served in ``dtype``, and of its KV cache
+        (``kv_cache_dtype``: the engine option; an FP8 cache stores one byte an element).
+        Weights stored in float8 (a fine-grained FP8 checkpoint) stay one byte each and their
+        float32 scale grids four: both are read as stored; every other tensor in ``dtype``."""
         config = AutoConfig.from_pretrained(path)
-        numel: dict[str, int] = {}
+        size = torch.empty((), dtype=dtype).element_size()
+        nbytes: dict[str, int] = {}
         for file in Path(path).glob("*.safetensors"):
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    numel[name] = math.prod(f.get_slice(name).get_shape())
-        total = sum(numel.values())
-        if any(name.endswith("lm_head.weight") for name in numel):  # untied: lookups read rows
-            total -= sum(n for name, n in numel.items() if name.endswith("embed_tokens.weight"))
-        size = torch.empty((), dtype=dtype).element_size()
+                    tensor = f.get_slice(name)
+                    nbytes[name] = math.prod(tensor.get_shape()) * _served_size(
+                        name, tensor.get_dtype(), size)
+        total = sum(nbytes.values())
+        if any(name.endswith("lm_head.weight") for name in nbytes):  # untied: lookups read rows
+            total -= sum(n for name, n in nbytes.items() if name.endswith("embed_tokens.weight"))
         head_dim = (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
         kv_size = size if kv_cache_dtype == "auto" else 1
         kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * kv_size
-        experts = _experts(config, numel, size, path)
-        dense = total * size - (0 if experts is None else experts.total_bytes)
+        experts = _experts(config, nbytes, path)
+        dense = total - (0 if experts is None else experts.total_bytes)
         return cls(dense_bytes=dense, kv_bytes_per_token=kv, experts=experts)
 
     def weight_bytes(self, batch: int) -> float:
@@ -122,10 +141,9 @@ class MemoryCost:
         return weights + kv_tokens * self.kv_bytes_per_token
 
 
-def _experts(config: PretrainedConfig, numel: dict[str, int], size: int, path: str
-             ) -> Experts | None:
-    """The experts of a Qwen3-MoE checkpoint whose tensors have ``numel`` elements of ``size``
-    bytes, None for a dense one. A layer is sparse as transformers builds it (not in
+def _experts(config: PretrainedConfig, nbytes: dict[str, int], path: str) -> Experts | None:
+    """The experts of a Qwen3-MoE checkpoint whose tensors are read as ``nbytes`` bytes, None
+    for a dense one. A layer is sparse as transformers builds it (not in
     ``mlp_only_layers``, and every ``decoder_sparse_step``-th); the checkpoint's expert
     tensors, in either layout, must sit in exactly those layers, an equal share for each
     expert, or the floor would count them wrong."""
@@ -136,7 +154,7 @@ def _experts(config: PretrainedConfig, numel: dict[str, int], size: int, path: s
         and (i + 1) % getattr(config, "decoder_sparse_step", 1) == 0
     ]
     per_layer: dict[int, int] = defaultdict(int)
-    for name, n in numel.items():
+    for name, n in nbytes.items():
         if match := _EXPERT_TENSOR.search(name):
             per_layer[int(match[1])] += n
     sizes = set(per_layer.values())
@@ -149,7 +167,7 @@ def _experts(config: PretrainedConfig, numel: dict[str, int], size: int, path: s
         return None
     return Experts(sparse_layers=len(sparse), experts=num_experts,
                    top_k=config.num_experts_per_tok,
-                   bytes_per_expert=sizes.pop() // num_experts * size)
+                   bytes_per_expert=sizes.pop() // num_experts)
 
 
 def measure_copy_bandwidth(device: torch.device) -> float:

@@ -109,8 +109,9 @@ class PagedSystem:
         free_memory()
 
 
-def load_transformers_model(path: str, dtype: torch.dtype, device: torch.device):
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+def load_transformers_model(path: str, dtype: torch.dtype, device: torch.device, **load: Any):
+    """``load``: more ``from_pretrained`` arguments (``device_map``, ``quantization_config``)."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **load).to(device).eval()
 
 
 def pad_token_id(model) -> int:
@@ -129,7 +130,8 @@ def sampling_kwargs(temperature: float) -> dict[str, Any]:
 
 class GenerateSystem:
     """``max_cache_len`` (static cache only) fixes the cache size of every call, so that the
-    warm-up compiles the shapes the measured calls use."""
+    warm-up compiles the shapes the measured calls use; ``load``: more ``from_pretrained``
+    arguments."""
 
     def __init__(
         self,
@@ -140,8 +142,9 @@ class GenerateSystem:
         static: bool = False,
         max_cache_len: int | None = None,
         temperature: float = 0.0,
+        load: dict[str, Any] | None = None,
     ):
-        self.model = load_transformers_model(path, dtype, device)
+        self.model = load_transformers_model(path, dtype, device, **(load or {}))
         self.device, self.batch_size, self.static = device, batch_size, static
         self.pad = pad_token_id(self.model)
         # Keyword arguments override the checkpoint's generation config, EOS included.

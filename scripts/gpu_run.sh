@@ -3,7 +3,8 @@
 #
 #   scripts/gpu_run.sh [STEP...]      STEP: tests w1 w2 w3 preempt profile w1-split dropin w4
 #                                     beam tp-tests startup lm-eval serving moe moe-w1 moe-w2
-#                                     moe-prof moe-kernels speculation (default: the first four)
+#                                     moe-prof moe-kernels speculation quantized (default: the
+#                                     first four)
 #
 # Everything printed also goes to $OUT/run.log, and the result JSONs, README-table.md and
 # throughput.png are copied into $OUT, when OUT is set. Each step runs under a time limit (a
@@ -60,6 +61,15 @@
 #       `BASELINES=reuse scripts/gpu_run.sh moe`
 #   moe-kernels: the MoE kernels on their own (benchmarks.bench_moe); T_MOE_K=120
 #   fp8-kernels: the FP8 projections on their own (benchmarks.bench_fp8_linear); T_FP8_K=150
+#   quantized: W8 (benchmarks.bench_quantized) on each of QUANT_SHAPES (default 0.6b; also 8b
+#       at CKPT8B, 30b-a3b at the moe step's checkpoint, each built if missing): the
+#       checkpoint's FP8 copy built once beside it (<checkpoint>-fp8, T_QUANT_CKPT=240), then
+#       W1 and batch-1 decode on both against their floors with transformers' FP8 generate as
+#       the baseline, and on 0.6b W1 with kv_cache_dtype="fp8" and the two caches' agreement
+#       (T_QUANT=420 a shape; QUANT_ARGS). On an H100 an estimated 3 minutes for 0.6b, 3 for 8b
+#       and 4 for 30b-a3b (24 layers) plus its copy: one shape a call, the larger ones with
+#       BASELINES=0 if the call is short. The 8b and 30b-a3b checkpoints and their copies
+#       (24 + 45 GB) do not fit one 64 GiB disk together: one of them a machine
 #   speculation: W6 (benchmarks.bench_speculation): an 8B target and three 0.6B drafts of known
 #       acceptance (they follow a token permutation; 16 + 3 x 1.5 GB in bf16, W4's random 8B
 #       cannot serve), built once under SPEC_CKPTS=/tmp/ckpt/speculation (drawn on the GPU,
@@ -137,6 +147,32 @@ moe() {  # moe PART...: the 30B-A3B checkpoint, built once, and its PARTs (w1 w2
   done
 }
 
+quantized() {  # W8 on each shape of QUANT_SHAPES, its FP8 copy built once
+  local shape ckpt parts
+  for shape in ${QUANT_SHAPES:-0.6b}; do
+    case $shape in
+      0.6b) ckpt=$CKPT parts="w1 batch1 kv" ;;
+      8b) ckpt=${CKPT8B:-/tmp/ckpt/8b} parts="w1 batch1"
+          python -m benchmarks.make_checkpoint --shape 8b --out "$ckpt" --dtype bfloat16 ;;
+      30b-a3b) ckpt=${CKPT_MOE:-/tmp/ckpt/30b-a3b-${MOE_LAYERS:-24}} parts="w1 batch1"
+          moe ;;  # no part: only the checkpoint
+      *) echo "QUANT_SHAPES: unknown shape $shape (0.6b 8b 30b-a3b)"; STATUS+=("quant-$shape unknown")
+         continue ;;
+    esac
+    [[ -d $ckpt ]] || continue
+    if [[ ! -d $ckpt-fp8 ]]; then
+      rm -rf "$ckpt-fp8.partial"
+      step "quant-ckpt-$shape" "${T_QUANT_CKPT:-240}" python -m benchmarks.fp8_checkpoint \
+        --source "$ckpt" --out "$ckpt-fp8.partial"
+      [[ $LAST_RC -ne 0 ]] || mv "$ckpt-fp8.partial" "$ckpt-fp8"
+    fi
+    [[ -d $ckpt-fp8 ]] || continue
+    # shellcheck disable=SC2086  # parts and QUANT_ARGS are word lists
+    CKPT=$ckpt bench "quant-$shape" "${T_QUANT:-420}" bench_quantized "${QUANT_ARGS:-}" \
+      --fp8-model "$ckpt-fp8" --parts $parts --tag "$shape" "${BASELINE_ARGS[@]}"
+  done
+}
+
 main() {
   nvidia-smi -L || true
   python -c 'import sys, torch, transformers, triton
@@ -194,8 +230,10 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
             --results-dir "$RESULTS" ;;
       speculation) bench speculation "${T_SPEC:-480}" bench_speculation "${SPEC_ARGS:-}" \
             --checkpoints "${SPEC_CKPTS:-/tmp/ckpt/speculation}" "${BASELINE_ARGS[@]}" ;;
+      quantized) quantized ;;
       *) echo "unknown step $s (steps: tests w1 w2 w3 preempt profile w1-split dropin w4 beam tp-tests" \
-              "startup lm-eval serving moe moe-w1 moe-w2 moe-prof moe-kernels fp8-kernels speculation)"
+              "startup lm-eval serving moe moe-w1 moe-w2 moe-prof moe-kernels fp8-kernels speculation"\
+              "quantized)"
          STATUS+=("$s unknown") ;;
     esac
   done

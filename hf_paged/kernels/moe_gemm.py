@@ -13,6 +13,14 @@ The casts are transformers' (its grouped_mm experts): gate and up, silu(gate), t
 and each expert's output are rounded to the model dtype, and the k weighted outputs are summed
 in float32 once.
 
+Block-quantized FP8 experts (``kernels.block_scales``) take the same path with ``FP8`` set:
+the weight tile is loaded as float8_e4m3fn (half the bytes of bf16, what decode is bound by)
+and dequantized in registers, times its output columns' scales in float32 and rounded once to
+the activations' dtype (the reference's dequantization), before the same product. A K step
+never crosses a 128-column scale block, so one scale per output column and step is all the
+tile needs. Scaling the weight tile rather than each step's product keeps the accumulator
+chained through the products: on an H100, scaling products ran prefill 2-3x slower.
+
 Both GEMMs launch a program for every block that the pairs could need (sized from the shapes,
 as CUDA graphs need); programs of blocks past the used slots exit at once, so a small batch
 reads only the weights of the experts it routes to.
@@ -20,61 +28,16 @@ reads only the weights of the experts it routes to.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from hf_paged.kernels.block_scales import BlockScales
 from hf_paged.kernels.launch import launch
 from hf_paged.kernels.moe_routing import moe_align
+from hf_paged.kernels.moe_tiles import MoEConfig, moe_config
 
 _SUM_BLOCK = 1024
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """Tiles of the grouped GEMMs: ``block_m`` pairs (of one expert) by ``block_n`` outputs,
-    ``block_k`` along the reduction; ``group_m`` blocks share a column of output tiles
-    before moving on (weight tiles reused from L2). One config serves both GEMMs; the
-    gate/up programs hold two accumulators, so their weight tile is ``2 * block_n`` rows."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    group_m: int
-    num_warps: int
-    num_stages: int
-
-
-def moe_config(num_tokens: int, num_experts: int, top_k: int, n: int, k: int,
-               dtype: torch.dtype) -> MoEConfig:
-    """Default tiles for ``num_tokens`` routed to ``top_k`` of ``num_experts`` experts, with
-    intermediate size ``n`` (per rank) and hidden size ``k``.
-
-    The tier follows the mean rows per expert, ``num_tokens * top_k / num_experts``. Decode
-    (up to 8) reads weights for very few rows: the smallest M tile the tensor cores take (16)
-    and long steps along K. Prefill grows M with the rows per expert, up to 128, and groups M
-    blocks so that weight tiles are reused from L2. On an H100 at Qwen3-30B-A3B's shape (128
-    experts, k 8, hidden 2,048, intermediate 768, bf16), these came within 5% of the best of
-    a sweep over tiles, warps and stages at 1, 4, 16, 64, 256, 512, 1,024, 2,048 and 8,192
-    tokens; every tier fits in 164 KiB of shared memory (an A100's).
-    """
-    rows = num_tokens * top_k / max(num_experts, 1)
-    if rows <= 8:
-        cfg = MoEConfig(16, 64, 128, 1, 4, 3)
-    elif rows <= 24:
-        cfg = MoEConfig(32, 64, 128, 1, 4, 3)
-    elif rows <= 96:
-        cfg = MoEConfig(64, 128, 64, 8, 4, 3)
-    else:
-        cfg = MoEConfig(128, 128, 64, 8, 8, 3)
-    # Tiles no wider than the matrices (small models), at least the tensor cores' 16; float32
-    # operands take twice the shared memory a stage.
-    limit = max(16, triton.next_power_of_2(min(n, k)))
-    block_k = cfg.block_k // 2 if dtype == torch.float32 else cfg.block_k
-    return MoEConfig(cfg.block_m, min(cfg.block_n, limit), max(16, min(block_k, limit)),
-                     cfg.group_m, cfg.num_warps, cfg.num_stages)
 
 
 @triton.jit
@@ -96,14 +59,37 @@ def _load(ptrs, mask, k_mask, EVEN_K: tl.constexpr):
     return tl.load(ptrs, mask=mask & k_mask, other=0.0)
 
 
+@triton.jit
+def _dot(acc, a, w_ptrs, w_mask, k_mask, s_ptrs, k, PRECISION: tl.constexpr,
+         EVEN_K: tl.constexpr, FP8: tl.constexpr, SCALE_K: tl.constexpr):
+    """``acc`` plus the K step at ``k`` of ``a @ w``; FP8: the weight tile dequantized first,
+    times the ``[BLOCK_N]`` scales at ``s_ptrs`` of the step's K block."""
+    w = _load(w_ptrs + k, w_mask, k_mask, EVEN_K)
+    if FP8:
+        scale = tl.load(s_ptrs + k // SCALE_K)
+        w = (w.to(tl.float32) * scale[None, :]).to(a.dtype)
+    return tl.dot(a, w, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _scale_ptrs(s_ptr, rows_ptr, expert, s_se, s_sn, cols, n, FP8: tl.constexpr):
+    """Where the scales of output columns ``cols`` start for ``expert``: the grid row that
+    each weight row reads (``BlockScales.rows``; row 0 past ``n``, loaded but unused)."""
+    rows = cols.to(tl.int64) * 0  # unread for plain weights (one return type for both)
+    if FP8:
+        rows = tl.load(rows_ptr + cols, mask=cols < n, other=0).to(tl.int64)
+    return s_ptr + expert * s_se + rows * s_sn
+
+
 # Integers that follow the token count are not specialised on (divisibility by 16, equality to
 # 1): serving a new batch size compiles nothing.
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _moe_gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, sorted_ptr, block_expert_ptr, used_ptr, num_pairs, num_blocks,
-    inter, hidden, x_s0, w_se, w_sn, out_s0,
+    x_ptr, w_ptr, s_ptr, rows_ptr, out_ptr, sorted_ptr, block_expert_ptr, used_ptr, num_pairs,
+    num_blocks, inter, hidden, x_s0, w_se, w_sn, s_se, s_sn, out_s0,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+    GROUP_M: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr,
+    SCALE_K: tl.constexpr,
 ):
     block, tile = _tile(num_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
     if block * BLOCK_M >= tl.load(used_ptr):
@@ -118,16 +104,18 @@ def _moe_gate_up_kernel(
     # [BLOCK_K, BLOCK_N] views of the expert's gate rows and of its up rows ``inter`` below.
     g_ptrs = w_ptr + expert * w_se + cols.to(tl.int64)[None, :] * w_sn + ks[:, None]
     u_ptrs = g_ptrs + inter * w_sn
+    gs_ptrs = _scale_ptrs(s_ptr, rows_ptr, expert, s_se, s_sn, cols, inter, FP8)
+    us_ptrs = _scale_ptrs(s_ptr, rows_ptr + inter, expert, s_se, s_sn, cols, inter, FP8)
     gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    w_ok = cols[None, :] < inter
     for k in range(0, hidden, BLOCK_K):
         k_ok = ks < hidden - k
         x = _load(x_ptrs + k, valid[:, None], k_ok[None, :], EVEN_K)
-        w_ok = cols[None, :] < inter
-        gate = tl.dot(x, _load(g_ptrs + k, w_ok, k_ok[:, None], EVEN_K), gate,
-                      input_precision=PRECISION)
-        up = tl.dot(x, _load(u_ptrs + k, w_ok, k_ok[:, None], EVEN_K), up,
-                    input_precision=PRECISION)
+        gate = _dot(gate, x, g_ptrs, w_ok, k_ok[:, None], gs_ptrs, k, PRECISION, EVEN_K, FP8,
+                    SCALE_K)
+        up = _dot(up, x, u_ptrs, w_ok, k_ok[:, None], us_ptrs, k, PRECISION, EVEN_K, FP8,
+                  SCALE_K)
     # transformers' cast points: gate and up in the model dtype, then silu(gate) rounded to
     # it, then the product (rounded as it is stored); no-ops in float32.
     dtype = out_ptr.dtype.element_ty
@@ -140,10 +128,11 @@ def _moe_gate_up_kernel(
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _moe_down_kernel(
-    act_ptr, w_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert_ptr, used_ptr, num_pairs,
-    num_blocks, hidden, inter, act_s0, w_se, w_sn, out_s0,
+    act_ptr, w_ptr, s_ptr, rows_ptr, weights_ptr, out_ptr, sorted_ptr, block_expert_ptr,
+    used_ptr, num_pairs, num_blocks, hidden, inter, act_s0, w_se, w_sn, s_se, s_sn, out_s0,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr,
+    GROUP_M: tl.constexpr, PRECISION: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr,
+    SCALE_K: tl.constexpr,
 ):
     block, tile = _tile(num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     if block * BLOCK_M >= tl.load(used_ptr):
@@ -156,12 +145,14 @@ def _moe_down_kernel(
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + rows[:, None] * act_s0 + ks[None, :]
     w_ptrs = w_ptr + expert * w_se + cols.to(tl.int64)[None, :] * w_sn + ks[:, None]
+    s_ptrs = _scale_ptrs(s_ptr, rows_ptr, expert, s_se, s_sn, cols, hidden, FP8)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    w_ok = cols[None, :] < hidden
     for k in range(0, inter, BLOCK_K):
         k_ok = ks < inter - k
         a = _load(a_ptrs + k, valid[:, None], k_ok[None, :], EVEN_K)
-        w = _load(w_ptrs + k, cols[None, :] < hidden, k_ok[:, None], EVEN_K)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        acc = _dot(acc, a, w_ptrs, w_ok, k_ok[:, None], s_ptrs, k, PRECISION, EVEN_K, FP8,
+                   SCALE_K)
     # The expert's output in the model dtype, then times its weight: transformers' casts.
     acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
     acc *= tl.load(weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)[:, None]
@@ -181,39 +172,66 @@ def _moe_sum_kernel(rows_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.co
     tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _scale_args(w: torch.Tensor, scales: BlockScales | None, rows: int) -> tuple:
+    """The kernels' scale arguments of ``w`` (grid, grid rows, the grid's expert and row
+    strides); placeholders, never read, for plain weights."""
+    if scales is None:
+        return w, w, 0, 0
+    inv = scales.inv
+    if w.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"block-scaled expert weights must be float8_e4m3fn, not {w.dtype}")
+    if (scales.rows.shape != (rows,) or inv.dim() != 3 or inv.shape[0] != w.shape[0]
+            or inv.shape[2] != triton.cdiv(w.shape[2], scales.block_k)):
+        raise ValueError(f"scales of grid {tuple(inv.shape)} and {scales.rows.numel()} rows "
+                         f"do not fit expert weights {tuple(w.shape)}")
+    assert inv.dtype == torch.float32 and inv.stride(2) == 1
+    return inv, scales.rows, inv.stride(0), inv.stride(1)
+
+
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                ids: torch.Tensor, config: MoEConfig | None = None) -> torch.Tensor:
+                ids: torch.Tensor, config: MoEConfig | None = None,
+                w13_scales: BlockScales | None = None, w2_scales: BlockScales | None = None,
+                ) -> torch.Tensor:
     """Triton twin of ``reference.moe_experts``: ``x [T, H]`` through the experts
     ``ids [T, k]`` (distinct in a row) of ``w13 [E, 2I, H]`` (gate rows, then up rows) and
     ``w2 [E, H, I]``, weighted by ``weights [T, k]`` and summed per token; ``[T, H]`` in
-    ``x``'s dtype. ``config`` overrides ``moe_config``'s tiles."""
+    ``x``'s dtype. ``config`` overrides ``moe_config``'s tiles. ``w13_scales`` /
+    ``w2_scales`` (both or neither): the experts are float8_e4m3fn with these block scales."""
     tokens, hidden = x.shape
     num_experts, inter = w2.shape[0], w2.shape[2]
     top_k = ids.shape[1]
     assert w13.shape == (num_experts, 2 * inter, hidden) and weights.shape == ids.shape
     assert x.stride(1) == w13.stride(2) == w2.stride(2) == 1
+    fp8 = w13_scales is not None
+    if fp8 != (w2_scales is not None) or (fp8 and w13_scales.block_k != w2_scales.block_k):
+        raise ValueError("w13_scales and w2_scales: both or neither, with one block_k")
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
     if tokens == 0:
         return out
-    cfg = config or moe_config(tokens, num_experts, top_k, inter, hidden, x.dtype)
+    cfg = config or moe_config(tokens, num_experts, top_k, inter, hidden, x.dtype, fp8=fp8)
+    scale_k = w13_scales.block_k if fp8 else cfg.block_k
+    if scale_k % cfg.block_k:
+        raise ValueError(f"config.block_k={cfg.block_k} must divide the scales' {scale_k}")
     sorted_pairs, block_expert, used = moe_align(ids.contiguous(), num_experts, cfg.block_m)
     pairs, blocks = tokens * top_k, block_expert.numel()
     # float32 products in full precision (not TF32), as torch's matmul by default; the half
     # types ignore it
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                GROUP_M=cfg.group_m, PRECISION=precision, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages)
+                GROUP_M=cfg.group_m, PRECISION=precision, FP8=fp8, SCALE_K=scale_k,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    s13, rows13, s13_se, s13_sn = _scale_args(w13, w13_scales, 2 * inter)
+    s2, rows2, s2_se, s2_sn = _scale_args(w2, w2_scales, hidden)
     act = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
     launch(_moe_gate_up_kernel, (blocks * triton.cdiv(inter, cfg.block_n),),
-           x, w13, act, sorted_pairs, block_expert, used, pairs, blocks, inter, hidden,
-           x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), TOP_K=top_k,
-           EVEN_K=hidden % cfg.block_k == 0, **meta)
+           x, w13, s13, rows13, act, sorted_pairs, block_expert, used, pairs, blocks, inter,
+           hidden, x.stride(0), w13.stride(0), w13.stride(1), s13_se, s13_sn, act.stride(0),
+           TOP_K=top_k, EVEN_K=hidden % cfg.block_k == 0, **meta)
     rows = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
     launch(_moe_down_kernel, (blocks * triton.cdiv(hidden, cfg.block_n),),
-           act, w2, weights.contiguous(), rows, sorted_pairs, block_expert, used, pairs,
-           blocks, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), rows.stride(0),
-           EVEN_K=inter % cfg.block_k == 0, **meta)
+           act, w2, s2, rows2, weights.contiguous(), rows, sorted_pairs, block_expert, used,
+           pairs, blocks, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), s2_se,
+           s2_sn, rows.stride(0), EVEN_K=inter % cfg.block_k == 0, **meta)
     launch(_moe_sum_kernel, (tokens, triton.cdiv(hidden, _SUM_BLOCK)), rows, out, hidden,
            TOP_K=top_k, BLOCK=_SUM_BLOCK)
     return out

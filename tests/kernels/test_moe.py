@@ -15,8 +15,9 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from hf_paged import kernels
 from hf_paged.kernels import reference
-from hf_paged.kernels.moe_gemm import MoEConfig, moe_config, moe_experts
+from hf_paged.kernels.moe_gemm import moe_experts
 from hf_paged.kernels.moe_routing import max_slots, moe_align, moe_route
+from hf_paged.kernels.moe_tiles import MoEConfig, moe_config
 from tests.kernels.conftest import DEVICE, HALF, assert_close
 
 # (tokens, experts, top_k, hidden, intermediate)

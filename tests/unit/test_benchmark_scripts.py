@@ -8,8 +8,10 @@ import json
 import pytest
 import torch
 
+import hf_paged
 from benchmarks import (
     bench_latency,
+    bench_quantized,
     bench_speculation,
     bench_startup,
     bench_throughput,
@@ -18,7 +20,9 @@ from benchmarks import (
     w1_split,
 )
 from benchmarks.floor import MemoryCost
+from benchmarks.fp8_checkpoint import quantize_checkpoint
 from benchmarks.workloads import w2_decode
+from hf_paged.config import EngineConfig
 from hf_paged.random_checkpoint import make_checkpoint
 
 
@@ -156,3 +160,76 @@ def test_w1_split_groups_every_step(tiny, tmp_path):
     assert sum(g["tokens"] for g in groups.values()) >= data["output_tokens"]
     assert 0 < groups["decode_1+"]["fraction_of_floor"]
     assert sum(g["seconds"] for g in groups.values()) <= data["seconds"]
+
+
+def test_quantized_weights_against_bf16(tiny, tmp_path):
+    """W1 and batch 1 on a tiny checkpoint and its FP8 copy, each line against its own floor,
+    transformers' generate on the FP8 copy beside the FP8 lines (dequantized on a CPU)."""
+    fp8 = quantize_checkpoint(tiny[1], str(tmp_path / "fp8"))
+    bench_quantized.main([
+        *tiny, "--fp8-model", fp8, "--parts", "w1", "batch1", "--num-requests", "4",
+        "--max-input-len", "32", "--max-output-len", "8", "--baseline-requests", "2",
+        "--batch-size", "2", "--repeats", "1", "--prompt-len", "16", "--new-tokens", "4",
+        "--ttft-prompt-len", "32", "--baseline-new-tokens", "2", "--tag", "tiny",
+        "--results-dir", str(tmp_path)])
+    path = tmp_path / "quantized-tiny-cpu.json"
+    assert metrics(path) == ["W1 output tok/s, bf16", "W1 output tok/s, FP8 weights",
+                             "decode ms/token, batch 1, bf16",
+                             "decode ms/token, batch 1, FP8 weights"]
+    data = json.loads(path.read_text())
+    floor = data["floor"]
+    assert floor["fp8_weights"]["weight_bytes_per_step"] < floor["bf16"]["weight_bytes_per_step"]
+    baseline = data["baselines"]["transformers_generate"]
+    assert baseline["w1"]["baseline_path"] == baseline["batch1"]["baseline_path"] == (
+        "dequantized on load (CPU)")
+    assert baseline["output_tokens_per_s"] and baseline["decode_ms_per_token"]
+    assert data["summary"][1]["speedup"]["transformers_generate"] > 0
+
+
+@pytest.mark.skipif("kv_cache_dtype" not in EngineConfig.__dataclass_fields__,
+                    reason="needs the engine's kv_cache_dtype option")
+def test_quantized_kv_cache_against_bf16(tiny, tmp_path):
+    """W1 with the FP8 KV cache beside the bf16 cache, and the caches' agreement."""
+    bench_quantized.main([
+        *tiny, "--parts", "kv", "--num-requests", "4", "--max-input-len", "32",
+        "--max-output-len", "8", "--agreement-prompts", "2", "--agreement-tokens", "6",
+        "--tag", "tiny", "--results-dir", str(tmp_path)])
+    path = tmp_path / "quantized-tiny-cpu.json"
+    assert metrics(path) == ["W1 output tok/s, bf16", "W1 output tok/s, FP8 KV cache"]
+    data = json.loads(path.read_text())
+    assert data["floor"]["fp8_kv"]["kv_bytes_per_token"] * 4 == (
+        data["floor"]["bf16"]["kv_bytes_per_token"])
+    agreement = data["kv_cache_agreement"]
+    assert agreement["tokens"] == 12 and 0 <= agreement["top1_agreement"] <= 1
+    assert agreement["kl_mean"] >= 0
+
+
+def test_cache_agreement_of_logits():
+    """Equal logits: no divergence, full agreement; a flipped top-1 shows in both."""
+    logits = torch.tensor([[2.0, 0.0, -1.0], [0.0, 1.0, 0.5]])
+    same = bench_quantized.cache_agreement(logits, logits)
+    assert same["kl_max"] == pytest.approx(0, abs=1e-6) and same["top1_agreement"] == 1.0
+    other = logits.clone()
+    other[1] = torch.tensor([1.0, 0.0, 0.5])
+    moved = bench_quantized.cache_agreement(logits, other)
+    assert moved["top1_agreement"] == 0.5 and moved["kl_max"] > 0.1
+    assert moved["kl_mean"] == pytest.approx(moved["kl_max"] / 2, rel=1e-5)
+
+
+def test_cache_agreement_forces_the_second_run_onto_the_first(tiny, monkeypatch):
+    """With the same cache twice, the forced second run reproduces the first's logits."""
+    monkeypatch.setattr(bench_quantized, "KV_FP8", {})
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    result = bench_quantized.agreement(tiny[1], torch.float32, torch.device("cpu"), prompts, 5,
+                                       {})
+    assert result["tokens"] == 10 and result["top1_agreement"] == 1.0
+    assert result["kl_max"] == pytest.approx(0, abs=1e-5)
+    # The forcing itself: the engine emits the given tokens, whatever its logits say.
+    forced = torch.randint(0, 1000, (2, 5))
+    engine = hf_paged.from_pretrained(tiny[1], dtype=torch.float32, device="cpu")
+    ids = torch.tensor([prompts[0], [0, 0] + prompts[1]])
+    out = engine.generate(ids, attention_mask=(ids != 0).long(), max_new_tokens=5,
+                          eos_token_id=None, pad_token_id=0,
+                          logits_processor=[bench_quantized.ForceTokens(forced, 5)])
+    engine.close()
+    assert torch.equal(out[:, 5:], forced)

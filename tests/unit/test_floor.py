@@ -11,6 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from benchmarks.floor import FLOOR_MODEL, MOE_FLOOR_MODEL, Experts, MemoryCost, floor_settings
+from benchmarks.fp8_checkpoint import quantize_checkpoint
 from benchmarks.workloads import Workload
 from hf_paged.random_checkpoint import make_checkpoint, random_qwen3, shape_config
 
@@ -105,3 +106,18 @@ def test_experts_where_the_config_has_none_are_refused(tmp_path):
     (Path(path) / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"expert tensors in layers \[0, 1\]"):
         MemoryCost.from_checkpoint(path, torch.float32)
+
+
+def test_fp8_weights_count_a_byte_and_their_scales_four(tmp_path):
+    """An FP8 copy of tiny-moe: every projection (each expert's too) a byte an element plus
+    one float32 scale (its 32 x 64 fits one 128 x 128 block), the rest in the serving dtype;
+    an FP8 KV cache a byte an element."""
+    path = make_checkpoint("tiny-moe", str(tmp_path / "bf16"), dtype="float32")
+    fp8 = quantize_checkpoint(path, str(tmp_path / "fp8"))
+    plain, cost = (MemoryCost.from_checkpoint(p, torch.float32) for p in (path, fp8))
+    assert cost.experts == Experts(sparse_layers=2, experts=8, top_k=2,
+                                   bytes_per_expert=3 * (32 * 64 + 4))
+    attention = 2 * sum(rows * 64 for rows in (64, 32, 32)) + 2 * 64 * 64  # q, k, v, o
+    assert cost.dense_bytes == plain.dense_bytes - attention * 3 + 2 * 4 * 4
+    kv8 = MemoryCost.from_checkpoint(path, torch.float32, "fp8")
+    assert kv8.kv_bytes_per_token * 4 == plain.kv_bytes_per_token == cost.kv_bytes_per_token
