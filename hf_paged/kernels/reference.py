@@ -12,9 +12,6 @@ import torch.nn.functional as F
 
 from hf_paged.kernels.block_scales import FP8, FP8_MAX, MIN_AMAX, BlockScales, dequantize
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448: larger values saturate to it
-
 
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``[T, Hkv, D]`` keys or values as an FP8 cache holds them: divided by their KV head's
