@@ -117,12 +117,16 @@ def _norm_rope_store_kernel(
     tl.store(k_first + HALF, k2, mask=kv_mask)
     if slot >= 0:  # a negative slot: padding row of a graph batch, not stored
         cache = (slot // PAGE) * cache_s0 + (slot % PAGE) * cache_s1 + heads * cache_s2 + dims
-        k1, k2 = _cache_value(k1, k_scale, FP8), _cache_value(k2, k_scale, FP8)
-        v1, v2 = _cache_value(v1, v_scale, FP8), _cache_value(v2, v_scale, FP8)
-        tl.store(k_cache_ptr + cache, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
-        tl.store(k_cache_ptr + cache + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
-        tl.store(v_cache_ptr + cache, v1.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
-        tl.store(v_cache_ptr + cache + HALF, v2.to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+        # New names, not k1 = ...: a variable keeps its type across the branch (an FP8 cache's
+        # values are float8, the row's bf16).
+        stored_k1 = _cache_value(k1, k_scale, FP8).to(k_cache_ptr.dtype.element_ty)
+        stored_k2 = _cache_value(k2, k_scale, FP8).to(k_cache_ptr.dtype.element_ty)
+        stored_v1 = _cache_value(v1, v_scale, FP8).to(v_cache_ptr.dtype.element_ty)
+        stored_v2 = _cache_value(v2, v_scale, FP8).to(v_cache_ptr.dtype.element_ty)
+        tl.store(k_cache_ptr + cache, stored_k1, mask=kv_mask)
+        tl.store(k_cache_ptr + cache + HALF, stored_k2, mask=kv_mask)
+        tl.store(v_cache_ptr + cache, stored_v1, mask=kv_mask)
+        tl.store(v_cache_ptr + cache + HALF, stored_v2, mask=kv_mask)
 
 
 def norm_rope_store(

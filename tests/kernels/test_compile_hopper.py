@@ -1,0 +1,103 @@
+"""The kernels' GPU variants compile for an H100 (sm_90) on this machine: the FP8 paths (FP8
+weights in the small-M kernel, both block-scaled GEMMs, FP8 experts; an FP8 KV cache in the
+store and in decode, split decode, cascade and prefill attention) and their 16-bit twins.
+The interpreter runs their arithmetic in the other tests; this catches what only the compiler
+refuses. (``hopper_target`` says how.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_paged import kernels
+from hf_paged.kernels.attention import paged_attention
+from hf_paged.kernels.attention_inputs import norm_rope_store
+from hf_paged.kernels.block_scales import BlockScales, grid_rows
+from tests.kernels.conftest import DEVICE
+
+FP8 = torch.float8_e4m3fn
+BF16 = torch.bfloat16
+
+
+def _fp8_weight(parts: list[int], k: int) -> tuple[torch.Tensor, BlockScales]:
+    rows = grid_rows(parts, 128)
+    weight = torch.randn(sum(parts), k).to(FP8)
+    return weight, BlockScales(torch.rand(int(rows[-1]) + 1, -(-k // 128)), rows, 128)
+
+
+def projections() -> None:
+    x1, x64 = torch.randn(3, 1024, dtype=BF16), torch.randn(64, 1024, dtype=BF16)
+    w, s = _fp8_weight([2048, 1024, 1024], 1024)
+    gate_up, gs = _fp8_weight([3072, 3072], 1024)
+    norm = torch.ones(1024, dtype=BF16)
+    for scales, weight, gated in ((s, w, gate_up), (None, w.to(BF16), gate_up.to(BF16))):
+        g = gs if scales is not None else None
+        kernels.linear(x1, weight, None, 8, scales)
+        kernels.gated_linear(x1, gated, 8, g)
+        kernels.normed_linear(x1, x1.clone(), norm, 1e-6, weight, None, 8, False, scales)
+        kernels.normed_linear(x1, x1.clone(), norm, 1e-6, gated, None, 8, True, g)
+    for w8a8_rows in (0, 16):  # dequantize-in-the-tile, then w8a8
+        kernels.linear(x64, w, None, 8, s, w8a8_rows=w8a8_rows)
+
+
+def experts() -> None:
+    num_experts, hidden, inter, top_k = 8, 512, 384, 2
+    w13, s13 = _fp8_weight([inter, inter], hidden)
+    w2, s2 = _fp8_weight([hidden], inter)
+    w13 = w13.expand(num_experts, -1, -1).contiguous()
+    w2 = w2.expand(num_experts, -1, -1).contiguous()
+    s13 = s13._replace(inv=s13.inv.expand(num_experts, -1, -1).contiguous())
+    s2 = s2._replace(inv=s2.inv.expand(num_experts, -1, -1).contiguous())
+    for tokens in (1, 64):
+        x = torch.randn(tokens, hidden, dtype=BF16)
+        weights = torch.rand(tokens, top_k, dtype=BF16)
+        ids = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(tokens)]).int()
+        kernels.moe_experts(x, w13, w2, weights, ids, None, s13, s2)
+        kernels.moe_experts(x, w13.to(BF16), w2.to(BF16), weights, ids)
+
+
+def attention() -> None:
+    heads, kv_heads, head_dim, page, blocks = 16, 8, 128, 64, 12
+    for cache_dtype in (FP8, BF16):
+        scales = (torch.rand(kv_heads), torch.rand(kv_heads)) if cache_dtype == FP8 else (None,) * 2
+        caches = [torch.zeros(blocks, page, kv_heads, head_dim).to(cache_dtype) for _ in "kv"]
+        qkv = torch.randn(5, (heads + 2 * kv_heads) * head_dim, dtype=BF16)
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+        norm = torch.ones(head_dim, dtype=BF16)
+        cos_sin = torch.randn(4096, head_dim, dtype=torch.float32)
+        norm_rope_store(q.view(5, heads, head_dim), k.view(5, kv_heads, head_dim),
+                        v.view(5, kv_heads, head_dim), norm, norm, 1e-6,
+                        torch.arange(5), cos_sin, *caches, torch.arange(5), *scales)
+        lens = torch.tensor([100, 300, 700], dtype=torch.int32)
+        tables = torch.arange(blocks, dtype=torch.int32).view(3, 4)
+        decode_q = torch.randn(3, heads, head_dim, dtype=BF16)
+        cu = torch.arange(4, dtype=torch.int32)
+        for splits in (1, 3):
+            paged_attention(decode_q, *caches, cu, lens, tables, 0.1, max_query_len=1,
+                            num_splits=splits, k_scale=scales[0], v_scale=scales[1])
+        paged_attention(decode_q, *caches, cu, lens, tables, 0.1, max_query_len=1, num_splits=2,
+                        shared_prefix=torch.tensor([64], dtype=torch.int32),
+                        k_scale=scales[0], v_scale=scales[1])
+        prefill_q = torch.randn(40, heads, head_dim, dtype=BF16)
+        cu = torch.tensor([0, 20, 30, 40], dtype=torch.int32)
+        paged_attention(prefill_q, *caches, cu, lens, tables, 0.1, max_query_len=20,
+                        k_scale=scales[0], v_scale=scales[1])
+
+
+def compile_all() -> None:
+    from tests.kernels.hopper_target import compile_for_hopper
+
+    compile_for_hopper([projections, experts, attention])
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the GPU compiles and runs the kernels itself")
+def test_kernels_compile_for_hopper():
+    env = dict(os.environ, TRITON_INTERPRET="0", HF_PAGED_TRITON_ON_CPU="1")
+    done = subprocess.run(
+        [sys.executable, "-c", "from tests.kernels.test_compile_hopper import compile_all; "
+         "compile_all()"], env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-4000:]
