@@ -83,10 +83,12 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
 
 
 def load(path_or_id: str, dtype: torch.dtype | str | None, device: torch.device | str | None,
-         hf_config: PretrainedConfig | None, engine_options: dict
+         hf_config: PretrainedConfig | None, engine_options: dict,
+         quantization_config: object = None,
          ) -> tuple[Executor, EngineConfig, GenerationConfig, int]:
     """An engine's parts: its executor (the model built on every rank), its options, the
-    checkpoint's generation config and the longest sequence (see ``from_pretrained``)."""
+    checkpoint's generation config and the longest sequence (see ``from_pretrained``);
+    ``quantization_config`` quantizes an unquantized checkpoint as it loads."""
     config = EngineConfig.from_options(**engine_options)
     path = resolve_checkpoint(path_or_id)
     hf_config = hf_config if hf_config is not None else AutoConfig.from_pretrained(path)
@@ -94,7 +96,8 @@ def load(path_or_id: str, dtype: torch.dtype | str | None, device: torch.device 
     max_positions = hf_config.max_position_embeddings
     max_model_len = config.max_model_len or max_positions
     spec = WorkerSpec(hf_config, path, None, device, config, max_model_len)
-    check_spec(spec)  # the model and tensor_parallel_size first: they decide the rest
+    # the model, its quantization and tensor_parallel_size first: they decide the rest
+    check_spec(spec, quantization_config)
     spec.dtype = resolve_dtype(dtype, hf_config)
     if max_model_len > max_positions:
         raise ValueError(

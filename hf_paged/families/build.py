@@ -19,6 +19,7 @@ from hf_paged.modeling.loader import (
 )
 from hf_paged.modeling.paged_model import PagedModel
 from hf_paged.modeling.tp import SINGLE, TensorParallel
+from hf_paged.quantization import Fp8Scheme, fp8_model
 
 
 def build_model(
@@ -29,27 +30,45 @@ def build_model(
     attention_backend: str,
     max_positions: int,
     tp: TensorParallel = SINGLE,
+    quantization: Fp8Scheme | None = None,
 ) -> PagedModel:
     """transformers' skeleton of the family on meta -> the keys it expects (in the
-    checkpoint's layout) -> the family's swap -> check the checkpoint's keys -> allocate on
-    ``device`` -> load this rank's weights. ``config`` has passed ``families.check_model``."""
+    checkpoint's layout) -> the family's swap (FP8 weights where ``quantization`` makes
+    transformers' modules FP8) -> check the checkpoint's keys -> allocate on ``device`` -> load
+    this rank's weights. ``config`` has passed ``families.check_model``."""
     family = families.family_for(config)
+    converted, skip = set(), []
     with torch.device("meta"):
         hf = getattr(transformers, family.ARCHITECTURE)(config)
         expected = ExpectedKeys.of(hf)  # transformers' names and full shapes, before the swap
+        if quantization is not None:
+            converted, skip = fp8_model.converted_modules(hf, quantization)
         family.swap_modules(hf, attention_backend, max_positions, tp)
     # Every rank checks (and fails alike); rank 0 alone logs.
     weights = Checkpoint.open(checkpoint)
-    expected = replace(expected, shapes=family.checkpoint_keys(expected.shapes,
-                                                                weights.shapes.keys()))
+    shapes, dtypes = family.checkpoint_keys(expected.shapes, weights.shapes.keys()), {}
+    if quantization is not None:
+        shapes, dtypes, kept = fp8_model.checkpoint_keys(shapes, converted, quantization)
+        if not quantization.pre_quantized:  # now an FP8 model, saved as one (as transformers)
+            config.quantization_config = fp8_model.saved_config(quantization, skip,
+                                                                converted - kept)
+        converted = kept
+    expected = replace(expected, shapes=shapes, dtypes=dtypes)
+    hf.to(dtype)  # on meta; FP8 weights replace float ones after the cast
+    scales = (fp8_model.hold_fp8(hf, converted, family.PACKED_MODULES, quantization.block)
+              if quantization is not None else [])
     tied = ties_embeddings(weights, bool(getattr(config, "tie_word_embeddings", False)),
                            log=tp.rank == 0)
     sources = match_keys(weights, expected, tied, log=tp.rank == 0)
     if tied:
         del hf.lm_head.weight
-    hf.to(dtype).to_empty(device=device).eval()
+    hf.to_empty(device=device).eval()
     if tied:
         hf.lm_head.weight = hf.model.embed_tokens.weight
     hf.model.rotary_emb.build_cache(device)
-    load_weights(hf, weights, sources, family.weight_target)
+    for module in hf.modules():
+        if getattr(module, "block", None) is not None:
+            module.init_scale_rows()
+    load_weights(hf, weights, sources, family.weight_target,
+                 () if quantization is None or quantization.pre_quantized else scales)
     return PagedModel(hf)
