@@ -169,8 +169,9 @@ class KeyReport:
             lines += _listed("quantization tensors of layers the model holds unquantized "
                              "(its quantization_config does not describe them)",
                              self.quantization_tensors)
-        if self.unexpected:
-            lines += _listed("unexpected", self.unexpected)
+        others = [k for k in self.unexpected if not QUANTIZATION_TENSOR.search(k)]
+        if others:
+            lines += _listed("unexpected", others)
         return "\n".join(lines)
 
 
