@@ -180,3 +180,31 @@ def test_quantize_on_load_refuses_a_half_quantized_merged_projection(float_check
     with pytest.raises(ValueError, match=r"qkv_proj: the quantization_config makes "
                                          r"model\.layers\.0\.self_attn\.q_proj FP8 but not"):
         hf_paged.from_pretrained(path, quantization_config=FineGrainedFP8Config(), **SMALL)
+
+
+def fused(tensors: dict) -> None:
+    """The per-expert FP8 layout -> transformers 5's fused one (``FP8Experts``' parameters:
+    ``gate_up_proj`` [E, 2I, H] and ``gate_up_proj_scale_inv``, ``down_proj`` and its grid)."""
+    for layer in sorted({k.split(".experts.")[0] for k in tensors if ".experts." in k}):
+        count = len({k.split(".")[5] for k in tensors if k.startswith(layer + ".experts.")})
+        for suffix in ("", "_scale_inv"):
+            gate, up, down = ([tensors.pop(f"{layer}.experts.{e}.{part}_proj.weight{suffix}")
+                               for e in range(count)] for part in ("gate", "up", "down"))
+            tensors[f"{layer}.experts.gate_up_proj{suffix}"] = torch.stack(
+                [torch.cat(pair) for pair in zip(gate, up)])
+            tensors[f"{layer}.experts.down_proj{suffix}"] = torch.stack(down)
+
+
+def test_fused_fp8_experts_load_as_the_per_expert_layout(fp8_checkpoints, tmp_path):
+    name = "moe_blocks_dense0"
+    path = rewrite(fp8_checkpoints[name], tmp_path, fused)
+    assert "model.layers.1.mlp.experts.gate_up_proj_scale_inv" in load_file(
+        os.path.join(path, "model.safetensors"))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with hf_paged.from_pretrained(path, **SMALL) as engine:
+        out = engine.generate(ids, max_new_tokens=6, do_sample=False)
+    with hf_paged.from_pretrained(fp8_checkpoints[name], **SMALL) as engine:
+        assert torch.equal(engine.generate(ids, max_new_tokens=6, do_sample=False), out)
+    missing = rewrite(path, tmp_path / "missing", drop(
+        "model.layers.1.mlp.experts.down_proj_scale_inv"))
+    refused(missing, "    model.layers.1.mlp.experts.down_proj_scale_inv")
