@@ -131,20 +131,20 @@ def make_checkpoint(
     count), with its generation config and tokenizer, to ``out_dir``; the weights are drawn on
     ``device``; ``quantize="fp8"``: in the fine-grained FP8 layout."""
     return save_checkpoint(random_qwen3(shape_config(shape, dtype, layers), seed, device=device),
-                           out_dir, quantize)
+                           out_dir, quantize, device=device)
 
 
 def save_checkpoint(model: PreTrainedModel, out_dir: str, quantize: str | None = None,
-                    block: tuple[int, int] = (128, 128)) -> str:
+                    block: tuple[int, int] = (128, 128), device: str = "cpu") -> str:
     """Write ``model`` (safetensors) with a generation config of its special tokens and a
     tokenizer (``train_tokenizer``) to ``out_dir``; ``quantize="fp8"``: in the fine-grained
-    FP8 layout of ``block``."""
+    FP8 layout of ``block``, quantized on ``device``."""
     if quantize not in (None, *QUANTIZE):
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
     config = model.config
     model.save_pretrained(out_dir)
     if quantize == "fp8":
-        quantize_fp8(out_dir, config, block)
+        quantize_fp8(out_dir, config, block, device)
     GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
@@ -165,12 +165,12 @@ def fp8_config(config: PretrainedConfig, block: tuple[int, int] = (128, 128)) ->
 
 
 @torch.no_grad()
-def quantize_fp8(out_dir: str, config: PretrainedConfig, block: tuple[int, int] = (128, 128)
-                 ) -> None:
+def quantize_fp8(out_dir: str, config: PretrainedConfig, block: tuple[int, int] = (128, 128),
+                 device: str = "cpu") -> None:
     """Rewrite the float checkpoint in ``out_dir`` (``config``'s model) in the fine-grained FP8
     layout: each weight of a module transformers converts (``fp8_model.converted_modules``)
-    as float8_e4m3fn with its ``weight_scale_inv`` grid, the rest as they were; config.json
-    gets the ``quantization_config``."""
+    as float8_e4m3fn with its ``weight_scale_inv`` grid (computed on ``device``), the rest as
+    they were; config.json gets the ``quantization_config``."""
     quantization = fp8_config(config, block)
     scheme = fp8.resolve(quantization, None)
     with torch.device("meta"):
@@ -182,7 +182,8 @@ def quantize_fp8(out_dir: str, config: PretrainedConfig, block: tuple[int, int] 
             tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
         for key in list(tensors):
             if fp8_model.is_weight(key, tensors[key].shape) and fp8_model.owner(key, converted):
-                tensors[key], tensors[fp8_model.scale_key(key)] = quantize(tensors[key], block)
+                values, inv = quantize(tensors[key].to(device), block)
+                tensors[key], tensors[fp8_model.scale_key(key)] = values.cpu(), inv.cpu()
                 moved[fp8_model.scale_key(key)] = os.path.basename(file)
         save_file(tensors, file, metadata=metadata)
     index = os.path.join(out_dir, "model.safetensors.index.json")
