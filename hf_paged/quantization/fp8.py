@@ -18,6 +18,7 @@ _KEYS = {"quant_method", "activation_scheme", "weight_block_size", "fmt", "scale
          "dequantize", "modules_to_not_convert", "ignored_layers", "modules_to_convert",
          "expert_dtype"}
 # Settings at the values hf_paged serves (a missing key takes transformers' default).
+# ``weight_block_size`` is required.
 _SERVED_VALUES = {"activation_scheme": "dynamic", "fmt": "e4m3", "scale_fmt": "float",
                   "expert_dtype": "fp8", "dequantize": False}
 # transformers' loading attributes: a passed config's override the checkpoint's.
@@ -55,7 +56,9 @@ def _checked(config: dict) -> dict:
     if config.get("modules_to_convert"):
         raise _refuse("modules_to_convert", config["modules_to_convert"],
                       "FP8 embeddings are not served")
-    block = config.get("weight_block_size", (128, 128))  # transformers' default when absent
+    # Absent, transformers would assume 128x128 blocks: a per-tensor checkpoint's scales would
+    # then be read as a grid. Qwen's and DeepSeek's releases always name it.
+    block = config.get("weight_block_size")
     if (not isinstance(block, (list, tuple)) or len(block) != 2
             or not all(isinstance(b, int) and b > 0 for b in block)):
         raise _refuse("weight_block_size", block, "per-tensor FP8 is not served; a block size "
@@ -84,7 +87,7 @@ def resolve(own: dict | None, passed: dict | None) -> Fp8Scheme:
         _checked(config)
     skip = config.get("modules_to_not_convert", config.get("ignored_layers"))
     return Fp8Scheme(
-        block=tuple(config.get("weight_block_size", (128, 128))),
+        block=tuple(config["weight_block_size"]),
         modules_to_not_convert=None if skip is None else tuple(skip),
         pre_quantized=own is not None,
         config=config,

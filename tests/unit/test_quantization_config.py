@@ -87,6 +87,14 @@ def test_fp8_variants_not_served_are_refused_by_name(override, named):
         quantization.resolve(config)
 
 
+def test_a_missing_block_size_is_refused_as_per_tensor_fp8():
+    config = Qwen3Config(quantization_config={k: v for k, v in FP8.items()
+                                              if k != "weight_block_size"})
+    with pytest.raises(ValueError, match=r"weight_block_size=None is not served by hf_paged "
+                                         r"\(per-tensor FP8 is not served"):
+        quantization.resolve(config)
+
+
 def test_fine_grained_fp8_resolves_to_plain_data():
     own = quantization.resolve(Qwen3Config(quantization_config=dict(
         FP8, weight_block_size=[64, 32], modules_to_not_convert=["lm_head"])))
