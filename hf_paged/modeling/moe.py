@@ -72,13 +72,14 @@ class PagedExperts(nn.Module):
         self.down_rows.copy_(grid_rows([self.down_proj.shape[1]], bn, self.down_rows.device))
 
     @property
-    def scales(self) -> tuple[BlockScales | None, BlockScales | None]:
-        """The gate/up and down weights' block scales as the kernels take them (None, None
-        for float weights)."""
+    def scales(self) -> dict[str, BlockScales]:
+        """The gate/up and down weights' block scales as ``kernels.moe_experts`` takes them
+        (``w13_scales``, ``w2_scales``); none for float weights."""
         if self.block is None:
-            return None, None
-        return (BlockScales(self.gate_up_proj_scale_inv, self.gate_up_rows, self.block[1]),
-                BlockScales(self.down_proj_scale_inv, self.down_rows, self.block[1]))
+            return {}
+        return dict(
+            w13_scales=BlockScales(self.gate_up_proj_scale_inv, self.gate_up_rows, self.block[1]),
+            w2_scales=BlockScales(self.down_proj_scale_inv, self.down_rows, self.block[1]))
 
     def weight_loader(self, param: nn.Parameter, loaded,
                       shard_id: tuple[int, int | None] | None = None) -> None:
@@ -137,7 +138,6 @@ class SparseMoEBlock(nn.Module):
         x, residual = norm(x, residual)
         logits = kernels.linear(x, self.gate.weight)
         weights, ids = kernels.moe_route(logits, self.top_k, self.norm_topk_prob)
-        w13_scales, w2_scales = self.experts.scales
         out = kernels.moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj,
-                                  weights, ids, w13_scales=w13_scales, w2_scales=w2_scales)
+                                  weights, ids, **self.experts.scales)
         return self.tp.all_reduce(out), residual

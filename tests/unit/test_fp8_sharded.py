@@ -56,9 +56,10 @@ def values(module: torch.nn.Module) -> list[torch.Tensor]:
     """A layer's weights as the kernels compute with them, per checkpoint part (experts:
     gate/up and down of every expert)."""
     if hasattr(module, "gate_up_proj"):
-        gate_up, down = module.scales
-        gate_up = dequantize(module.gate_up_proj, gate_up, torch.float32)
-        return [*gate_up.chunk(2, dim=1), dequantize(module.down_proj, down, torch.float32)]
+        scales = module.scales
+        gate_up = dequantize(module.gate_up_proj, scales["w13_scales"], torch.float32)
+        down = dequantize(module.down_proj, scales["w2_scales"], torch.float32)
+        return [*gate_up.chunk(2, dim=1), down]
     return list(dequantize(module.weight, module.scales, torch.float32).split(module.parts))
 
 
