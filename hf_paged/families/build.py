@@ -37,7 +37,7 @@ def build_model(
     transformers' modules FP8) -> check the checkpoint's keys -> allocate on ``device`` -> load
     this rank's weights. ``config`` has passed ``families.check_model``."""
     family = families.family_for(config)
-    converted, skip = set(), []
+    converted, skip, kept = set(), [], set()
     with torch.device("meta"):
         hf = getattr(transformers, family.ARCHITECTURE)(config)
         expected = ExpectedKeys.of(hf)  # transformers' names and full shapes, before the swap
@@ -49,13 +49,9 @@ def build_model(
     shapes, dtypes = family.checkpoint_keys(expected.shapes, weights.shapes.keys()), {}
     if quantization is not None:
         shapes, dtypes, kept = fp8_model.checkpoint_keys(shapes, converted, quantization)
-        if not quantization.pre_quantized:  # now an FP8 model, saved as one (as transformers)
-            config.quantization_config = fp8_model.saved_config(quantization, skip,
-                                                                converted - kept)
-        converted = kept
     expected = replace(expected, shapes=shapes, dtypes=dtypes)
     hf.to(dtype)  # on meta; FP8 weights replace float ones after the cast
-    scales = (fp8_model.hold_fp8(hf, converted, family.PACKED_MODULES, quantization.block)
+    scales = (fp8_model.hold_fp8(hf, kept, family.PACKED_MODULES, quantization.block)
               if quantization is not None else [])
     tied = ties_embeddings(weights, bool(getattr(config, "tie_word_embeddings", False)),
                            log=tp.rank == 0)
@@ -69,6 +65,8 @@ def build_model(
     for module in hf.modules():
         if getattr(module, "block", None) is not None:
             module.init_scale_rows()
-    load_weights(hf, weights, sources, family.weight_target,
-                 () if quantization is None or quantization.pre_quantized else scales)
+    quantized_on_load = quantization is not None and not quantization.pre_quantized
+    load_weights(hf, weights, sources, family.weight_target, scales if quantized_on_load else ())
+    if quantized_on_load:  # now an FP8 model, saved as one (as in transformers)
+        config.quantization_config = fp8_model.saved_config(quantization, skip, converted - kept)
     return PagedModel(hf)

@@ -10,7 +10,9 @@ Checkpoints hold the experts in either of two layouts, and each layer's may diff
 one matrix per expert and projection (``mlp.experts.{e}.gate_proj.weight``, ...) or
 transformers 5's fused 3-D parameters (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``).
 ``checkpoint_keys`` restates transformers' keys in the layout the checkpoint uses, so a
-missing expert is reported by its own key.
+missing expert is reported by its own key. FP8 experts carry a ``weight_scale_inv`` grid per
+matrix (``gate_up_proj_scale_inv`` / ``down_proj_scale_inv`` fused), read as their matrix is;
+they save in the per-expert layout of Qwen's FP8 releases (``saved_layout``).
 """
 
 from __future__ import annotations
