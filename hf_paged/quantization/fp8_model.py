@@ -40,10 +40,15 @@ def converted_modules(skeleton: nn.Module, scheme: Fp8Scheme) -> tuple[set[str],
     config = FineGrainedFP8Config(**{**settings, "modules_to_not_convert": (
         None if scheme.modules_to_not_convert is None else list(scheme.modules_to_not_convert))})
     quantizer = FineGrainedFP8HfQuantizer(config, pre_quantized=scheme.pre_quantized)
-    quantizer._normalize_modules_to_not_convert(skeleton)
+    # Renames a released checkpoint's skip-list to the model's module names (transformers
+    # 5.2x; earlier 5.x releases name them as they are).
+    normalize = getattr(quantizer, "_normalize_modules_to_not_convert", None)
+    if normalize is not None:
+        normalize(skeleton)
     skip = quantizer.get_modules_to_not_convert(
         skeleton, config.modules_to_not_convert, skeleton._keep_in_fp32_modules)
-    replace_with_fp8_linear(skeleton, skip, config, scheme.pre_quantized)
+    replace_with_fp8_linear(skeleton, modules_to_not_convert=skip, quantization_config=config,
+                            pre_quantized=scheme.pre_quantized)
     return {name for name, module in skeleton.named_modules()
             if isinstance(module, (FP8Linear, FP8Experts))}, skip
 
