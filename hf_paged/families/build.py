@@ -51,7 +51,7 @@ def build_model(
         shapes, dtypes, kept = fp8_model.checkpoint_keys(shapes, converted, quantization)
     expected = replace(expected, shapes=shapes, dtypes=dtypes)
     hf.to(dtype)  # on meta; FP8 weights replace float ones after the cast
-    scales = (fp8_model.hold_fp8(hf, kept, family.PACKED_MODULES, quantization.block)
+    scales = (fp8_model.hold_fp8(hf, kept, family.PACKED_MODULES, quantization)
               if quantization is not None else [])
     tied = ties_embeddings(weights, bool(getattr(config, "tie_word_embeddings", False)),
                            log=tp.rank == 0)

@@ -73,6 +73,8 @@ def owner(key: str, converted: Collection[str]) -> str | None:
 
 
 def is_weight(key: str, shape: tuple[int, ...]) -> bool:
+    """Whether a converted module's checkpoint tensor is a weight FP8 applies to (not a
+    bias)."""
     return len(shape) >= 2 and not key.endswith(".bias")
 
 
@@ -115,7 +117,7 @@ def checkpoint_keys(shapes: dict[str, tuple[int, ...]], converted: set[str],
 
 
 def hold_fp8(model: nn.Module, converted: set[str], packed_modules: dict[str, tuple[str, object]],
-             block: tuple[int, int]) -> list[str]:
+             scheme: Fp8Scheme) -> list[str]:
     """Swapped modules (on meta, in the model dtype) whose checkpoint tensors are all FP8
     take FP8 weights (``hold_fp8``); returns their scale parameters' names. Raises ValueError
     naming a merged module of FP8 and float parts, or a converted module hf_paged keeps in
@@ -131,7 +133,7 @@ def hold_fp8(model: nn.Module, converted: set[str], packed_modules: dict[str, tu
         parts = [f"{prefix}.{part}" for part in parts_of.get(leaf, [leaf])]
         fp8 = [part in converted for part in parts]
         if all(fp8):
-            module.hold_fp8(block)
+            module.hold_fp8(scheme.block)
             covered.update(parts)
             scales += [f"{name}.{p}" for p, _ in module.named_parameters() if "scale" in p]
         elif any(fp8):
@@ -140,7 +142,8 @@ def hold_fp8(model: nn.Module, converted: set[str], packed_modules: dict[str, tu
                 f"{', '.join(p for p, f in zip(parts, fp8) if f)} FP8 but not "
                 f"{', '.join(p for p, f in zip(parts, fp8) if not f)}; hf_paged runs them as "
                 "one matrix, which is either FP8 or not (list them all in "
-                "modules_to_not_convert, or none)")
+                "modules_to_not_convert, or none" + ("" if scheme.pre_quantized else
+                "; quantized on load, a weight whose blocks are not whole stays float") + ")")
     kept = sorted(converted - covered)
     if kept:
         raise ValueError(f"the quantization_config makes {', '.join(kept)} FP8, which hf_paged "
