@@ -12,8 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from transformers import FineGrainedFP8Config
+
 # The keys of a fine-grained FP8 config (transformers' FineGrainedFP8Config, and ``fmt`` of
-# the released checkpoints); anything else is refused rather than ignored.
+# the released checkpoints); anything else is refused rather than ignored, unless it is a
+# setting of the installed transformers' FineGrainedFP8Config at its default.
 _KEYS = {"quant_method", "activation_scheme", "weight_block_size", "fmt", "scale_fmt",
          "dequantize", "modules_to_not_convert", "ignored_layers", "modules_to_convert",
          "expert_dtype"}
@@ -35,18 +38,18 @@ class Fp8Scheme:
     pre_quantized: bool  # the checkpoint holds FP8 weights; else they are quantized on load
     config: dict  # the quantization_config as config.json keeps it
 
-    method = "fp8"
-
 
 def _refuse(key: str, value: object, why: str) -> ValueError:
     return ValueError(f"quantization_config (quant_method 'fp8'): {key}={value!r} is not served "
                       f"by hf_paged ({why}); it serves fine-grained FP8 with "
                       "weight_block_size [bn, bk], activation_scheme 'dynamic', fmt 'e4m3', "
-                      "float32 scales")
+                      "float scales")
 
 
 def _checked(config: dict) -> dict:
-    unknown = sorted(set(config) - _KEYS)
+    defaults = _plain(FineGrainedFP8Config().to_dict())
+    unknown = sorted(k for k in set(config) - _KEYS
+                     if k not in defaults or _plain({k: config[k]})[k] != defaults[k])
     if unknown:
         raise _refuse(unknown[0], config[unknown[0]], "a setting hf_paged does not know")
     for key, served in _SERVED_VALUES.items():
