@@ -102,21 +102,20 @@ class PagedExperts(nn.Module):
         ``param``: for a scale grid, the blocks covering them; a float tensor into an FP8
         weight is quantized, its grid filled alongside."""
         weight = param is self.gate_up_proj or param is self.down_proj
-        dst = part * size
-        if self.block is not None and not weight:  # a scale grid
-            dst, src, size = part * cdiv(size, self.block[0]), src // self.block[dim], cdiv(
-                size, self.block[dim])
-        lead = 0 if expert is None else 1  # the dimensions ``loaded`` lacks
-        piece = narrow(loaded, dim + 1 - lead, src, size)
+        block = None if self.block is None else self.block[dim]
+        dim += 0 if expert is not None else 1  # ``loaded`` and ``target``: with experts first
         target = param.data if expert is None else param.data[expert]
-        if weight and self.block is not None and piece.dtype != FP8:
+        dst = part * size
+        if block is not None and not weight:  # a scale grid
+            dst, src, size = part * cdiv(size, block), src // block, cdiv(size, block)
+        piece = narrow(loaded, dim, src, size)
+        if weight and block is not None and piece.dtype != FP8:
             piece, inv = quantize(piece, self.block)
-            grid = getattr(self, "gate_up_proj_scale_inv" if param is self.gate_up_proj
-                           else "down_proj_scale_inv")
+            grid = self.gate_up_proj_scale_inv if param is self.gate_up_proj else (
+                self.down_proj_scale_inv)
             grid = grid.data if expert is None else grid.data[expert]
-            grid.narrow(dim + 1 - lead, part * inv.shape[-2] if dim == 0 else 0,
-                        inv.shape[dim - 2]).copy_(inv)
-        target.narrow(dim + 1 - lead, dst, size).copy_(piece)
+            grid.narrow(dim, part * inv.shape[dim], inv.shape[dim]).copy_(inv)
+        target.narrow(dim, dst, size).copy_(piece)
 
 
 class SparseMoEBlock(nn.Module):
