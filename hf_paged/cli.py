@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
                     "fewer make a large shape's checkpoint fit a disk, each layer unchanged)")
     mk.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--quantize", choices=["fp8"], help="fp8: the fine-grained FP8 layout of "
+                    "Qwen's FP8 releases (128x128 blocks; the LM head and MoE routers float)")
     mk.add_argument("out")
 
     # run and serve parse their own arguments (most belong to the script or to transformers):
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             from hf_paged.random_checkpoint import make_checkpoint
 
             print(make_checkpoint(args.shape, args.out, args.dtype, args.seed,
-                                  layers=args.layers))
+                                  layers=args.layers, quantize=args.quantize))
             return 0
         if args.command == "bench":
             return _bench(args.name, args.args)

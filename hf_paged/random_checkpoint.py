@@ -5,15 +5,23 @@ The embedding (and LM head) is drawn wide enough that logits are peaked: greedy 
 has clear winners, so token-for-token comparisons with transformers are meaningful. Each
 checkpoint comes with a small byte-level BPE tokenizer, trained when it is written on a text
 kept in the package, with a Qwen-style chat template, so prompts, pipelines and chat work
-offline.
+offline. ``quantize="fp8"`` writes the layout of Qwen's fine-grained FP8 releases: every
+projection and expert in float8_e4m3fn with a float32 ``weight_scale_inv`` per 128x128 block
+(transformers' ``Fp8Quantize`` math; a block cut short by a dimension that is not a multiple
+of 128 takes the max of its own elements), the LM head and the MoE routers in the model
+dtype (``modules_to_not_convert``).
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import os
 from importlib import resources
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -24,6 +32,14 @@ from transformers import (
 )
 
 from hf_paged.checkpoint_shapes import SHAPES
+from hf_paged.kernels.block_scales import quantize
+from hf_paged.modeling.loader import checkpoint_files
+from hf_paged.quantization import fp8, fp8_model
+
+QUANTIZE = ("fp8",)  # make_checkpoint's quantize choices
+# Qwen's FP8 releases' quantization_config (modules_to_not_convert added per model).
+FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+              "weight_block_size": [128, 128]}
 
 
 def shape_config(shape: str, dtype: str = "float32", layers: int | None = None
@@ -109,23 +125,74 @@ def train_tokenizer(config: PretrainedConfig) -> PreTrainedTokenizerFast:
 
 def make_checkpoint(
     shape: str, out_dir: str, dtype: str = "bfloat16", seed: int = 0, device: str = "cpu",
-    layers: int | None = None,
+    layers: int | None = None, quantize: str | None = None,
 ) -> str:
     """Write a random checkpoint of a named shape (``SHAPES``; ``layers`` overrides its layer
     count), with its generation config and tokenizer, to ``out_dir``; the weights are drawn on
-    ``device``."""
+    ``device``; ``quantize="fp8"``: in the fine-grained FP8 layout."""
     return save_checkpoint(random_qwen3(shape_config(shape, dtype, layers), seed, device=device),
-                           out_dir)
+                           out_dir, quantize, device=device)
 
 
-def save_checkpoint(model: PreTrainedModel, out_dir: str) -> str:
+def save_checkpoint(model: PreTrainedModel, out_dir: str, quantize: str | None = None,
+                    block: tuple[int, int] = (128, 128), device: str = "cpu") -> str:
     """Write ``model`` (safetensors) with a generation config of its special tokens and a
-    tokenizer (``train_tokenizer``) to ``out_dir``."""
+    tokenizer (``train_tokenizer``) to ``out_dir``; ``quantize="fp8"``: in the fine-grained
+    FP8 layout of ``block``, quantized on ``device``."""
+    if quantize not in (None, *QUANTIZE):
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
     config = model.config
     model.save_pretrained(out_dir)
+    if quantize == "fp8":
+        quantize_fp8(out_dir, config, block, device)
     GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
     ).save_pretrained(out_dir)
     train_tokenizer(config).save_pretrained(out_dir)
     return out_dir
+
+
+def fp8_config(config: PretrainedConfig, block: tuple[int, int] = (128, 128)) -> dict:
+    """The quantization_config of a Qwen FP8 release of ``config``'s model: the LM head and
+    the MoE routers (``mlp.gate`` of every sparse layer) not converted."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    routers = [name for name, module in model.named_modules() if name.endswith(".mlp.gate")
+               and hasattr(module, "top_k")]
+    return dict(FP8_CONFIG, weight_block_size=list(block),
+                modules_to_not_convert=["lm_head", *routers])
+
+
+@torch.no_grad()
+def quantize_fp8(out_dir: str, config: PretrainedConfig, block: tuple[int, int] = (128, 128),
+                 device: str = "cpu") -> None:
+    """Rewrite the float checkpoint in ``out_dir`` (``config``'s model) in the fine-grained FP8
+    layout: each weight of a module transformers converts (``fp8_model.converted_modules``)
+    as float8_e4m3fn with its ``weight_scale_inv`` grid (computed on ``device``), the rest as
+    they were; config.json gets the ``quantization_config``."""
+    quantization = fp8_config(config, block)
+    scheme = fp8.resolve(quantization, None)
+    with torch.device("meta"):
+        converted, _ = fp8_model.converted_modules(AutoModelForCausalLM.from_config(config),
+                                                   scheme)
+    moved = {}
+    for file in checkpoint_files(out_dir):
+        with safe_open(file, framework="pt") as f:
+            tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+        for key in list(tensors):
+            if fp8_model.is_weight(key, tensors[key].shape) and fp8_model.owner(key, converted):
+                values, inv = quantize(tensors[key].to(device), block)
+                tensors[key], tensors[fp8_model.scale_key(key)] = values.cpu(), inv.cpu()
+                moved[fp8_model.scale_key(key)] = os.path.basename(file)
+        save_file(tensors, file, metadata=metadata)
+    index = os.path.join(out_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            spec = json.load(f)
+        spec["weight_map"].update(moved)
+        with open(index, "w") as f:
+            json.dump(spec, f, indent=2)
+    config = copy.deepcopy(config)
+    config.quantization_config = quantization
+    config.save_pretrained(out_dir)

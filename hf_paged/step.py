@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from hf_paged.config import EngineConfig
+    from hf_paged.quantization import Fp8Scheme
 
 
 class LogitsHooks(Protocol):
@@ -151,3 +152,5 @@ class WorkerSpec:
     device: torch.device  # rank 0's; rank r of a spawned group takes the r-th GPU after it
     config: EngineConfig
     max_model_len: int
+    # The checkpoint's quantization as ``check_spec`` resolved it (None: unquantized).
+    quantization: Fp8Scheme | None = None

@@ -9,7 +9,7 @@ import torch
 import transformers
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from hf_paged.random_checkpoint import SHAPES, make_checkpoint, random_qwen3
+from hf_paged.random_checkpoint import SHAPES, make_checkpoint, quantize_fp8, random_qwen3
 
 # Float32 results against stock transformers': the paged kernels sum in another order, so they
 # differ by rounding that grows with the value. Comparisons take an absolute tolerance for values
@@ -43,6 +43,26 @@ MOE_CONFIGS = {
                         hidden_size=128, moe_intermediate_size=48, num_attention_heads=8,
                         head_dim=32, num_key_value_heads=4),
 }
+
+# Fine-grained FP8 checkpoints (128x128 blocks, as Qwen's releases): every dimension within one
+# block, several whole blocks, dimensions cut short (hidden 200, intermediate 300, experts'
+# 160: blocks of the definition that stock transformers dequantizes wrongly on a CPU), tied and
+# untied, dense and MoE (a dense layer among the sparse ones).
+FP8_CONFIGS = {
+    "one_block_tied": dict(SHAPES["tiny"]),
+    "blocks_untied": dict(SHAPES["tiny"], hidden_size=256, intermediate_size=384,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                          tie_word_embeddings=False),
+    "cut_200_300": dict(SHAPES["tiny"], hidden_size=200, intermediate_size=300,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=64),
+    "moe_one_block_tied": dict(SHAPES["tiny-moe"]),
+    "moe_blocks_dense0": dict(SHAPES["tiny-moe"], hidden_size=256, intermediate_size=256,
+                              moe_intermediate_size=128, head_dim=64, mlp_only_layers=[0],
+                              tie_word_embeddings=False),
+    "moe_cut_160": dict(SHAPES["tiny-moe"], hidden_size=200, moe_intermediate_size=160,
+                        num_experts=4, head_dim=64),
+}
+FP8_CUT = ("cut_200_300", "moe_cut_160")
 
 # Engine options small enough for a fast CPU cache; every model built from
 # ``tiny_checkpoint`` loads with these.
@@ -78,6 +98,21 @@ def moe_checkpoints(tmp_path_factory) -> dict[str, str]:
         path = str(tmp_path_factory.mktemp(f"moe_{name}"))
         config = transformers.AutoConfig.for_model(**shape, dtype="float32")
         random_qwen3(config, seed=0).save_pretrained(path)
+        paths[name] = path
+    return paths
+
+
+@pytest.fixture(scope="session")
+def fp8_checkpoints(tmp_path_factory) -> dict[str, str]:
+    """name -> folder of a random checkpoint in the fine-grained FP8 layout (float32 weights
+    quantized by ``hf-paged make-checkpoint --quantize fp8``'s code)."""
+    paths = {}
+    for name, shape in FP8_CONFIGS.items():
+        path = str(tmp_path_factory.mktemp(f"fp8_{name}"))
+        config = transformers.AutoConfig.for_model(**{"model_type": "qwen3", **shape},
+                                                   dtype="float32")
+        random_qwen3(config, seed=0).save_pretrained(path)
+        quantize_fp8(path, config)
         paths[name] = path
     return paths
 

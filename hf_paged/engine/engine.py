@@ -96,16 +96,21 @@ class EngineCore:
         dtype: torch.dtype | str | None = None,
         device: torch.device | str | None = None,
         hf_config: PretrainedConfig | None = None,
+        quantization_config: object = None,
         **engine_options,
     ) -> EngineCore:
         """Load a checkpoint (a folder or a hub id) into a new engine.
 
         ``dtype`` defaults to the checkpoint's own (float32 when it names none), ``device``
         to CUDA when available (under torchrun, the local rank's GPU). ``hf_config`` replaces
-        the checkpoint's config.json (transformers' config overrides). Any ``EngineConfig``
-        field may be passed by name.
+        the checkpoint's config.json (transformers' config overrides). A quantized checkpoint
+        (its config's ``quantization_config``) is served as it is or refused by name;
+        ``quantization_config`` (a transformers ``FineGrainedFP8Config`` or its dict)
+        quantizes an unquantized one as it loads. Any ``EngineConfig`` field may be passed
+        by name.
         """
-        return cls(*load(path_or_id, dtype, device, hf_config, engine_options))
+        return cls(*load(path_or_id, dtype, device, hf_config, engine_options,
+                         quantization_config))
 
     # ---- requests -------------------------------------------------------------------------
 

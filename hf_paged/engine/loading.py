@@ -91,10 +91,12 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
 
 
 def load(path_or_id: str, dtype: torch.dtype | str | None, device: torch.device | str | None,
-         hf_config: PretrainedConfig | None, engine_options: dict
+         hf_config: PretrainedConfig | None, engine_options: dict,
+         quantization_config: object = None,
          ) -> tuple[Executor, EngineConfig, GenerationConfig, int]:
     """An engine's parts: its executor (the model built on every rank), its options, the
-    checkpoint's generation config and the longest sequence (see ``from_pretrained``)."""
+    checkpoint's generation config and the longest sequence (see ``from_pretrained``);
+    ``quantization_config`` quantizes an unquantized checkpoint as it loads."""
     config = EngineConfig.from_options(**engine_options)
     path = resolve_checkpoint(path_or_id)
     if hf_config is None:
@@ -102,7 +104,8 @@ def load(path_or_id: str, dtype: torch.dtype | str | None, device: torch.device 
         hf_config = AutoConfig.from_pretrained(path)
     device = resolve_device(device)
     spec = WorkerSpec(hf_config, path, None, device, config, config.max_model_len)
-    check_spec(spec)  # the model and tensor_parallel_size first: they decide the rest
+    # the model, its quantization and tensor_parallel_size first: they decide the rest
+    check_spec(spec, quantization_config)
     max_positions = hf_config.max_position_embeddings
     spec.max_model_len = max_model_len = config.max_model_len or max_positions
     spec.dtype = resolve_dtype(dtype, hf_config)

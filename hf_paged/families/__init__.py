@@ -16,6 +16,8 @@ from types import ModuleType
 
 from transformers import PretrainedConfig
 
+from hf_paged.quantization import Fp8Scheme
+
 # config.model_type -> the module of the family that serves it.
 REGISTRY: dict[str, str] = {
     "qwen3": "hf_paged.families.qwen3",
@@ -55,12 +57,14 @@ def family_for(config_or_model_type: PretrainedConfig | str) -> ModuleType:
     return importlib.import_module(REGISTRY[model_type])
 
 
-def check_model(config: PretrainedConfig, tp_size: int) -> None:
+def check_model(config: PretrainedConfig, tp_size: int,
+                quantization: Fp8Scheme | None = None) -> None:
     """Raise ValueError, naming the problem, unless hf_paged can run ``config``'s model split
-    over ``tp_size`` tensor-parallel ranks: its family's checks, then the split's."""
+    over ``tp_size`` tensor-parallel ranks: its family's checks, then the split's (which must
+    not cut the blocks of ``quantization``'s FP8 weights)."""
     family = family_for(config)
     family.check_config(config)
-    family.check_shardable(config, tp_size)
+    family.check_shardable(config, tp_size, quantization and quantization.block)
 
 
 __all__ = ["REGISTRY", "all_families", "check_model", "family_for", "supported_description",

@@ -13,12 +13,16 @@ model_types to it and imports it on first use. The next family copies this shape
 - ``PACKED_MODULES``: its fused weight groups, checkpoint projection -> (merged module, shard
   id), which the loader fills and ``state_dict()`` splits back; ``packed_sizes(config)``: each
   merged module's part sizes, in checkpoint order.
-- ``check_config(config)`` and ``check_shardable(config, tp_size)``: a ValueError naming what
-  the modules cannot run, or what ``tp_size`` ranks cannot split (both numbers named).
+- ``check_config(config)`` and ``check_shardable(config, tp_size, block)``: a ValueError
+  naming what the modules cannot run, or what ``tp_size`` ranks cannot split (both numbers
+  named; ``block``: FP8 weights' block size, whose blocks a rank's slice must not cut).
 - ``checkpoint_keys(expected, found)``: transformers' keys and full shapes (``expected``)
   restated in the layout of a checkpoint holding the keys ``found``, where a family's
   checkpoints name tensors otherwise; ``weight_target(name)``: the parameter a checkpoint
   tensor fills and its shard id (a merged module's part), for the modules' ``weight_loader``.
+- ``saved_layout(state, scheme)``: transformers' state dict (merged modules split back) in the
+  layout ``save_pretrained`` writes, where a quantized model's differs (``scheme``: its
+  quantization, or None).
 - ``swap_modules(model, attention_backend, max_positions, tp)``: on the meta device, replace
   every module of transformers' model that ``PagedModel.forward`` runs by this rank's paged
   one, as ``hf_paged.modeling.paged_model`` describes them.
@@ -39,11 +43,13 @@ from hf_paged.modeling.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    divide,
 )
 from hf_paged.modeling.loader import target_of
 from hf_paged.modeling.norm import RMSNorm
 from hf_paged.modeling.rotary import RotaryEmbedding
 from hf_paged.modeling.tp import SINGLE, TensorParallel, kv_head_layout
+from hf_paged.quantization.fp8 import Fp8Scheme, check_split
 
 NAME = "Qwen3"
 MODEL_TYPES = ("qwen3",)
@@ -82,6 +88,12 @@ def weight_target(name: str) -> tuple[str, object]:
     return target_of(name, PACKED_MODULES)
 
 
+def saved_layout(state: dict[str, torch.Tensor], scheme: Fp8Scheme | None
+                 ) -> dict[str, torch.Tensor]:
+    """Qwen3 saves transformers' own keys."""
+    return state
+
+
 def check_config(config: PretrainedConfig) -> None:
     """Raise ValueError for a Qwen3 config these modules cannot run."""
     if "sliding_attention" in (getattr(config, "layer_types", None) or []):
@@ -90,14 +102,42 @@ def check_config(config: PretrainedConfig) -> None:
         raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only 'silu')")
 
 
-def check_shardable(config: PretrainedConfig, tp_size: int) -> None:
-    """Raise ValueError, naming both numbers, when ``tp_size`` ranks cannot split the model."""
+def check_shardable(config: PretrainedConfig, tp_size: int,
+                    block: tuple[int, int] | None = None) -> None:
+    """Raise ValueError, naming both numbers, when ``tp_size`` ranks cannot split the model
+    (with FP8 weights of ``block``: without cutting a block)."""
     kv_head_layout(config.num_attention_heads, config.num_key_value_heads, tp_size)
-    if config.intermediate_size % tp_size:
-        raise ValueError(
-            f"intermediate_size ({config.intermediate_size}) is not divisible by "
-            f"tensor_parallel_size ({tp_size})"
-        )
+    divide(config.intermediate_size, tp_size, "intermediate_size")
+    check_attention_blocks(config, tp_size, block)
+    check_mlp_blocks("intermediate_size", config.intermediate_size, tp_size, block,
+                     "gate_up_proj", "down_proj")
+
+
+def check_attention_blocks(config: PretrainedConfig, tp_size: int,
+                           block: tuple[int, int] | None) -> None:
+    """FP8 attention projections under ``tp_size`` ranks: each rank's q/k/v rows and o_proj
+    columns whole blocks (a replicated KV head may be all there is)."""
+    if block is None:
+        return
+    heads, kv_heads = kv_head_layout(config.num_attention_heads, config.num_key_value_heads,
+                                     tp_size)
+    head_dim, (bn, bk) = _head_dim(config), block
+    q = config.num_attention_heads * head_dim
+    check_split("num_attention_heads * head_dim", q, heads * head_dim, tp_size, bn, "row",
+                "q_proj")
+    check_split("num_key_value_heads * head_dim", config.num_key_value_heads * head_dim,
+                kv_heads * head_dim, tp_size, bn, "row", "k_proj and v_proj")
+    check_split("num_attention_heads * head_dim", q, heads * head_dim, tp_size, bk, "column",
+                "o_proj")
+
+
+def check_mlp_blocks(what: str, size: int, tp_size: int, block: tuple[int, int] | None,
+                     gate_up: str, down: str) -> None:
+    """FP8 feed-forward weights of ``size`` intermediate features under ``tp_size`` ranks:
+    each rank's gate/up rows and down columns whole blocks."""
+    if block is not None:
+        check_split(what, size, size // tp_size, tp_size, block[0], "row", gate_up)
+        check_split(what, size, size // tp_size, tp_size, block[1], "column", down)
 
 
 def swap_modules(model: nn.Module, attention_backend: str, max_positions: int,

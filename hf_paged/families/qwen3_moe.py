@@ -10,7 +10,9 @@ Checkpoints hold the experts in either of two layouts, and each layer's may diff
 one matrix per expert and projection (``mlp.experts.{e}.gate_proj.weight``, ...) or
 transformers 5's fused 3-D parameters (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``).
 ``checkpoint_keys`` restates transformers' keys in the layout the checkpoint uses, so a
-missing expert is reported by its own key.
+missing expert is reported by its own key. FP8 experts carry a ``weight_scale_inv`` grid per
+matrix (``gate_up_proj_scale_inv`` / ``down_proj_scale_inv`` fused), read as their matrix is;
+they save in the per-expert layout of Qwen's FP8 releases (``saved_layout``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import re
 from collections.abc import Collection
 
+import torch
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -27,6 +30,7 @@ from hf_paged.modeling.linear import divide
 from hf_paged.modeling.loader import PREFIX
 from hf_paged.modeling.moe import SparseMoEBlock
 from hf_paged.modeling.tp import SINGLE, TensorParallel, kv_head_layout
+from hf_paged.quantization.fp8 import Fp8Scheme
 
 NAME = "Qwen3-MoE"
 MODEL_TYPES = ("qwen3_moe",)
@@ -37,7 +41,10 @@ PACKED_MODULES = qwen3.PACKED_MODULES  # attention and the dense layers' MLP
 packed_sizes = qwen3.packed_sizes
 
 _FUSED = re.compile(r"^(?P<experts>.+\.experts)\.(?P<name>gate_up_proj|down_proj)$")
-_PER_EXPERT = re.compile(r"\.experts\.(?P<expert>\d+)\.(?P<part>gate|up|down)_proj\.weight$")
+_FUSED_STATE = re.compile(r"^(?P<experts>.+\.experts)\.(?P<name>gate_up_proj|down_proj)"
+                          r"(?P<scale>_scale_inv)?$")
+_PER_EXPERT = re.compile(r"\.experts\.(?P<expert>\d+)\.(?P<part>gate|up|down)_proj\.weight"
+                         r"(?P<scale>_scale_inv)?$")
 
 
 def check_config(config: PretrainedConfig) -> None:
@@ -59,15 +66,22 @@ def _has_dense_layers(config: PretrainedConfig) -> bool:
         for i in range(config.num_hidden_layers))
 
 
-def check_shardable(config: PretrainedConfig, tp_size: int) -> None:
+def check_shardable(config: PretrainedConfig, tp_size: int,
+                    block: tuple[int, int] | None = None) -> None:
     """Raise ValueError, naming both numbers, when ``tp_size`` ranks cannot split the model:
     attention's heads, the dense layers' ``intermediate_size`` (when there are dense layers)
-    and every expert's ``moe_intermediate_size``."""
+    and every expert's ``moe_intermediate_size`` (with FP8 weights of ``block``: without
+    cutting a block)."""
     kv_head_layout(config.num_attention_heads, config.num_key_value_heads, tp_size)
+    qwen3.check_attention_blocks(config, tp_size, block)
     if _has_dense_layers(config):
         divide(config.intermediate_size, tp_size, "intermediate_size")
+        qwen3.check_mlp_blocks("intermediate_size", config.intermediate_size, tp_size, block,
+                               "gate_up_proj", "down_proj")
     if config.num_experts:
         divide(config.moe_intermediate_size, tp_size, "moe_intermediate_size")
+        qwen3.check_mlp_blocks("moe_intermediate_size", config.moe_intermediate_size, tp_size,
+                               block, "the experts' gate_up_proj", "the experts' down_proj")
 
 
 def checkpoint_keys(expected: dict[str, tuple[int, ...]],
@@ -93,16 +107,39 @@ def checkpoint_keys(expected: dict[str, tuple[int, ...]],
     return out
 
 
+def saved_layout(state: dict[str, torch.Tensor], scheme: Fp8Scheme | None
+                 ) -> dict[str, torch.Tensor]:
+    """FP8 experts in the hub's layout, one matrix and grid per expert and projection, as
+    Qwen's FP8 releases hold them (stock transformers dequantizes that layout on a CPU, not
+    the fused one); float experts as transformers 5 holds them."""
+    if scheme is None:
+        return state
+    out = {}
+    for key, tensor in state.items():
+        fused = _FUSED_STATE.match(key)
+        if fused is None:
+            out[key] = tensor
+            continue
+        scale = fused["scale"] or ""
+        names = ("down",) if fused["name"] == "down_proj" else ("gate", "up")
+        for e, matrix in enumerate(tensor):
+            for part, piece in zip(names, matrix.chunk(len(names))):
+                out[f"{fused['experts']}.{e}.{part}_proj.weight{scale}"] = piece.clone()
+    return out
+
+
 def weight_target(name: str) -> tuple[str, object]:
-    """The parameter a checkpoint tensor fills and its shard id: one expert's matrix goes to
-    its layer's fused experts parameter as ``(expert, part)``."""
+    """The parameter a checkpoint tensor fills and its shard id: one expert's matrix (or its
+    FP8 scale grid) goes to its layer's fused experts parameter (or grid) as
+    ``(expert, part)``."""
     per_expert = _PER_EXPERT.search(name)
     if per_expert is None:
         return qwen3.weight_target(name)
     part = per_expert["part"]
     param = "down_proj" if part == "down" else "gate_up_proj"
     shard = (int(per_expert["expert"]), {"gate": 0, "up": 1, "down": None}[part])
-    return f"{name[:per_expert.start()]}.experts.{param}", shard
+    scale = "_scale_inv" if per_expert["scale"] else ""
+    return f"{name[:per_expert.start()]}.experts.{param}{scale}", shard
 
 
 def swap_modules(model: nn.Module, attention_backend: str, max_positions: int,

@@ -275,8 +275,9 @@ class AutoModelForCausalLM:
         ``trust_remote_code=False``, ``use_safetensors``, and ignores ``attn_implementation``
         and ``low_cpu_mem_usage`` (the engine chooses). Every ``EngineConfig`` field may be
         passed too. Other keywords that name attributes of the model config override them, as
-        in transformers (those the engine cannot honour raise a ``ValueError``); transformers
-        keywords it cannot honour (``quantization_config``, ...) raise a ``ValueError`` unless
+        in transformers (those the engine cannot honour raise a ``ValueError``);
+        ``quantization_config`` quantizes a float checkpoint on load (fine-grained FP8 only);
+        transformers keywords it cannot honour (``variant``, ...) raise a ``ValueError`` unless
         None; unknown ones a ``TypeError``.
         """
         if model_args:

@@ -31,13 +31,14 @@ _IGNORED_KEYWORDS = ("attn_implementation", "low_cpu_mem_usage", "code_revision"
                      "_from_pipeline", "_from_auto")
 # transformers keywords hf_paged cannot honour: accepted at their defaults (None or False) only.
 _REFUSED_UNLESS_DEFAULT = (
-    "state_dict", "quantization_config", "variant", "gguf_file", "max_memory",
+    "state_dict", "variant", "gguf_file", "max_memory",
     "offload_folder", "offload_buffers", "output_loading_info", "adapter_kwargs", "key_mapping",
     "tp_plan", "tp_size", "device_mesh", "distributed_config", "use_kernels", "kernel_config",
 )
 # Keywords taken by hf_paged: transformers' placement ones, then every EngineConfig field.
 ENGINE_KEYWORDS = (
     "dtype", "torch_dtype", "device_map", "device", "subfolder", "generation_config",
+    "quantization_config",
     *(f.name for f in dataclasses.fields(EngineConfig)),
 )
 # Config overrides the engine cannot honour, at the values it cannot: the paged kernels never

@@ -1,6 +1,6 @@
 """``patch_transformers()``: transformers' ``from_pretrained`` returns hf_paged models for the
-checkpoints hf_paged supports (``hf_paged.families``), so existing scripts run on the engine
-unchanged."""
+checkpoints hf_paged supports (``hf_paged.families``, unquantized or of a quantization
+``hf_paged.quantization`` serves), so existing scripts run on the engine unchanged."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import warnings
 import transformers
 from transformers import AutoConfig, PretrainedConfig
 
-from hf_paged import families
+from hf_paged import families, quantization
 from hf_paged.config import EngineConfig
 from hf_paged.integrations.causal_lm import AutoModelForCausalLM
 
@@ -82,14 +82,16 @@ def _loader(patched_cls: type, stock):
 
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         if cls is patched_cls:
-            model_type = _model_type(pretrained_model_name_or_path, kwargs)
+            config = _config(pretrained_model_name_or_path, kwargs)
+            model_type = getattr(config, "model_type", None)
             supported = model_type in families.supported_model_types()
-            if supported and not model_args:
+            refused = supported and _quantization_refused(config, kwargs)
+            if supported and not model_args and not refused:
                 return AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path,
                                                             **{**_engine_defaults, **kwargs})
             if model_type is not None:
-                why = ("hf_paged takes no positional model_args" if supported else
-                       f"hf_paged serves {families.supported_description()} only")
+                why = refused or ("hf_paged takes no positional model_args" if supported else
+                                  f"hf_paged serves {families.supported_description()} only")
                 warnings.warn(f"{why}; {pretrained_model_name_or_path!r} (model_type "
                               f"{model_type!r}) loads with stock transformers", stacklevel=2)
         return stock.__get__(None, cls)(pretrained_model_name_or_path, *model_args, **kwargs)
@@ -99,14 +101,24 @@ def _loader(patched_cls: type, stock):
     return from_pretrained
 
 
-def _model_type(path_or_id, kwargs: dict) -> str | None:
-    """The model_type of the config passed (an object or a path) or else the checkpoint's, or
-    None when it cannot be read (stock transformers then reports why)."""
+def _config(path_or_id, kwargs: dict) -> PretrainedConfig | None:
+    """The config passed (an object or a path) or else the checkpoint's, or None when it
+    cannot be read (stock transformers then reports why)."""
     config = kwargs.get("config")
     if isinstance(config, PretrainedConfig):
-        return getattr(config, "model_type", None)
+        return config
     hub = {name: kwargs[name] for name in _CONFIG_KEYWORDS if name in kwargs}
     try:
-        return getattr(AutoConfig.from_pretrained(config or path_or_id, **hub), "model_type", None)
+        return AutoConfig.from_pretrained(config or path_or_id, **hub)
     except (OSError, ValueError, KeyError):
         return None
+
+
+def _quantization_refused(config: PretrainedConfig, kwargs: dict) -> str | None:
+    """Why hf_paged would refuse the checkpoint's (or the passed) quantization_config, which
+    stock transformers may load; None when it serves it."""
+    try:
+        quantization.resolve(config, kwargs.get("quantization_config"))
+    except ValueError as error:
+        return str(error)
+    return None

@@ -49,3 +49,28 @@ def dequantize(weight: torch.Tensor, scales: BlockScales, dtype: torch.dtype) ->
     per_row = scales.inv.float().index_select(-2, scales.rows.long().to(scales.inv.device))
     per_element = per_row.repeat_interleave(scales.block_k, dim=-1)[..., :k]
     return (weight.float() * per_element).to(dtype)
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [..., N, K]`` -> (its float8_e4m3fn values, its float32 ``weight_scale_inv``
+    grid ``[..., ceil(N / bn), ceil(K / bk)]``), as transformers' ``Fp8Quantize`` computes them:
+    per block, in float32, the scale maps the block's max |w| to e4m3's maximum (an all-zero
+    block keeps scale 1), values are clamped and cast. A block cut short by the end of a
+    dimension takes the max of the elements it has (transformers leaves such a weight
+    unquantized)."""
+    bn, bk = block
+    n, k = weight.shape[-2:]
+    grid_n, grid_k = -(-n // bn), -(-k // bk)
+    padded = torch.nn.functional.pad(weight.float(), (0, grid_k * bk - k, 0, grid_n * bn - n))
+    blocks = padded.reshape(*weight.shape[:-2], grid_n, bn, grid_k, bk)
+    max_abs = blocks.abs().amax(dim=(-3, -1))
+    nonzero = max_abs > 0
+    scales = torch.finfo(FP8).max / torch.where(nonzero, max_abs, torch.ones_like(max_abs))
+    scales = torch.where(nonzero, scales, torch.ones_like(scales))
+    values = (blocks * scales.unsqueeze(-1).unsqueeze(-3)).clamp(torch.finfo(FP8).min,
+                                                                  torch.finfo(FP8).max)
+    values = values.to(FP8).reshape(padded.shape)[..., :n, :k].contiguous()
+    return values, (1.0 / scales).to(torch.float32)

@@ -4,6 +4,12 @@ Column-parallel layers split the output features across ranks, row-parallel laye
 features (and all-reduce their partial sums). The merged layers (QKV, gate/up) hold several
 checkpoint tensors side by side; their ``weight_loader`` takes a ``shard_id`` saying which.
 A loader receives a torch tensor or a safetensors slice and reads only its rank's part.
+
+A layer may hold its weight block-quantized (``hold_fp8``): float8_e4m3fn with a float32
+``weight_scale_inv`` grid, one grid per checkpoint tensor stacked as the weights are. Its
+loaders then read the blocks of the grid that cover the rank's rows or columns (the split
+never cuts a block: ``check_shardable`` saw to that), and quantize a float checkpoint tensor
+as it loads (``from_pretrained(..., quantization_config=...)``).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import torch
 from torch import nn
 
 from hf_paged import kernels
+from hf_paged.kernels.block_scales import FP8, BlockScales, grid_rows, quantize
 from hf_paged.modeling.tp import SINGLE, TensorParallel, kv_head_layout
 
 
@@ -19,6 +26,10 @@ def narrow(loaded, dim: int, start: int, size: int) -> torch.Tensor:
     """``loaded[start:start+size]`` along ``dim``; on a safetensors slice this reads only
     those bytes from the file."""
     return loaded[(slice(None),) * dim + (slice(start, start + size),)]
+
+
+def cdiv(n: int, d: int) -> int:
+    return -(-n // d)
 
 
 def divide(n: int, d: int, what: str) -> int:
@@ -38,10 +49,68 @@ class _ParallelLinear(nn.Module):
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
         self.small_m_rows = 0  # up to how many rows the small-M kernel serves (start-up's choice)
         self.w8a8_rows = 0  # FP8 weights: from how many rows the w8a8 GEMM serves (start-up's)
+        self.block: tuple[int, int] | None = None  # FP8: (rows, columns) a scale covers
+
+    @property
+    def parts(self) -> list[int]:
+        """This rank's rows of each checkpoint tensor the weight stacks, in order."""
+        return [self.weight.shape[0]]
+
+    def hold_fp8(self, block: tuple[int, int]) -> None:
+        """Hold the weight in float8_e4m3fn with a ``weight_scale_inv`` grid per part, stacked
+        (on the meta device, before the model is materialised)."""
+        (n, k), (bn, bk) = self.weight.shape, block
+        self.block = block
+        self.weight = nn.Parameter(torch.empty(n, k, dtype=FP8), requires_grad=False)
+        self.weight_scale_inv = nn.Parameter(
+            torch.empty(sum(cdiv(p, bn) for p in self.parts), cdiv(k, bk), dtype=torch.float32),
+            requires_grad=False)
+        self.register_buffer("scale_rows", torch.empty(n, dtype=torch.int32), persistent=False)
+
+    def init_scale_rows(self) -> None:
+        """Fill the grid row of each weight row, once the model is on its device."""
+        self.scale_rows.copy_(grid_rows(self.parts, self.block[0], self.scale_rows.device))
+
+    @property
+    def scales(self) -> BlockScales | None:
+        """The weight's block scales as the kernels take them; None for a float weight."""
+        if self.block is None:
+            return None
+        return BlockScales(self.weight_scale_inv, self.scale_rows, self.block[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias, self.small_m_rows,
+        return kernels.linear(x, self.weight, self.bias, self.small_m_rows, scales=self.scales,
                               w8a8_rows=self.w8a8_rows)
+
+    def _copy(self, param: nn.Parameter, loaded, dim: int, dst: int, src: int, size: int
+              ) -> None:
+        """``param``'s rows (``dim`` 0) or columns (1) ``[dst, dst + size)`` of the weight
+        from ``loaded``'s ``[src, src + size)``: for the scale grid, the blocks covering them; a
+        float tensor into an FP8 weight is quantized, its grid filled alongside. Biases are
+        copied as they are."""
+        if self.block is not None and param is self.weight_scale_inv:
+            param.data.narrow(dim, self._grid_start(dim, dst), cdiv(size, self.block[dim])
+                              ).copy_(narrow(loaded, dim, src // self.block[dim],
+                                             cdiv(size, self.block[dim])))
+            return
+        piece = narrow(loaded, dim, src, size)
+        if param is self.weight and self.block is not None and piece.dtype != FP8:
+            piece, inv = quantize(piece, self.block)
+            self.weight_scale_inv.data.narrow(dim, self._grid_start(dim, dst),
+                                              inv.shape[dim]).copy_(inv)
+        param.data.narrow(dim, dst, size).copy_(piece)
+
+    def _grid_start(self, dim: int, start: int) -> int:
+        """The grid row (``dim`` 0) or column of weight row or column ``start``, where a part
+        (or the rank's columns) begins."""
+        if dim == 1:
+            return start // self.block[1]
+        first = grid = 0
+        for rows in self.parts:
+            if first == start:
+                break
+            first, grid = first + rows, grid + cdiv(rows, self.block[0])
+        return grid
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -57,11 +126,12 @@ class ColumnParallelLinear(_ParallelLinear):
         the merged gate/up output), in one small-M kernel where it serves (the norm is an
         ``RMSNorm``, whose launch that saves)."""
         return kernels.normed_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias,
-                                     self.small_m_rows, gated, w8a8_rows=self.w8a8_rows)
+                                     self.small_m_rows, gated, scales=self.scales,
+                                     w8a8_rows=self.w8a8_rows)
 
     def weight_loader(self, param: nn.Parameter, loaded) -> None:
-        size = param.shape[0]
-        param.data.copy_(narrow(loaded, 0, self.tp.rank * size, size))
+        size = self.weight.shape[0]
+        self._copy(param, loaded, 0, 0, self.tp.rank * size, size)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -74,10 +144,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.out_sizes = out_sizes
         super().__init__(in_features, sum(out_sizes), bias, tp)
 
+    @property
+    def parts(self) -> list[int]:
+        return [size // self.tp.size for size in self.out_sizes]
+
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: int) -> None:
         size = self.out_sizes[shard_id] // self.tp.size
         offset = sum(self.out_sizes[:shard_id]) // self.tp.size
-        param.data.narrow(0, offset, size).copy_(narrow(loaded, 0, self.tp.rank * size, size))
+        self._copy(param, loaded, 0, offset, self.tp.rank * size, size)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -93,12 +167,17 @@ class QKVParallelLinear(ColumnParallelLinear):
         local = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         super().__init__(hidden, local * tp.size, bias, tp)
 
+    @property
+    def parts(self) -> list[int]:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return [q, kv, kv]
+
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: str) -> None:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size, index = {
             "q": (0, q, self.tp.rank), "k": (q, kv, self.kv_shard), "v": (q + kv, kv, self.kv_shard)
         }[shard_id]
-        param.data.narrow(0, offset, size).copy_(narrow(loaded, 0, index * size, size))
+        self._copy(param, loaded, 0, offset, index * size, size)
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -112,10 +191,10 @@ class RowParallelLinear(_ParallelLinear):
         if param.dim() == 1:  # the bias is added once, after the reduction
             param.data.copy_(loaded[()])
             return
-        size = param.shape[1]
-        param.data.copy_(narrow(loaded, 1, self.tp.rank * size, size))
+        size = self.weight.shape[1]
+        self._copy(param, loaded, 1, 0, self.tp.rank * size, size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp.rank == 0 else None
         return self.tp.all_reduce(kernels.linear(x, self.weight, bias, self.small_m_rows,
-                                                 w8a8_rows=self.w8a8_rows))
+                                                 scales=self.scales, w8a8_rows=self.w8a8_rows))

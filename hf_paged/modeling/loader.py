@@ -5,7 +5,10 @@ Every key is accounted for, from the file headers, before anything is allocated 
 as transformers' ``from_pretrained`` reports them: keys the model expects that the checkpoint
 lacks (one part of a merged projection included), keys whose full shape differs, and keys the
 model does not use. Missing and mis-shaped keys are errors, since hf_paged never runs on
-uninitialised memory; unused keys are logged and loading goes on, as in transformers.
+uninitialised memory; unused keys are logged and loading goes on, as in transformers, unless
+they are quantization tensors (scales, zero points, packed weights): a model that does not
+use those would run on the raw quantized values. So is a tensor of a dtype its parameter
+cannot take as it is (an FP8 tensor into a float parameter: its scale would be missing).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +36,13 @@ PREFIX = "model."
 # checkpoints stored the RoPE buffers).
 ALWAYS_IGNORED = (r"rotary_emb\.inv_freq",)
 LISTED = 10  # names shown per kind of problem; the rest are counted
+# Unused tensors that belong to a quantized layer (scales, zero points, packed integers,
+# bitsandbytes' statistics): the last part of their name. The KV cache's k_scale / v_scale are
+# not among them (a cache in the model dtype does without them).
+QUANTIZATION_TENSOR = re.compile(
+    r"\.(?![kv]_scale$)[^.]*(scale|zero|qweight|g_idx|absmax|quant_map|quant_state|SCB"
+    r"|weight_format)[^.]*$")
+FP8_DTYPES = ("F8_E4M3", "F8_E5M2", "F8_E8M0")  # safetensors' names
 
 
 def checkpoint_files(path: str) -> list[str]:
@@ -59,6 +69,7 @@ class Checkpoint:
     path: str
     files: dict[str, str] = field(default_factory=dict)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    dtypes: dict[str, str] = field(default_factory=dict)  # safetensors' names: "BF16", ...
 
     @classmethod
     def open(cls, path: str) -> Checkpoint:
@@ -68,7 +79,9 @@ class Checkpoint:
                 with safe_open(file, framework="pt") as f:
                     for name in f.keys():
                         checkpoint.files[name] = file
-                        checkpoint.shapes[name] = tuple(f.get_slice(name).get_shape())
+                        tensor = f.get_slice(name)
+                        checkpoint.shapes[name] = tuple(tensor.get_shape())
+                        checkpoint.dtypes[name] = tensor.get_dtype()
             except SafetensorError as error:  # a header that does not cover the file
                 raise OSError(f"{file} is truncated or corrupt, not a readable safetensors "
                               f"file ({error})") from error
@@ -84,11 +97,13 @@ class Checkpoint:
 class ExpectedKeys:
     """The keys transformers' model loads from a checkpoint, with their full (unsharded)
     shapes, and the unexpected keys it ignores silently; ``architecture`` names the model in
-    errors."""
+    errors. ``dtypes``: the dtypes (safetensors' names) a key may have where the model asks
+    for some; any other key may have any but an FP8 one."""
 
     shapes: dict[str, tuple[int, ...]]
     ignored: re.Pattern
     architecture: str
+    dtypes: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, skeleton: nn.Module) -> ExpectedKeys:
@@ -131,10 +146,16 @@ class KeyReport:
     missing: list[str]
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]]  # key, found, expected
     unexpected: list[str]
+    wrong_dtype: list[tuple[str, str, tuple[str, ...]]] = field(default_factory=list)
+
+    @property
+    def quantization_tensors(self) -> list[str]:
+        return [k for k in self.unexpected if QUANTIZATION_TENSOR.search(k)]
 
     def error(self, path: str, architecture: str) -> str | None:
         """The message of the loading error, or None when every expected key is there."""
-        if not self.missing and not self.mismatched:
+        if not (self.missing or self.mismatched or self.wrong_dtype
+                or self.quantization_tensors):
             return None
         lines = [f"checkpoint {path} does not fit {architecture} as its config.json "
                  "describes it; nothing was loaded"]
@@ -144,9 +165,24 @@ class KeyReport:
             lines += _listed("wrong shape", [  # whole tensors: a rank's slice would mislead
                 f"{k}: checkpoint {list(found)}, model {list(shape)}"
                 for k, found, shape in self.mismatched])
-        if self.unexpected:
-            lines += _listed("unexpected", self.unexpected)
+        if self.wrong_dtype:
+            lines += _listed("wrong dtype", [
+                f"{k}: checkpoint {found}, model {' or '.join(allowed) if allowed else 'not FP8'}"
+                for k, found, allowed in self.wrong_dtype])
+        if self.quantization_tensors:
+            lines += _listed("quantization tensors of layers the model holds unquantized "
+                             "(its quantization_config does not describe them)",
+                             self.quantization_tensors)
+        others = [k for k in self.unexpected if not QUANTIZATION_TENSOR.search(k)]
+        if others:
+            lines += _listed("unexpected", others)
         return "\n".join(lines)
+
+
+def _dtype_fits(found: str | None, allowed: tuple[str, ...] | None) -> bool:
+    if found is None:  # a checkpoint built by hand, without dtypes
+        return True
+    return found in allowed if allowed else found not in FP8_DTYPES
 
 
 def match_keys(
@@ -173,6 +209,11 @@ def match_keys(
                           key=lambda m: _natural(m[0])),
         unexpected=sorted((n for n in checkpoint.shapes
                            if n not in used and not expected.ignored.search(n)), key=_natural),
+        wrong_dtype=sorted(
+            ((src, checkpoint.dtypes[src], expected.dtypes.get(k, ()))
+             for k, src in sources.items() if not _dtype_fits(checkpoint.dtypes.get(src),
+                                                               expected.dtypes.get(k))),
+            key=lambda m: _natural(m[0])),
     )
     error = report.error(checkpoint.path, expected.architecture)
     if error:
@@ -195,15 +236,17 @@ def target_of(name: str, packed_modules: PackedModules) -> tuple[str, object]:
 
 @torch.no_grad()
 def load_weights(model: nn.Module, checkpoint: Checkpoint, sources: dict[str, str],
-                 weight_target: Callable[[str], tuple[str, object]]) -> None:
+                 weight_target: Callable[[str], tuple[str, object]],
+                 filled_alongside: Collection[str] = ()) -> None:
     """Copy each checkpoint tensor (``match_keys``' choice) into its (shard of a) parameter,
     which ``weight_target`` names with the shard id the parameter's loader takes (the part
-    of a merged parameter)."""
+    of a merged parameter). ``filled_alongside``: parameters no key names, which loaders fill
+    with others (the scales of weights quantized as they load)."""
     params = dict(model.named_parameters())
     targets = {key: weight_target(key) for key in sources}
     # A guard against a swapped module that transformers' keys do not describe: every
     # parameter must be filled, and by keys that name it.
-    named = {target for target, _ in targets.values()}
+    named = {target for target, _ in targets.values()} | set(filled_alongside)
     unfilled, unknown = sorted(params.keys() - named), sorted(named - params.keys())
     if unfilled or unknown:
         raise RuntimeError(f"hf_paged's modules and transformers' keys disagree: unfilled "

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from hf_paged import kernels
-from hf_paged.modeling.linear import divide, narrow
+from hf_paged.kernels.block_scales import FP8, BlockScales, grid_rows, quantize
+from hf_paged.modeling.linear import cdiv, divide, narrow
 from hf_paged.modeling.tp import SINGLE, TensorParallel
 
 
@@ -28,7 +29,9 @@ class Router(nn.Module):
 class PagedExperts(nn.Module):
     """Every expert's weights as transformers 5 stores them: ``gate_up_proj``
     ``[E, 2 * I, H]`` (gate rows, then up rows) and ``down_proj`` ``[E, H, I]``, ``I`` being
-    this rank's slice of the intermediate size.
+    this rank's slice of the intermediate size; block-quantized (``hold_fp8``), each with its
+    ``*_scale_inv`` grid, as transformers' ``FP8Experts`` names them (gate's and up's grids
+    stacked).
 
     ``weight_loader`` fills them from either checkpoint layout: the fused 3-D tensors
     (``shard_id`` None) or one expert's ``gate_proj``/``up_proj``/``down_proj`` matrix
@@ -44,24 +47,75 @@ class PagedExperts(nn.Module):
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, local),
                                       requires_grad=False)
+        self.block: tuple[int, int] | None = None  # FP8: (rows, columns) a scale covers
+
+    def hold_fp8(self, block: tuple[int, int]) -> None:
+        """Hold both weights in float8_e4m3fn with their scale grids (on the meta device)."""
+        (experts, hidden, local), (bn, bk) = self.down_proj.shape, block
+        self.block = block
+        for name, rows, cols, grid_rows_ in (("gate_up_proj", 2 * local, hidden,
+                                              2 * cdiv(local, bn)),
+                                             ("down_proj", hidden, local, cdiv(hidden, bn))):
+            setattr(self, name, nn.Parameter(torch.empty(experts, rows, cols, dtype=FP8),
+                                             requires_grad=False))
+            setattr(self, f"{name}_scale_inv", nn.Parameter(
+                torch.empty(experts, grid_rows_, cdiv(cols, bk)), requires_grad=False))
+        self.register_buffer("gate_up_rows", torch.empty(2 * local, dtype=torch.int32),
+                             persistent=False)
+        self.register_buffer("down_rows", torch.empty(hidden, dtype=torch.int32),
+                             persistent=False)
+
+    def init_scale_rows(self) -> None:
+        """Fill the grid row of each weight row, once the model is on its device."""
+        bn = self.block[0]
+        self.gate_up_rows.copy_(grid_rows([self.intermediate] * 2, bn, self.gate_up_rows.device))
+        self.down_rows.copy_(grid_rows([self.down_proj.shape[1]], bn, self.down_rows.device))
+
+    @property
+    def scales(self) -> dict[str, BlockScales]:
+        """The gate/up and down weights' block scales as ``kernels.moe_experts`` takes them
+        (``w13_scales``, ``w2_scales``); none for float weights."""
+        if self.block is None:
+            return {}
+        return dict(
+            w13_scales=BlockScales(self.gate_up_proj_scale_inv, self.gate_up_rows, self.block[1]),
+            w2_scales=BlockScales(self.down_proj_scale_inv, self.down_rows, self.block[1]))
 
     def weight_loader(self, param: nn.Parameter, loaded,
                       shard_id: tuple[int, int | None] | None = None) -> None:
         local, start = self.intermediate, self.tp.rank * self.intermediate
-        if param is self.down_proj:  # this rank's columns
-            if shard_id is None:
-                param.data.copy_(narrow(loaded, 2, start, local))
-            else:
-                param.data[shard_id[0]].copy_(narrow(loaded, 1, start, local))
+        expert = None if shard_id is None else shard_id[0]
+        if param is self.down_proj or param is getattr(self, "down_proj_scale_inv", None):
+            self._copy(param, loaded, expert, 1, 0, start, local)  # this rank's columns
             return
-        if shard_id is None:  # [E, 2 * I_full, H]: this rank's gate rows, then its up rows
-            full = local * self.tp.size
-            for part in (0, 1):
-                param.data.narrow(1, part * local, local).copy_(
-                    narrow(loaded, 1, part * full + start, local))
-            return
-        expert, part = shard_id
-        param.data[expert].narrow(0, part * local, local).copy_(narrow(loaded, 0, start, local))
+        # gate/up: this rank's gate rows, then its up rows
+        parts = (0, 1) if shard_id is None else (shard_id[1],)
+        full = local * self.tp.size
+        for part in parts:
+            src = start + (part * full if shard_id is None else 0)
+            self._copy(param, loaded, expert, 0, part, src, local)
+
+    def _copy(self, param: nn.Parameter, loaded, expert: int | None, dim: int, part: int,
+              src: int, size: int) -> None:
+        """Rows (``dim`` 0) of part ``part`` or columns (1) ``[src, src + size)`` of one
+        expert's matrix (``expert``) or of every expert's (None, ``loaded`` fused) into
+        ``param``: for a scale grid, the blocks covering them; a float tensor into an FP8
+        weight is quantized, its grid filled alongside."""
+        weight = param is self.gate_up_proj or param is self.down_proj
+        block = None if self.block is None else self.block[dim]
+        dim += 0 if expert is not None else 1  # ``loaded`` and ``target``: with experts first
+        target = param.data if expert is None else param.data[expert]
+        dst = part * size
+        if block is not None and not weight:  # a scale grid
+            dst, src, size = part * cdiv(size, block), src // block, cdiv(size, block)
+        piece = narrow(loaded, dim, src, size)
+        if weight and block is not None and piece.dtype != FP8:
+            piece, inv = quantize(piece, self.block)
+            grid = self.gate_up_proj_scale_inv if param is self.gate_up_proj else (
+                self.down_proj_scale_inv)
+            grid = grid.data if expert is None else grid.data[expert]
+            grid.narrow(dim, part * inv.shape[dim], inv.shape[dim]).copy_(inv)
+        target.narrow(dim, dst, size).copy_(piece)
 
 
 class SparseMoEBlock(nn.Module):
@@ -84,5 +138,5 @@ class SparseMoEBlock(nn.Module):
         logits = kernels.linear(x, self.gate.weight)
         weights, ids = kernels.moe_route(logits, self.top_k, self.norm_topk_prob)
         out = kernels.moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj,
-                                  weights, ids)
+                                  weights, ids, **self.experts.scales)
         return self.tp.all_reduce(out), residual

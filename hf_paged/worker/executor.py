@@ -14,6 +14,7 @@ import weakref
 
 import torch
 
+from hf_paged import quantization
 from hf_paged.families import check_model
 from hf_paged.modeling.full_forward import full_forward
 from hf_paged.modeling.tp import SINGLE
@@ -175,10 +176,13 @@ def _teardown(runner: ModelRunner, ranks: Ranks) -> None:
     ranks.close()
 
 
-def check_spec(spec: WorkerSpec) -> None:
+def check_spec(spec: WorkerSpec, quantization_config: object = None) -> None:
     """Raise ValueError, naming the setting, for a model or configuration no rank can serve;
-    resolve the attention backend (in ``spec.config``) for the device."""
-    check_model(spec.hf_config, spec.config.tensor_parallel_size)
+    resolve the checkpoint's quantization (or ``quantization_config``'s, quantized on load)
+    into ``spec.quantization`` and the attention backend (in ``spec.config``) for the
+    device."""
+    spec.quantization = quantization.resolve(spec.hf_config, quantization_config)
+    check_model(spec.hf_config, spec.config.tensor_parallel_size, spec.quantization)
     spec.config.attention_backend = resolve_backend(
         spec.config.attention_backend, spec.device, spec.config.block_size)
 

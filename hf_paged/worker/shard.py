@@ -43,7 +43,8 @@ def build_shard(spec: WorkerSpec, tp: TensorParallel, device: torch.device) -> t
     if device.type == "cuda":
         hash_triton_in_background()
     return build_model(spec.hf_config, spec.checkpoint, spec.dtype, device,
-                       spec.config.attention_backend, spec.max_model_len, tp)
+                       spec.config.attention_backend, spec.max_model_len, tp,
+                       spec.quantization)
 
 
 def _with_symmetric_all_reduce(spec: WorkerSpec, tp: TensorParallel,

@@ -177,3 +177,19 @@ def test_help_and_version_import_neither_torch_nor_transformers(argv):
                           timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "[]", done.stdout
+
+
+def test_an_fp8_checkpoint_generates_as_transformers(capsys, tmp_path):
+    out_dir = str(tmp_path / "fp8")
+    assert main(["make-checkpoint", "--shape", "tiny-moe", "--quantize", "fp8", "--dtype",
+                 "float32", out_dir]) == 0
+    with open(f"{out_dir}/config.json") as f:
+        quantization_config = json.load(f)["quantization_config"]
+    assert quantization_config == {
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+        "modules_to_not_convert": ["lm_head", "model.layers.0.mlp.gate",
+                                   "model.layers.1.mlp.gate"]}
+    assert main(["generate", "--model", out_dir, "--prompt", "Hello there", "--max-new-tokens",
+                 "6", "--check", "--device", "cpu"]) == 0
+    assert "parity with transformers: identical tokens" in capsys.readouterr().out

@@ -3,6 +3,8 @@ stock ones (with a warning) for anything else, and everything is restored afterw
 
 from __future__ import annotations
 
+import json
+import shutil
 import warnings
 
 import pytest
@@ -104,3 +106,23 @@ def test_pipeline_from_a_path_under_the_patch(tiny_checkpoint):
         assert isinstance(paged.model, hf_paged.Qwen3ForCausalLM)
         assert paged(prompts, max_new_tokens=6, do_sample=False, batch_size=2) == expected
         paged.model.close()
+
+
+def test_a_quantization_hf_paged_refuses_loads_stock_with_a_warning(fp8_checkpoints, tmp_path):
+    """No weight_block_size: hf_paged refuses (per-tensor FP8 is not served), transformers
+    assumes 128x128 blocks; under the patch the script runs on stock transformers."""
+    path = shutil.copytree(fp8_checkpoints["one_block_tied"], tmp_path / "fp8")
+    config = json.loads((path / "config.json").read_text())
+    del config["quantization_config"]["weight_block_size"]
+    (path / "config.json").write_text(json.dumps(config))
+    with hf_paged.patch_transformers():
+        with pytest.warns(UserWarning, match="weight_block_size=None is not served.*loads "
+                                             "with stock transformers"):
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(path))
+        assert type(model) is transformers.Qwen3ForCausalLM
+        served = transformers.AutoModelForCausalLM.from_pretrained(
+            fp8_checkpoints["one_block_tied"], dtype=torch.float32, **SMALL)
+        assert isinstance(served, hf_paged.Qwen3ForCausalLM)
+        assert torch.equal(served.generate(IDS, max_new_tokens=5),
+                           model.generate(IDS, max_new_tokens=5))
+        served.close()

@@ -1,12 +1,14 @@
 """Tensor parallelism on CPU over gloo, against stock transformers float32 (exact tokens):
 ranks spawned from an ordinary process, torchrun mode, a killed worker, and data parallelism
-under accelerate. The multi-process runs are two subprocesses (one spawning, one torchrun)
-with a timeout each, so that a hang fails the tests instead of stalling the run."""
+under accelerate; FP8 checkpoints (dense and MoE) against the same engine at TP=1. The
+multi-process runs are two subprocesses (one spawning, one torchrun) with a timeout each, so
+that a hang fails the tests instead of stalling the run."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,7 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
+from transformers import AutoConfig
 
+import hf_paged
+from hf_paged.random_checkpoint import quantize_fp8
 from tests.conftest import left_padded
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,6 +40,8 @@ LOOKUP = dict(CALL, generate=dict(max_new_tokens=40, prompt_lookup_num_tokens=3,
 DP_CALL = dict(lengths=[5, 9, 14, 3, 11], seed=7, generate=dict(max_new_tokens=8))
 SPAWNED = ["gqa_tied", "mha_untied", "one_kv_head"]
 MOE = "e6_k3_raw_dense0"
+# FP8 blocks small enough that two ranks' slices are whole blocks of these tiny shapes.
+FP8_BLOCKS = {"gqa4_untied": (32, 32), MOE: (16, 16)}
 
 
 def run_jobs(jobs: list[dict], out: Path, launcher: list[str] = (), returncode: int = 0) -> None:
@@ -68,10 +75,23 @@ def spawned(checkpoints, tmp_path_factory) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def torchrun(checkpoints, moe_checkpoints, tmp_path_factory) -> list[list[dict]]:
+def fp8_checkpoints(checkpoints, moe_checkpoints, tmp_path_factory) -> dict[str, str]:
+    """FP8 copies (``FP8_BLOCKS``) of a dense and a Qwen3-MoE checkpoint."""
+    out = {}
+    for name, block in FP8_BLOCKS.items():
+        source = checkpoints.get(name) or moe_checkpoints[name]
+        out[name] = str(tmp_path_factory.mktemp(f"fp8_{name}"))
+        shutil.copytree(source, out[name], dirs_exist_ok=True)
+        quantize_fp8(out[name], AutoConfig.from_pretrained(source), block)
+    return out
+
+
+@pytest.fixture(scope="module")
+def torchrun(checkpoints, moe_checkpoints, fp8_checkpoints, tmp_path_factory
+             ) -> list[list[dict]]:
     """Two launched ranks: one TP=2 engine, a TP=2 Qwen3-MoE engine (every expert split
     along moe_intermediate_size, a dense layer among the sparse ones), then one engine each
-    for data parallelism."""
+    for data parallelism, then TP=2 engines of FP8 checkpoints (dense and MoE)."""
     jobs = [dict(checkpoint=checkpoints["gqa4_untied"],
                  engine=dict(CPU, tensor_parallel_size=2),
                  calls=[CALL, SAMPLED, SCORED, BEAMS, LOOKUP]),
@@ -79,7 +99,12 @@ def torchrun(checkpoints, moe_checkpoints, tmp_path_factory) -> list[list[dict]]
                                                               tensor_parallel_size=2),
                  calls=[CALL, BEAMS]),
             dict(checkpoint=checkpoints["gqa_tied"], engine=CPU,
-                 calls=[DP_CALL], data_parallel=True)]
+                 calls=[DP_CALL], data_parallel=True),
+            dict(checkpoint=fp8_checkpoints["gqa4_untied"],
+                 engine=dict(CPU, tensor_parallel_size=2), calls=[CALL, BEAMS]),
+            dict(checkpoint=fp8_checkpoints[MOE], engine=dict(CPU, **TIGHT,
+                                                              tensor_parallel_size=2),
+                 calls=[CALL])]
     out = tmp_path_factory.mktemp("torchrun") / "results.json"
     run_jobs(jobs, out, ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"])
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in (0, 1)]
@@ -156,6 +181,21 @@ def test_tp2_qwen3_moe_matches_transformers(torchrun, moe_models):
     assert rank0["stats"]["num_preemptions"] > 0, rank0["stats"]
 
 
+def test_tp2_fp8_checkpoints_match_tp1(torchrun, fp8_checkpoints):
+    """Each rank reads its slices of the FP8 weights and of their scale grids: the tokens are
+    the single-process engine's (greedy and beams, dense; greedy with preemption, MoE)."""
+    for index, (name, calls) in enumerate([("gqa4_untied", [CALL, BEAMS]), (MOE, [CALL])], 3):
+        rank0, rank1 = (results[index]["outputs"] for results in torchrun)
+        with hf_paged.from_pretrained(fp8_checkpoints[name], **CPU) as engine:
+            vocab = engine.hf_config.vocab_size
+            expected = []
+            for call in calls:
+                ids, mask = left_padded(call["lengths"], vocab, seed=call["seed"])
+                expected.append(engine.generate(ids, attention_mask=mask,
+                                                **call["generate"]).tolist())
+        assert rank0 == rank1 == expected, name
+
+
 def test_data_parallel_under_accelerate(torchrun, hf_models):
     """One engine per launched process (tensor_parallel_size=1): accelerate's process group
     shards nothing; prompts split with split_between_processes, gathered on rank 0."""
@@ -163,8 +203,6 @@ def test_data_parallel_under_accelerate(torchrun, hf_models):
 
 
 def test_tp_size_the_heads_cannot_split_is_refused_before_any_process_starts(checkpoints):
-    import hf_paged
-
     with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by "
                                          r"tensor_parallel_size \(3\)"):
         hf_paged.from_pretrained(checkpoints["gqa_tied"], tensor_parallel_size=3)
