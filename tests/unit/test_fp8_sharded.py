@@ -11,7 +11,7 @@ import transformers
 from transformers import FineGrainedFP8Config
 
 from hf_paged import quantization
-from hf_paged.families import build_model
+from hf_paged.families.build import build_model
 from hf_paged.kernels.block_scales import dequantize
 from hf_paged.modeling.tp import SINGLE, TensorParallel
 from hf_paged.random_checkpoint import quantize_fp8, random_qwen3
