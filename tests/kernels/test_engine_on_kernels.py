@@ -59,3 +59,16 @@ def test_an_fp8_kv_cache_on_the_kernels_gives_the_reference_tokens(checkpoints, 
     triton_tokens, twin_tokens = kernel_and_twin_tokens(
         monkeypatch, checkpoints["gqa_tied"], torch.float32, kv_cache_dtype="fp8")
     assert torch.equal(triton_tokens, twin_tokens)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the kernels always run")
+@pytest.mark.parametrize("name", ["cut_200_300", "moe_cut_160"])
+def test_fp8_weights_on_the_kernels_give_the_reference_tokens(fp8_checkpoints, monkeypatch,
+                                                              name):
+    """FP8 weights as the model wires them: the small-M kernel reading FP8 for decode rows
+    (plain, gated and normed), the dequantize-in-the-tile GEMM for prefill, FP8 experts in the
+    grouped GEMMs; dimensions cut short of a block and merged parts whose grids do not line
+    up; float16: the twins' tokens."""
+    triton_tokens, twin_tokens = kernel_and_twin_tokens(
+        monkeypatch, fp8_checkpoints[name], torch.float16, small_m=True)
+    assert torch.equal(triton_tokens, twin_tokens)
