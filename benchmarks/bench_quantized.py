@@ -23,8 +23,10 @@ Parts (``--parts``, default all):
   distribution from the bf16 cache's, and whether their top-1 tokens agree.
 
 transformers' baseline is its own FP8 path (``from_pretrained(..., device_map=...)``: its
-Triton FP8 kernels on CUDA). Where that cannot run (its kernels come from the Hub through the
-``kernels`` package), the error is recorded under ``transformers_fp8_kernels`` and the
+Triton FP8 kernels on CUDA). Those kernels come from the Hub through the ``kernels`` package;
+on a machine without it, ``--stock-fp8-kernel PATH`` hands transformers a local copy of that
+package (``benchmarks/stock_fp8_kernel.py``). Where the FP8 path still cannot run, the error is
+recorded under ``transformers_fp8_kernels`` and the
 baseline is transformers dequantizing the checkpoint on load (``FineGrainedFP8Config(
 dequantize=True)``), named so in ``baseline_path``.
 
@@ -47,7 +49,7 @@ import torch
 from transformers import FineGrainedFP8Config, LogitsProcessor
 
 import hf_paged
-from benchmarks import bench_latency, bench_throughput, common
+from benchmarks import bench_latency, bench_throughput, common, stock_fp8_kernel
 from benchmarks.floor import MemoryCost, floor_settings
 from benchmarks.systems import GenerateSystem, PagedSystem, free_memory
 from benchmarks.workloads import w1, w2_decode, w2_ttft
@@ -141,11 +143,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline-new-tokens", type=int, default=64)
     parser.add_argument("--agreement-prompts", type=int, default=8)
     parser.add_argument("--agreement-tokens", type=int, default=128)
+    parser.add_argument("--stock-fp8-kernel", metavar="PATH",
+                        help="a local copy of the hub package kernels-community/finegrained-fp8 "
+                             "(its finegrained_fp8 folder), where transformers' FP8 path cannot "
+                             "download it (benchmarks/stock_fp8_kernel.py)")
     args = parser.parse_args(argv)
     if {"w1", "batch1"} & set(args.parts) and not args.fp8_model:
         parser.error("--fp8-model is needed for the w1 and batch1 parts")
 
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    stock_fp8_kernel.register(args.stock_fp8_kernel)
     top = common.max_token_id(args.model)
     workload = w1(args.num_requests, args.max_input_len, args.max_output_len, top)
     few = workload.head(args.baseline_requests)

@@ -18,11 +18,11 @@ import os
 import sys
 
 
-def register(path: str | None) -> str:
+def register(path: str | None) -> None:
     """Make ``path`` (a folder holding the ``finegrained_fp8`` package, or the package folder
-    itself) the kernel stock transformers loads for FP8; returns how stock will run FP8."""
+    itself) the kernel stock transformers loads for FP8; None leaves transformers' own loading."""
     if not path:
-        return "dequantized"
+        return
     folder = os.path.abspath(path)
     if os.path.basename(folder) == "finegrained_fp8":
         folder = os.path.dirname(folder)
@@ -35,4 +35,3 @@ def register(path: str | None) -> str:
     stock._FINEGRAINED_FP8 = stock.FineGrainedFP8(
         matmul=module.matmul_2d, batched_matmul=module.matmul_batched,
         grouped_matmul=module.matmul_grouped)
-    return "fp8-kernels"

@@ -70,6 +70,8 @@
 #       and 4 for 30b-a3b (24 layers) plus its copy: one shape a call, the larger ones with
 #       BASELINES=0 if the call is short. The 8b and 30b-a3b checkpoints and their copies
 #       (24 + 45 GB) do not fit one 64 GiB disk together: one of them a machine
+#       STOCK_FP8_KERNEL=PATH: a local copy of the hub package kernels-community/finegrained-fp8
+#       for transformers' FP8 baseline on a machine without the hub (benchmarks.stock_fp8_kernel)
 #   speculation: W6 (benchmarks.bench_speculation): an 8B target and three 0.6B drafts of known
 #       acceptance (they follow a token permutation; 16 + 3 x 1.5 GB in bf16, W4's random 8B
 #       cannot serve), built once under SPEC_CKPTS=/tmp/ckpt/speculation (drawn on the GPU,
@@ -169,7 +171,8 @@ quantized() {  # W8 on each shape of QUANT_SHAPES, its FP8 copy built once
     [[ -d $ckpt-fp8 ]] || continue
     # shellcheck disable=SC2086  # parts and QUANT_ARGS are word lists
     CKPT=$ckpt bench "quant-$shape" "${T_QUANT:-420}" bench_quantized "${QUANT_ARGS:-}" \
-      --fp8-model "$ckpt-fp8" --parts $parts --tag "$shape" "${BASELINE_ARGS[@]}"
+      --fp8-model "$ckpt-fp8" --parts $parts --tag "$shape" "${BASELINE_ARGS[@]}" \
+      ${STOCK_FP8_KERNEL:+--stock-fp8-kernel "$STOCK_FP8_KERNEL"}
   done
 }
 
