@@ -33,8 +33,11 @@ def _cache_value(x, scale, FP8: tl.constexpr):
         exponent = tl.maximum((y.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6) - 3
         step = (exponent << 23).to(tl.float32, bitcast=True)
         inverse = ((254 - exponent) << 23).to(tl.float32, bitcast=True)
-        # Adding and taking away 1.5 * 2**23 rounds |y / step| <= 16 to an integer, ties to even.
-        y = ((y * inverse + 12582912.0) - 12582912.0) * step
+        # Adding and taking away 1.5 * 2**23 rounds |y| / step <= 16 to an integer, ties to
+        # even; on the magnitude, with the sign put back after, so that a negative value
+        # rounding to zero stays -0 (as torch's cast keeps it).
+        rounded = ((tl.abs(y) * inverse + 12582912.0) - 12582912.0) * step
+        y = tl.where(y.to(tl.int32, bitcast=True) < 0, -rounded, rounded)
         stored = y.to(tl.float8e4nv)
     else:  # one return after an if/else: the GPU compiler rejected an early return's other type
         stored = x

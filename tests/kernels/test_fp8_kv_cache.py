@@ -122,3 +122,21 @@ def test_copy_blocks_copies_fp8_bytes():
     copy_blocks(k, v, src, dst)
     assert torch.equal(bits(k), bits(expected_k)) and torch.equal(bits(v), bits(expected_v))
     assert torch.equal(bits(k[5]), bits(k[0])) and torch.equal(bits(v[1]), bits(v[3]))
+
+
+def test_norm_rope_store_keeps_the_sign_of_values_rounding_to_zero():
+    """A value too small for e4m3 at its scale is stored as a zero of its own sign, as torch's
+    cast stores it (values go to the cache as they are; keys after their norm and RoPE)."""
+    heads, kv_heads, head_dim, page = 4, 2, 64, 16
+    _, args = attention_inputs(11, heads, kv_heads, head_dim, page, 4, torch.float32)
+    v = args[2]
+    v.copy_(torch.where(torch.arange(v.numel(), device=DEVICE).view(v.shape) % 2 == 0, -1e-9,
+                        1e-9))
+    caches = [torch.full(c.shape, float("nan"), device=DEVICE).to(FP8) for c in args[8:10]]
+    k_scale, v_scale = scales(kv_heads)
+    expected = [c.clone() for c in caches]
+    reference.norm_rope_store(*[a.clone() for a in args[:3]], *args[3:8], *expected, args[10],
+                              k_scale, v_scale)
+    norm_rope_store(*args[:8], *caches, args[10], k_scale, v_scale)
+    assert (bits(expected[1]) == 0x80).any()  # the reference keeps -0
+    assert torch.equal(bits(caches[1]), bits(expected[1]))
