@@ -4,9 +4,10 @@ shape) and MoE (Qwen3-30B-A3B's layer shape, a few layers); and the MoE kernels 
 against their twin, in a CUDA graph too.
 
 transformers is held two ways: its own FP8 path (its Triton FP8 kernels, activations quantized
-per 128-column group; skipped where its kernels cannot load, as they come from the Hub through
-the ``kernels`` package) and its dequantize-on-load path (bf16 weights rounded from the FP8
-ones, as hf_paged's kernels compute them). Fed our tokens (teacher forcing), transformers must
+per 128-column group; skipped where its kernels cannot load: they come from the Hub through
+the ``kernels`` package, or from the local copy ``STOCK_FP8_KERNEL`` names) and its
+dequantize-on-load path (bf16 weights rounded from the FP8 ones, as hf_paged's kernels compute
+them). Fed our tokens (teacher forcing), transformers must
 rank ours within a near-tie of its best at nearly every step, and the log-probabilities of our
 tokens under its logits and under ours must agree on average; a row's first parting from
 transformers' own generation is printed with its logit gap."""
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
 import hf_paged
+from benchmarks import stock_fp8_kernel
 from benchmarks.fp8_checkpoint import quantize_checkpoint
 from hf_paged.kernels import reference
 from hf_paged.kernels.block_scales import BlockScales, grid_rows
@@ -42,6 +45,9 @@ AGREEING = {"fp8_kernels": 0.9, "dequantized": 0.95}
 LOGPROB_GAP = {("dense", "fp8_kernels"): 0.4, ("dense", "dequantized"): 0.2,
                ("moe", "fp8_kernels"): 0.7, ("moe", "dequantized"): 0.35}
 REFERENCES = list(AGREEING)
+# transformers' FP8 kernels come from the Hub; STOCK_FP8_KERNEL names a local copy of their
+# package where the Hub is out of reach (benchmarks/stock_fp8_kernel.py).
+stock_fp8_kernel.register(os.environ.get("STOCK_FP8_KERNEL"))
 
 
 def release(*objects) -> None:
