@@ -1,0 +1,11 @@
+"""The test suite. Without CUDA, Triton can only interpret: the switch is made here, before any
+conftest or test module imports transformers (whose torch._dynamo imports Triton) or a kernel
+module, so every ``@triton.jit`` function made is an interpreted one, whichever file is
+collected first (the kernel tests run them on CPU tensors)."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

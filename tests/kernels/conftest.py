@@ -1,27 +1,14 @@
 """Kernel tests: the Triton kernels against ``kernels.reference``, on the GPU when there is one,
-else on CPU tensors through Triton's interpreter (switched on here, before any kernel module is
-imported: kernel modules are imported on first use)."""
+else on CPU tensors through Triton's interpreter (switched on in ``tests/__init__.py``, before
+anything imports Triton)."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
-import sys
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    if "triton.language" in sys.modules:
-        # torch._dynamo (which transformers imports in the parent conftest) imported Triton
-        # before the switch, building its jit'd library (reductions, random) for compilation:
-        # build it again for the interpreter.
-        import triton.language as tl
-
-        for module in (tl.standard, tl.random, tl):
-            importlib.reload(module)
 
 if importlib.util.find_spec("triton") is None:
     collect_ignore_glob = ["test_*.py"]
