@@ -10,10 +10,10 @@ it with a 400 whose body names it, which the ``openai`` client raises as ``BadRe
 
 What is added, and nothing else (handlers, tokenization and generation stay transformers'):
 
-- ``install()`` wraps transformers' app factory (``transformers.cli.serving.server.
-  build_server``, which ``Serve`` imports when it starts). The app it builds gets two exception
-  handlers, and the server's ``GenerationState`` hands out its generation managers with a check
-  in front of ``generate_streaming`` / ``generate_non_streaming``.
+- ``extend(app, generation_state)`` (called by ``serve_front`` on each app transformers'
+  factory builds) adds two exception handlers, and has the server's ``GenerationState`` hand
+  out its generation managers with a check in front of ``generate_streaming`` /
+  ``generate_non_streaming``.
 - The check runs when transformers' handler calls the manager: the prompt is tokenized and the
   ``GenerationConfig`` built by transformers' own code (chat template, ``max_tokens``, its
   default of 1024 new tokens, a request's ``generation_config``), and nothing has been sent
@@ -27,9 +27,7 @@ What is added, and nothing else (handlers, tokenization and generation stay tran
 
 from __future__ import annotations
 
-import inspect
 import os
-from collections.abc import Callable
 from typing import Any
 
 # What a refusal's body says, in OpenAI's error shape.
@@ -48,33 +46,6 @@ class RefusedRequest(Exception):
 def error_body(message: str) -> dict[str, Any]:
     """OpenAI's error shape: the ``openai`` client reads ``error.message`` as the message."""
     return {"error": {"message": message, "type": ERROR_TYPE, "param": None, "code": None}}
-
-
-def install() -> Callable[[], None]:
-    """Wrap transformers serve's app factory so that the apps it builds from now on refuse
-    invalid requests to hf_paged models with a 400; returns what undoes it. Installing twice
-    is the same as once."""
-    from transformers.cli.serving import server
-
-    stock = server.build_server
-    if getattr(stock, _GUARDED, False):
-        return lambda: None
-    signature = inspect.signature(stock)
-
-    def build_server(*args: Any, **kwargs: Any):
-        app = stock(*args, **kwargs)
-        extend(app, signature.bind(*args, **kwargs).arguments["generation_state"])
-        return app
-
-    setattr(build_server, _GUARDED, True)
-    build_server.__wrapped__ = stock  # type: ignore[attr-defined]
-    server.build_server = build_server
-
-    def uninstall() -> None:
-        if server.build_server is build_server:
-            server.build_server = stock
-
-    return uninstall
 
 
 def extend(app, generation_state) -> None:
