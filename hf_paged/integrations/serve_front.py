@@ -10,7 +10,8 @@ starts) so that every app it builds gets, in front of its own routes:
   ``Authorization: Bearer KEY`` (else a 401 in OpenAI's error shape, as vLLM's server answers);
   a request body over ``max_body_bytes`` is a 413, and a ``max_tokens`` (or
   ``max_completion_tokens`` / ``max_output_tokens``) over ``max_tokens`` a 400, each naming
-  the limit, before transformers parses anything;
+  the limit, before transformers parses anything; so is a sampling value or token count of
+  the wrong JSON type (transformers' ``float()`` of it would be a bare 500);
 - ``serve_errors``' 400 for what the engine refuses;
 - ``/health`` answering as transformers' does, plus a 503 naming why when a loaded hf_paged
   engine is broken (a tensor-parallel worker died) or the continuous-batching loop died of an
@@ -33,6 +34,8 @@ API_KEY_ENV = "HF_PAGED_API_KEY"
 _GUARDED = "_hf_paged_front"
 # The request fields that ask for new tokens, by endpoint family (chat, completions, responses).
 _TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+# Sampling fields transformers' handlers convert with float(): another type is a 500 there.
+_NUMBER_FIELDS = ("temperature", "top_p", "frequency_penalty", "presence_penalty")
 _OPEN_PATHS = ("/health",)
 
 
@@ -178,25 +181,35 @@ class Guard:
             chunks.append(chunk)
             more = message.get("more_body", False)
         body = b"".join(chunks)
-        problem = self.token_limit_problem(body)
+        problem = self.body_problem(body)
         if problem is not None:
             await _answer(send, 400, problem, param=problem.split(" ", 1)[0])
             return
         await self.app(scope, _replay(body, receive), send)
 
-    def token_limit_problem(self, body: bytes) -> str | None:
-        limit = self.options.max_tokens
-        if limit is None or not body:
-            return None
+    def body_problem(self, body: bytes) -> str | None:
+        """What is wrong with a JSON request's OpenAI fields that transformers' app would
+        answer with a bare 500 (a value of the wrong type) or that asks for more tokens than
+        this server allows: a sentence that starts with the field's name; None: nothing."""
         try:
-            request = json.loads(body)
+            request = json.loads(body) if body else None
         except ValueError:
             return None  # transformers' app names malformed JSON (a 422)
         if not isinstance(request, dict):
             return None
+        for field in _NUMBER_FIELDS:
+            value = request.get(field)
+            if value is not None and (isinstance(value, bool)
+                                      or not isinstance(value, (int, float))):
+                return f"{field} must be a number, got {value!r}"
+        limit = self.options.max_tokens
         for field in _TOKEN_FIELDS:
             value = request.get(field)
-            if isinstance(value, int) and value > limit:
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                return f"{field} must be an integer, got {value!r}"
+            if limit is not None and value > limit:
                 return f"{field} {value} is over this server's limit of {limit} (--max-tokens)"
         return None
 
