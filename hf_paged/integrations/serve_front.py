@@ -15,7 +15,8 @@ starts) so that every app it builds gets, in front of its own routes:
 - ``serve_errors``' 400 for what the engine refuses;
 - ``/health`` answering as transformers' does, plus a 503 naming why when a loaded hf_paged
   engine is broken (a tensor-parallel worker died) or the continuous-batching loop died of an
-  error, and ``/metrics`` (``serve_metrics``).
+  error, and ``/metrics`` (``serve_metrics``);
+- streamed responses' per-token work made cheap (``serve_stream``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hf_paged.integrations import serve_errors, serve_metrics
+from hf_paged.integrations import serve_errors, serve_metrics, serve_stream
 
 API_KEY_ENV = "HF_PAGED_API_KEY"
 _GUARDED = "_hf_paged_front"
@@ -106,6 +107,9 @@ def install(options: FrontOptions) -> Callable[[], None]:
         app = stock(*args, **kwargs)
         bound = signature.bind(*args, **kwargs).arguments
         extend(app, bound["model_manager"], bound["generation_state"], options)
+        serve_stream.fast_chunks(bound["chat_handler"], "content")
+        serve_stream.fast_chunks(bound["completion_handler"], "text")
+        serve_stream.replace_request_id_middleware(app)
         return app
 
     setattr(build_server, _GUARDED, True)

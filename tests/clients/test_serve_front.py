@@ -4,6 +4,7 @@ batching (the tiny checkpoint, float32 on CPU), driven by the openai client."""
 
 from __future__ import annotations
 
+import json
 import urllib.error
 import urllib.request
 
@@ -118,3 +119,46 @@ def test_bad_front_options_are_one_line(capsys, argv, match):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and match in err, err
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completion"])
+def test_templated_chunks_equal_transformers(endpoint):
+    """A stream's text chunks built from its template parse to transformers' own chunks
+    (``created`` aside: the stream's first second), for texts JSON must escape."""
+    from transformers.cli.serving.chat_completion import ChatCompletionHandler
+    from transformers.cli.serving.completion import CompletionHandler
+    from transformers.cli.serving.utils import ReasoningText
+
+    from hf_paged.integrations.serve_stream import fast_chunks
+
+    if endpoint == "chat":
+        handler, field = ChatCompletionHandler(None, None), "content"
+        call = lambda h, **kw: h._build_chunk_sse("req-1", model="m", **kw)  # noqa: E731
+    else:
+        handler, field = CompletionHandler(None, None), "text"
+        call = lambda h, **kw: h._build_chunk_sse("req-1", "m", **kw)  # noqa: E731
+    stock = type(handler)(None, None)
+    fast_chunks(handler, field)
+
+    def parsed(sse: str) -> dict:
+        assert sse.startswith("data: ") and sse.endswith("\n\n")
+        chunk = json.loads(sse[len("data: "):])
+        chunk.pop("created")
+        return chunk
+
+    for text in ["Hello", ' "quoted" \\ back', "line\nbreak\ttab", "é 漢字 🙂", "\x01", ""]:
+        assert parsed(call(handler, **{field: text})) == parsed(call(stock, **{field: text}))
+    if endpoint == "chat":
+        reasoning = dict(reasoning_content=ReasoningText("thinking"))
+        assert parsed(call(handler, **reasoning)) == parsed(call(stock, **reasoning))
+    last = dict(finish_reason="length")
+    assert parsed(call(handler, **last)) == parsed(call(stock, **last))
+
+
+def test_request_id_header(server):
+    url, _, _ = server
+    request = urllib.request.Request(f"{url}/health", headers={"X-Request-ID": "abc-123"})
+    with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as response:
+        assert response.headers["X-Request-ID"] == "abc-123"
+    with urllib.request.urlopen(f"{url}/health", timeout=REQUEST_TIMEOUT) as response:
+        assert len(response.headers["X-Request-ID"]) == 36  # a new uuid4
