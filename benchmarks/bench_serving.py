@@ -40,14 +40,15 @@ from benchmarks.workloads import MAX_TOKEN_ID, w1
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def server_command(system: str, model: str, port: int, engine_options: list[str]) -> list[str]:
+def server_command(system: str, model: str, port: int, engine_options: list[str],
+                   serve_args: list[str] = ()) -> list[str]:
     common = [model, "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
               "--dtype", "bfloat16", "--log-level", "warning"]
     if system == "transformers":
         return [sys.executable, "-c", "from transformers.cli.transformers import main; main()",
                 "serve", *common]
     options = [a for o in engine_options for a in ("--engine-option", o)]
-    return [sys.executable, "-m", "hf_paged", "serve", *common, *options]
+    return [sys.executable, "-m", "hf_paged", "serve", *common, *options, *serve_args]
 
 
 def decodable_copy(model: str, out: Path, tokenizer_size: int) -> str:
@@ -157,7 +158,7 @@ def scrape(url: str) -> dict[str, float]:
 def measure(system: str, args, requests: list[tuple[str, int]]) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    command = server_command(system, args.model, port, args.engine_option)
+    command = server_command(system, args.model, port, args.engine_option, args.serve_arg)
     timeout = args.phase_timeout if system == "hf_paged" else args.baseline_phase_timeout
     log = open(args.results_dir / f"serve-{system}.log", "w")  # noqa: SIM115
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
@@ -211,6 +212,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--systems", nargs="+", default=["hf_paged", "transformers"])
     parser.add_argument("--engine-option", action="append", default=[],
                         help="KEY=VALUE for hf-paged serve's engine")
+    parser.add_argument("--serve-arg", action="append", default=[],
+                        help="an argument for hf-paged serve alone, e.g. "
+                             "--serve-arg=--switch-interval-ms=0.5")
     parser.add_argument("--phase-timeout", type=float, default=90,
                         help="seconds a phase of hf-paged serve may take")
     parser.add_argument("--baseline-phase-timeout", type=float, default=25,

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from benchmarks.serving_client import Phase, run_phases, split
@@ -102,6 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline", action="store_true",
                         help="transformers' own chunk building and request-id middleware "
                              "(hf-paged serve's serve_stream changes off), to compare")
+    parser.add_argument("--switch-interval-ms", type=float,
+                        help="the interpreter's thread switch interval in the server (Python's "
+                             "default: 5 ms)")
     parser.add_argument("--out", help="write the figures as JSON here too")
     args = parser.parse_args(argv)
     from transformers.cli.serving.utils import CBStreamer
@@ -114,6 +119,8 @@ def main(argv: list[str] | None = None) -> None:
 
         serve_stream.fast_chunks = lambda handler, text_field: None
         serve_stream.replace_request_id_middleware = lambda app: False
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     model = args.model or _tiny()
     options = dict(parse_engine_option(o) for o in args.engine_option)
     timed = Timed()
@@ -143,6 +150,9 @@ def main(argv: list[str] | None = None) -> None:
         "requests": len(results),
         "tokens": tokens, "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall, 1),
         "steps": timed.calls["step"],
+        "switch_interval_ms": sys.getswitchinterval() * 1e3,
+        "tpot_ms_p50": round(float(np.median([(r["last"] - r["first"]) / (r["chunks"] - 1)
+                                              for r in results if r["chunks"] > 1])) * 1e3, 3),
         "us_per_token": {
             "thread_cpu": threads,
             # EngineLoop.step: the engine's step, then sync (inside it)

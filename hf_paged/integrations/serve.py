@@ -16,8 +16,8 @@ body and ``max_tokens``, ``/health`` naming a broken engine, and ``/metrics``.
 transformers serve's flags set only transformers' loading keywords (``--dtype``, ``--device``,
 ...), so engine options travel another way: hf-paged takes ``--engine-option KEY=VALUE`` out of
 the arguments before handing the rest over, and the patch applies them as defaults to every
-hf_paged load. hf-paged's server flags (``--api-key``, ``--max-body-bytes``, ``--max-tokens``)
-are taken out the same way.
+hf_paged load. hf-paged's server flags (``--api-key``, ``--max-body-bytes``, ``--max-tokens``,
+``--switch-interval-ms``) are taken out the same way.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ hf-paged's own option (repeatable, anywhere among the arguments):
   --max-body-bytes N         refuse request bodies over N bytes with a 413 (default 4 MiB)
   --max-tokens N             refuse requests asking for over N new tokens with a 400
                              (default: the engine's max_model_len bounds a request)
+  --switch-interval-ms MS    the interpreter's thread switch interval (default: Python's 5):
+                             how long the engine's loop may wait for the GIL after a step
 /health answers 503 naming why when an engine is broken; /metrics is Prometheus' text format.
 Every other argument is transformers serve's own:
 """

@@ -25,6 +25,7 @@ import hmac
 import inspect
 import json
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -43,11 +44,15 @@ _OPEN_PATHS = ("/health",)
 @dataclass(frozen=True)
 class FrontOptions:
     """hf-paged serve's own server options (``--api-key``, ``--max-body-bytes``,
-    ``--max-tokens``)."""
+    ``--max-tokens``, ``--switch-interval-ms``)."""
 
     api_key: str | None = None
     max_body_bytes: int = 4 << 20  # a prompt of max_model_len tokens fits many times over
     max_tokens: int | None = None  # None: the engine's max_model_len bounds a request
+    # The interpreter's thread switch interval: how long the engine's loop, woken from a wait
+    # on the device, may wait for the GIL while the event loop runs Python (None: Python's
+    # 5 ms; benchmarks/gil_handoff.py measures what it costs).
+    switch_interval_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
@@ -56,16 +61,19 @@ class FrontOptions:
                             ("--max-tokens", self.max_tokens)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        interval = self.switch_interval_ms
+        if interval is not None and not 0 < interval <= 1000:
+            raise ValueError(f"--switch-interval-ms must be in (0, 1000], got {interval!r}")
 
 
 FLAGS = {"--api-key": "api_key", "--max-body-bytes": "max_body_bytes",
-         "--max-tokens": "max_tokens"}
+         "--max-tokens": "max_tokens", "--switch-interval-ms": "switch_interval_ms"}
 
 
 def take_front_options(argv: list[str]) -> tuple[FrontOptions, list[str]]:
     """Split hf-paged serve's own flags (``--api-key KEY``, ``--max-body-bytes N``,
-    ``--max-tokens N``, also as ``--flag=value``) out of ``argv``; the API key defaults to
-    the ``HF_PAGED_API_KEY`` environment variable."""
+    ``--max-tokens N``, ``--switch-interval-ms MS``, also as ``--flag=value``) out of
+    ``argv``; the API key defaults to the ``HF_PAGED_API_KEY`` environment variable."""
     values: dict[str, Any] = {}
     env_key = os.environ.get(API_KEY_ENV)
     if env_key:
@@ -83,7 +91,12 @@ def take_front_options(argv: list[str]) -> tuple[FrontOptions, list[str]]:
                 raise ValueError(f"{flag} needs a value after it")
             value, i = argv[i + 1], i + 1
         field = FLAGS[flag]
-        if field != "api_key":
+        if field == "switch_interval_ms":
+            try:
+                value = float(value)
+            except ValueError:
+                raise ValueError(f"{flag} must be a number, got {value!r}") from None
+        elif field != "api_key":
             try:
                 value = int(value)
             except ValueError:
@@ -95,8 +108,12 @@ def take_front_options(argv: list[str]) -> tuple[FrontOptions, list[str]]:
 
 def install(options: FrontOptions) -> Callable[[], None]:
     """Wrap transformers serve's app factory so that the apps it builds from now on get the
-    guard, the 400 answers, ``/health`` and ``/metrics``; returns what undoes it."""
+    guard, the 400 answers, ``/health`` and ``/metrics`` (and set the switch interval, when
+    ``options`` has one); returns what undoes it."""
     from transformers.cli.serving import server
+
+    if options.switch_interval_ms is not None:
+        sys.setswitchinterval(options.switch_interval_ms / 1e3)
 
     stock = server.build_server
     if getattr(stock, _GUARDED, False):

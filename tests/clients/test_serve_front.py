@@ -102,8 +102,10 @@ def test_metrics(server):
 
 def test_front_options(monkeypatch):
     monkeypatch.delenv(API_KEY_ENV, raising=False)
-    options, rest = take_front_options(["m", "--api-key", "k", "--max-tokens=8", "--port", "1"])
-    assert options == FrontOptions(api_key="k", max_tokens=8) and rest == ["m", "--port", "1"]
+    options, rest = take_front_options(["m", "--api-key", "k", "--max-tokens=8", "--port", "1",
+                                        "--switch-interval-ms", "0.5"])
+    assert options == FrontOptions(api_key="k", max_tokens=8, switch_interval_ms=0.5)
+    assert rest == ["m", "--port", "1"]
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     assert take_front_options([])[0].api_key == "from-env"
     assert take_front_options(["--api-key", "flag"])[0].api_key == "flag"
@@ -114,6 +116,8 @@ def test_front_options(monkeypatch):
     (["serve", "--max-body-bytes=lots"], "--max-body-bytes must be a positive integer"),
     (["serve", "--api-key"], "--api-key needs a value"),
     (["serve", "--api-key="], "--api-key must not be empty"),
+    (["serve", "--switch-interval-ms", "0"], "--switch-interval-ms must be in (0, 1000]"),
+    (["serve", "--switch-interval-ms=fast"], "--switch-interval-ms must be a number"),
 ])
 def test_bad_front_options_are_one_line(capsys, argv, match):
     assert main(argv) == 2
