@@ -22,6 +22,9 @@ from hf_paged.integrations.continuous_batching_requests import RequestSettings
 from hf_paged.integrations.request_times import RequestTimes
 
 logger = logging.getLogger(__name__)
+# What a partial output shares with its request's state (``EngineLoop._partial``).
+_SHARED = ("generated_tokens", "logprobs", "error", "status", "created_time", "lifespan",
+           "timestamps")
 
 
 class EngineLoop:
@@ -126,9 +129,22 @@ class EngineLoop:
                 state.status = RequestStatus.FINISHED  # stamps the end of its lifespan
                 outputs.append(state.to_generation_output())
             elif new > 0 and state.streaming:
-                outputs.append(state.to_generation_output())
+                outputs.append(self._partial(state))
         if outputs:
             self.router.deliver_batch(outputs)
+
+    def _partial(self, state: RequestState) -> GenerationOutput:
+        """A streaming request's output before its last. For a request a result handler
+        reads (transformers serve's streamer, on the event loop: ``generated_tokens`` from where
+        it left off), the state's own lists rather than copies, which would cost this thread
+        O(length) a token every step; this thread only appends to them, so a reader sees a
+        prefix. Outputs read from the queue are copies, as transformers makes them."""
+        if state.request_id not in self.router.result_handlers or state._true_initial_tokens:
+            return state.to_generation_output()
+        output = GenerationOutput(state.request_id, prompt_ids=state.initial_tokens)
+        for name in _SHARED:
+            setattr(output, name, getattr(state, name))
+        return output
 
     def fail(self, request_id: str, error: Exception) -> None:
         state, seq = self.active.pop(request_id)
