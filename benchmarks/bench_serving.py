@@ -6,13 +6,15 @@ concurrent clients, through the OpenAI-compatible ``/v1/completions`` of ``hf-pa
 server on stock transformers), one after the other in the same run: requests per second served,
 output tokens per second, time to first token and time per output token (p50, p99). Every phase
 is bounded in time (``--phase-timeout``, ``--baseline-phase-timeout``: requests still open then
-are cancelled, and the phase says ``timed_out``). After each of hf-paged serve's phases its
+are cancelled, and the phase says ``timed_out``), and the run by ``--time-budget`` (phases it
+leaves no time for are skipped, saying so). After each of hf-paged serve's phases its
 ``/metrics`` are read (preemptions, prefix-cache hit rate, tokens). Writes
 ``serving-<device>.json``; ``benchmarks.serving_report`` makes the table and the plot.
 
 usage: python -m benchmarks.bench_serving --model CHECKPOINT [--rates 8 16 32 64]
        [--concurrency 64 256] [--num-requests 256] [--systems hf_paged transformers]
-       [--phase-timeout 90] [--baseline-phase-timeout 25] [--client-processes 4]
+       [--phase-timeout 90] [--baseline-phase-timeout 25] [--time-budget 520]
+       [--client-processes 4] [--serve-arg=--switch-interval-ms=0.5]
 """
 
 from __future__ import annotations
@@ -176,7 +178,11 @@ def measure(system: str, args, requests: list[tuple[str, int]]) -> dict:
         plan = [dict(rate=r) for r in args.rates] + [dict(concurrency=c)
                                                      for c in args.concurrency]
         for offered in plan:
-            figures = run_phase(url, args, requests, timeout, **offered)
+            left = args.end - time.monotonic() - 5.0  # 5 s to stop the server
+            if left < 10.0:
+                phases.append({**offered, "skipped": "the run's --time-budget was spent"})
+                continue
+            figures = run_phase(url, args, requests, min(timeout, left), **offered)
             metrics = scrape(url)
             if metrics:
                 figures["server_metrics"] = {k: v for k, v in metrics.items()
@@ -220,11 +226,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline-phase-timeout", type=float, default=25,
                         help="seconds a phase of transformers serve may take (it serves a few "
                              "requests a minute at W1's lengths)")
+    parser.add_argument("--time-budget", type=float, default=520,
+                        help="seconds for the whole run: phases that would pass it are skipped")
     parser.add_argument("--client-processes", type=int, default=4)
     parser.add_argument("--start-timeout", type=float, default=240)
     parser.add_argument("--request-timeout", type=float, default=600)
     parser.add_argument("--results-dir", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
+    args.end = time.monotonic() + args.time_budget
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     args.model = decodable_copy(args.model, Path(f"{args.model.rstrip('/')}-decodable"),
                                 len(tokenizer))

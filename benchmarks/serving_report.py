@@ -41,9 +41,12 @@ def rows(result: dict) -> list[str]:
     """One markdown row per phase of hf-paged serve, stock's figures in parentheses."""
     runs = result["runs"]
     ours = runs.get("hf_paged", {}).get("phases", [])
-    stock = {offered(p): p for p in runs.get("transformers", {}).get("phases", [])}
+    stock = {offered(p): p for p in runs.get("transformers", {}).get("phases", [])
+             if "skipped" not in p}
     lines = []
     for phase in ours:
+        if "skipped" in phase:
+            continue
         theirs = stock.get(offered(phase))
         cells = [offered(phase) + (" (timed out)" if phase["timed_out"] else "")]
         for keys in (("requests_per_s",), ("output_tok_per_s",), ("ttft_ms_p50", "ttft_ms_p99"),
@@ -63,7 +66,7 @@ def targets(result: dict, results_dir: Path) -> list[str]:
     w1 = results_dir / f"w1-{slug}.json"
     if w1.exists() and phases:
         offline = json.loads(w1.read_text())["summary"][0]["hf_paged"]
-        best = max(p["output_tok_per_s"] for p in phases)
+        best = max(p.get("output_tok_per_s", 0) for p in phases)
         out.append(f"output tok/s at saturation: {best:,.0f}, {best / offline:.0%} of W1 "
                    f"offline ({offline:,.0f}; target 75%)")
     split = results_dir / f"w1-split-{slug}.json"
@@ -90,8 +93,8 @@ def plot(result: dict, path: Path) -> bool:
     for system, label in (("hf_paged", "hf-paged serve"), ("transformers", "transformers serve")):
         phases = result["runs"].get(system, {}).get("phases", [])
         for ax, key in zip(axes, ("rate_requests_per_s", "concurrency")):
-            points = sorted((p[key], p) for p in phases if key in p and p.get("tpot_ms_p50")
-                            and not math.isinf(p[key]))
+            points = sorted(((p[key], p) for p in phases if key in p and p.get("tpot_ms_p50")
+                             and not math.isinf(p[key])), key=lambda point: point[0])
             if not points:
                 continue
             xs = [x for x, _ in points]
