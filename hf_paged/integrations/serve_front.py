@@ -176,8 +176,9 @@ class Guard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if self.expected is not None and scope["path"] not in _OPEN_PATHS and not (
-                hmac.compare_digest(headers.get(b"authorization", b""), self.expected)):
+        if (self.expected is not None and scope["path"] not in _OPEN_PATHS
+                and scope["method"] != "OPTIONS"  # CORS preflights carry no credentials
+                and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected)):
             await _answer(send, 401, "invalid or missing API key: send it as "
                           "'Authorization: Bearer KEY'", code="invalid_api_key")
             return

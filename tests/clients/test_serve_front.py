@@ -46,6 +46,9 @@ def openai_client(url: str, key: str) -> openai.OpenAI:
 def test_api_key_on_every_endpoint_but_health(server):
     url, _, model = server
     assert get(f"{url}/health") == (200, '{"status":"ok"}')
+    preflight = urllib.request.Request(f"{url}/v1/models", method="OPTIONS")
+    with urllib.request.urlopen(preflight, timeout=REQUEST_TIMEOUT) as response:
+        assert response.status == 200  # transformers' own answer, no key asked
     for path in ("/v1/models", "/metrics"):
         assert get(f"{url}{path}")[0] == 401
         assert get(f"{url}{path}", "wrong")[0] == 401
