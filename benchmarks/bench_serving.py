@@ -2,8 +2,9 @@
 prompts, greedy, streamed through the ``openai`` client from ``--client-processes`` processes)
 arriving as a Poisson process at several rates, then sent by closed loops of 64 and 256
 concurrent clients, through the OpenAI-compatible ``/v1/completions`` of ``hf-paged serve
---continuous-batching`` and of stock ``transformers serve --continuous-batching`` (the same
-server on stock transformers), one after the other in the same run: requests per second served,
+--continuous-batching`` (with ``--engine-process``, and without: one process) and of stock
+``transformers serve --continuous-batching`` (the same server on stock transformers), one
+after the other in the same run: requests per second served,
 output tokens per second, time to first token and time per output token (p50, p99). Every phase
 is bounded in time (``--phase-timeout``, ``--baseline-phase-timeout``: requests still open then
 are cancelled, and the phase says ``timed_out``), and the run by ``--time-budget`` (phases it
@@ -12,7 +13,8 @@ leaves no time for are skipped, saying so). After each of hf-paged serve's phase
 ``serving-<device>.json``; ``benchmarks.serving_report`` makes the table and the plot.
 
 usage: python -m benchmarks.bench_serving --model CHECKPOINT [--rates 8 16 32 64]
-       [--concurrency 64 256] [--num-requests 256] [--systems hf_paged transformers]
+       [--concurrency 64 256] [--num-requests 256]
+       [--systems hf_paged_engine_process transformers hf_paged]
        [--phase-timeout 90] [--baseline-phase-timeout 25] [--time-budget 520]
        [--client-processes 4] [--serve-arg=--switch-interval-ms=0.5]
 """
@@ -50,7 +52,8 @@ def server_command(system: str, model: str, port: int, engine_options: list[str]
         return [sys.executable, "-c", "from transformers.cli.transformers import main; main()",
                 "serve", *common]
     options = [a for o in engine_options for a in ("--engine-option", o)]
-    return [sys.executable, "-m", "hf_paged", "serve", *common, *options, *serve_args]
+    split = ["--engine-process"] if system == "hf_paged_engine_process" else []
+    return [sys.executable, "-m", "hf_paged", "serve", *common, *options, *split, *serve_args]
 
 
 def decodable_copy(model: str, out: Path, tokenizer_size: int) -> str:
@@ -161,7 +164,7 @@ def measure(system: str, args, requests: list[tuple[str, int]]) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = server_command(system, args.model, port, args.engine_option, args.serve_arg)
-    timeout = args.phase_timeout if system == "hf_paged" else args.baseline_phase_timeout
+    timeout = args.baseline_phase_timeout if system == "transformers" else args.phase_timeout
     log = open(args.results_dir / f"serve-{system}.log", "w")  # noqa: SIM115
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                               env=dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -199,6 +202,9 @@ def measure(system: str, args, requests: list[tuple[str, int]]) -> dict:
         log.close()
 
 
+# hf-paged serve with its engine in a process of its own, stock transformers serve, and
+# hf-paged serve in one process (engine loop and event loop sharing the GIL).
+SYSTEMS = ("hf_paged_engine_process", "transformers", "hf_paged")
 # What the result keeps of hf-paged serve's /metrics after each phase.
 SCRAPED = {"hf_paged_preemptions_total", "hf_paged_kv_blocks_total",
            "hf_paged_prefix_cache_hit_rate", "hf_paged_generation_tokens_total",
@@ -215,7 +221,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-requests", type=int, default=256, help="W1's first N")
     parser.add_argument("--max-input-len", type=int, default=1024, help="W1's: 1024")
     parser.add_argument("--max-output-len", type=int, default=1024, help="W1's: 1024")
-    parser.add_argument("--systems", nargs="+", default=["hf_paged", "transformers"])
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS),
+                        help="run in this order (the time budget may cut the last short)")
     parser.add_argument("--engine-option", action="append", default=[],
                         help="KEY=VALUE for hf-paged serve's engine")
     parser.add_argument("--serve-arg", action="append", default=[],

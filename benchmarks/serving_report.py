@@ -37,10 +37,16 @@ def _cell(phase: dict | None, *keys: str) -> str:
                       for v in values)
 
 
-def rows(result: dict) -> list[str]:
-    """One markdown row per phase of hf-paged serve, stock's figures in parentheses."""
+# hf-paged serve's runs, as bench_serving names them, and how the report names them.
+OURS = {"hf_paged_engine_process": "hf-paged serve --engine-process",
+        "hf_paged": "hf-paged serve (one process)"}
+
+
+def rows(result: dict, system: str = "hf_paged") -> list[str]:
+    """One markdown row per phase of hf-paged serve's ``system`` run, stock's figures in
+    parentheses."""
     runs = result["runs"]
-    ours = runs.get("hf_paged", {}).get("phases", [])
+    ours = runs.get(system, {}).get("phases", [])
     stock = {offered(p): p for p in runs.get("transformers", {}).get("phases", [])
              if "skipped" not in p}
     lines = []
@@ -57,11 +63,11 @@ def rows(result: dict) -> list[str]:
     return lines
 
 
-def targets(result: dict, results_dir: Path) -> list[str]:
+def targets(result: dict, results_dir: Path, system: str = "hf_paged") -> list[str]:
     """The issue's two targets against W1's offline results for the same device, where they
     are in ``results_dir``."""
     slug = result["device"]["slug"]
-    phases = result["runs"].get("hf_paged", {}).get("phases", [])
+    phases = result["runs"].get(system, {}).get("phases", [])
     out = []
     w1 = results_dir / f"w1-{slug}.json"
     if w1.exists() and phases:
@@ -90,7 +96,7 @@ def plot(result: dict, path: Path) -> bool:
     except ImportError:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for system, label in (("hf_paged", "hf-paged serve"), ("transformers", "transformers serve")):
+    for system, label in (*OURS.items(), ("transformers", "transformers serve")):
         phases = result["runs"].get(system, {}).get("phases", [])
         for ax, key in zip(axes, ("rate_requests_per_s", "concurrency")):
             points = sorted(((p[key], p) for p in phases if key in p and p.get("tpot_ms_p50")
@@ -122,11 +128,13 @@ def report(results_dir: Path) -> str:
             continue  # an older result: rates only
         png = path.with_suffix(".png")
         drawn = plot(result, png)
-        parts.append("\n".join([
-            f"{result['device']['name']}: W1's first {result['num_requests']} requests",
-            "", HEADER, *rows(result), "",
-            *(f"- {line}" for line in targets(result, results_dir)),
-            f"- plot: {png.name}" if drawn else "- matplotlib does not import: no plot"]))
+        for system, label in OURS.items():
+            if result["runs"].get(system, {}).get("phases"):
+                parts.append("\n".join([
+                    f"{label}, {result['device']['name']}: W1's first "
+                    f"{result['num_requests']} requests", "", HEADER, *rows(result, system), "",
+                    *(f"- {line}" for line in targets(result, results_dir, system))]))
+        parts.append(f"plot: {png.name}" if drawn else "matplotlib does not import: no plot")
     return "\n\n".join(parts)
 
 

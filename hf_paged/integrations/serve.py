@@ -17,7 +17,7 @@ transformers serve's flags set only transformers' loading keywords (``--dtype``,
 ...), so engine options travel another way: hf-paged takes ``--engine-option KEY=VALUE`` out of
 the arguments before handing the rest over, and the patch applies them as defaults to every
 hf_paged load. hf-paged's server flags (``--api-key``, ``--max-body-bytes``, ``--max-tokens``,
-``--switch-interval-ms``) are taken out the same way.
+``--switch-interval-ms``, ``--engine-process``) are taken out the same way.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ hf-paged's own option (repeatable, anywhere among the arguments):
                              (default: the engine's max_model_len bounds a request)
   --switch-interval-ms MS    the interpreter's thread switch interval (default: Python's 5):
                              how long the engine's loop may wait for the GIL after a step
+  --engine-process           the engine in a process of its own (with --continuous-batching):
+                             the server's per-token work shares no GIL with its steps
 /health answers 503 naming why when an engine is broken; /metrics is Prometheus' text format.
 Every other argument is transformers serve's own:
 """

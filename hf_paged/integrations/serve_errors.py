@@ -98,13 +98,13 @@ def refuse_invalid(manager, model, processor, inputs, gen_config, streaming: boo
     transformers' handler gives the manager, which passes them on as they are."""
     from hf_paged.integrations.causal_lm import PagedCausalLM
 
-    if not isinstance(model, PagedCausalLM):
+    cb = getattr(manager, "_cb", None)  # transformers' CBGenerateManager: the CB manager
+    if cb is None and not isinstance(model, PagedCausalLM):
         return
     try:
-        cb = getattr(manager, "_cb", None)  # transformers' CBGenerateManager: the CB manager
         if cb is not None:
             check = getattr(cb, "validate_request", None)
-            if check is not None:  # hf_paged's manager; transformers' own has none
+            if check is not None:  # hf_paged's managers; transformers' own has none
                 # what transformers' CBGenerateManager passes to add_request
                 check(inputs["input_ids"], max_new_tokens=gen_config.max_new_tokens,
                       eos_token_id=gen_config.eos_token_id)

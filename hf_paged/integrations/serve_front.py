@@ -53,6 +53,9 @@ class FrontOptions:
     # on the device, may wait for the GIL while the event loop runs Python (None: Python's
     # 5 ms; benchmarks/gil_handoff.py measures what it costs).
     switch_interval_ms: float | None = None
+    # The engine and its loop in a process of their own (``engine_process``): the server's
+    # per-token work no longer shares a GIL with the engine's steps.
+    engine_process: bool = False
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
@@ -66,6 +69,7 @@ class FrontOptions:
             raise ValueError(f"--switch-interval-ms must be in (0, 1000], got {interval!r}")
 
 
+SWITCHES = {"--engine-process": "engine_process"}  # flags without a value
 FLAGS = {"--api-key": "api_key", "--max-body-bytes": "max_body_bytes",
          "--max-tokens": "max_tokens", "--switch-interval-ms": "switch_interval_ms"}
 
@@ -82,6 +86,10 @@ def take_front_options(argv: list[str]) -> tuple[FrontOptions, list[str]]:
     i = 0
     while i < len(argv):
         flag, sep, value = argv[i].partition("=")
+        if argv[i] in SWITCHES:
+            values[SWITCHES[argv[i]]] = True
+            i += 1
+            continue
         if flag not in FLAGS:
             rest.append(argv[i])
             i += 1
@@ -103,6 +111,8 @@ def take_front_options(argv: list[str]) -> tuple[FrontOptions, list[str]]:
                 raise ValueError(f"{flag} must be a positive integer, got {value!r}") from None
         values[field] = value
         i += 1
+    if values.get("engine_process") and "--continuous-batching" not in rest:
+        raise ValueError("--engine-process serves with --continuous-batching only: add it")
     return FrontOptions(**values), rest
 
 
@@ -132,10 +142,12 @@ def install(options: FrontOptions) -> Callable[[], None]:
     setattr(build_server, _GUARDED, True)
     build_server.__wrapped__ = stock  # type: ignore[attr-defined]
     server.build_server = build_server
+    restore = load_in_engine_process() if options.engine_process else (lambda: None)
 
     def uninstall() -> None:
         if server.build_server is build_server:
             server.build_server = stock
+        restore()
 
     return uninstall
 
@@ -159,6 +171,36 @@ def extend(app, model_manager, generation_state, options: FrontOptions) -> None:
                             status_code=503)
 
     app.add_api_route("/metrics", serve_metrics.endpoint(served), methods=["GET"])
+
+
+def load_in_engine_process() -> Callable[[], None]:
+    """Have transformers' ``ModelManager`` load each model as a ``RemoteModel`` (the engine in
+    a process of its own), with the keywords its loader passes and the engine options of
+    ``patch_transformers``; before any server starts (a model named on the command line loads
+    when the manager is built). Returns what undoes it."""
+    from transformers.cli.serving.model_manager import ModelManager
+    from transformers.cli.serving.utils import split_revision
+
+    from hf_paged.integrations.patch import engine_defaults
+    from hf_paged.integrations.remote_manager import RemoteModel
+
+    stock = ModelManager.__dict__["_load_model"]
+
+    def _load_model(self, model_id_and_revision: str, tqdm_class=None, progress_callback=None,
+                    gguf_file=None):
+        if gguf_file is not None:
+            raise ValueError("hf_paged serves safetensors checkpoints, not GGUF files")
+        model_id, revision = split_revision(model_id_and_revision)
+        return RemoteModel(dict(
+            engine_defaults(), model=model_id, revision=revision, dtype=self.dtype,
+            device_map=self.device, attn_implementation=self.attn_implementation))
+
+    ModelManager._load_model = _load_model
+
+    def restore() -> None:
+        ModelManager._load_model = stock
+
+    return restore
 
 
 class Guard:

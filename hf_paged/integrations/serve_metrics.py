@@ -38,7 +38,8 @@ from hf_paged.integrations.request_times import Histogram
 
 
 class Served:
-    """What transformers' server holds of hf_paged: its loaded engines and, with continuous
+    """What transformers' server holds of hf_paged: its loaded engines (in this process or an
+    engine process: the same ``stats()``, ``broken`` and ``times``) and, with continuous
     batching, the manager's loop."""
 
     def __init__(self, model_manager, generation_state):
@@ -48,11 +49,12 @@ class Served:
     def engines(self) -> list[tuple[str, object]]:
         """(model id, engine) of each loaded hf_paged model that is not closed."""
         from hf_paged.integrations.causal_lm import PagedCausalLM
+        from hf_paged.integrations.remote_manager import RemoteModel
 
         out = []
         for model_id, timed in list(self.model_manager.loaded_models.items()):
             model = getattr(timed, "model", None)
-            if isinstance(model, PagedCausalLM) and not model.engine.closed:
+            if isinstance(model, (PagedCausalLM, RemoteModel)) and not model.engine.closed:
                 out.append((model_id, model.engine))
         return out
 

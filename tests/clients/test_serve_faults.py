@@ -1,6 +1,7 @@
-"""hf-paged serve under faults, as a process (``python -m hf_paged serve --continuous-batching``
-on the tiny checkpoint, float32 on CPU, 127.0.0.1): SIGTERM while streams are open, and a
-tensor-parallel worker (TP=2 over gloo) killed while streams are open."""
+"""hf-paged serve as a process (``python -m hf_paged serve --continuous-batching`` on the tiny
+checkpoint, float32 on CPU, 127.0.0.1), with its engine in the server's process and in one of
+its own (``--engine-process``): SIGTERM while streams are open, a tensor-parallel worker (TP=2
+over gloo) killed while streams are open, and (engine process) the load test's requests."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import os
 import signal
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -28,11 +30,16 @@ def env(tmp_path_factory, tiny_checkpoint) -> dict[str, str]:
     return server_env(hub_cache(tmp_path_factory.mktemp("faults") / "hub", tiny_checkpoint))
 
 
-def start(env: dict[str, str], log: Path, *engine_options: str) -> ServerProcess:
+def start(env: dict[str, str], log: Path, split: bool, *engine_options: str,
+          serve_args: tuple[str, ...] = ()) -> ServerProcess:
     options = [*(f"{k}={v}" for k, v in SMALL.items()), *engine_options]
     return ServerProcess([sys.executable, "-m", "hf_paged", "serve", MODEL, "--device", "cpu",
                           "--dtype", "float32", "--continuous-batching",
+                          *(["--engine-process"] if split else []), *serve_args,
                           *(f"--engine-option={o}" for o in options)], env, log)
+
+
+SPLIT = pytest.mark.parametrize("split", [False, True], ids=["one_process", "engine_process"])
 
 
 async def open_streams(url: str, fault) -> list[tuple]:
@@ -66,15 +73,21 @@ async def open_streams(url: str, fault) -> list[tuple]:
         return await asyncio.wait_for(asyncio.gather(*tasks), 60)
 
 
-def test_sigterm_finishes_open_streams_and_exits(env, tmp_path):
+@SPLIT
+def test_sigterm_finishes_open_streams_and_exits(env, tmp_path, split):
     """SIGTERM with streams open: the server stops taking connections, every open stream
     ends with all its tokens, and the process exits (uvicorn re-raises the signal once it
-    has shut down)."""
-    server = start(env, tmp_path / "server.log")
+    has shut down); an engine process exits with it."""
+    server = start(env, tmp_path / "server.log", split)
+    engines: list[int] = []
+
+    def terminate() -> None:
+        engines.extend(children(server.process.pid))
+        server.process.send_signal(signal.SIGTERM)
+
     try:
         url = server.url()
-        outcomes = asyncio.run(open_streams(
-            url, lambda: server.process.send_signal(signal.SIGTERM)))
+        outcomes = asyncio.run(open_streams(url, terminate))
         returncode = server.process.wait(timeout=EXIT_TIMEOUT)
     finally:
         server.stop()
@@ -84,11 +97,36 @@ def test_sigterm_finishes_open_streams_and_exits(env, tmp_path):
     assert "Application shutdown complete" in server.log_tail()
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"{url}/health", timeout=2)
+    assert len(engines) == int(split)
+    for pid in engines:
+        _wait_gone(pid)
 
 
 def children(pid: int) -> list[int]:
     return [int(child) for task in os.listdir(f"/proc/{pid}/task")
             for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid``'s children, then theirs (an engine process's ranks), in that order."""
+    out = []
+    for child in children(pid):
+        out += [child, *_descendants(child)]
+    return out
+
+
+def _wait_gone(pid: int, timeout: float = EXIT_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while Path(f"/proc/{pid}").exists() and not _zombie(pid):
+        assert time.monotonic() < deadline, f"process {pid} still runs"
+        time.sleep(0.1)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def health(url: str) -> tuple[int, dict]:
@@ -99,15 +137,18 @@ def health(url: str) -> tuple[int, dict]:
         return error.code, json.loads(error.read())
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads child pids in /proc")
-def test_killed_tensor_parallel_worker_fails_streams_and_health_says_so(env, tmp_path):
+@SPLIT
+def test_killed_tensor_parallel_worker_fails_streams_and_health_says_so(env, tmp_path, split):
     """TP=2 over gloo: the worker rank killed with streams open fails every one of them with
     an error naming the dead rank; /health answers 503 naming it, and a new request a 503."""
-    server = start(env, tmp_path / "server.log", "tensor_parallel_size=2")
+    server = start(env, tmp_path / "server.log", split, "tensor_parallel_size=2")
     try:
         url = server.url()
         assert health(url) == (200, {"status": "ok"})
-        (worker,) = children(server.process.pid)
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                           timeout=60) as client:  # an engine process loads on first use
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+        (worker,) = _descendants(server.process.pid)[-1:]
         outcomes = asyncio.run(open_streams(url, lambda: os.kill(worker, signal.SIGKILL)))
         status, body = health(url)
         with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
@@ -121,3 +162,28 @@ def test_killed_tensor_parallel_worker_fails_streams_and_health_says_so(env, tmp
     assert status == 503 and body["reason"] in ("engine_broken", "cb_worker_dead"), body
     assert named in body["error"], body
     assert late.value.status_code == 503 and named in late.value.response.text
+
+
+def test_engine_process_under_load(env, tmp_path):
+    """The load test's requests (fewer) through hf-paged serve --engine-process: every valid
+    one as served alone, every invalid one a 4xx naming the problem; afterwards the engine
+    (read through /metrics) holds no block and runs or queues no request."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.clients import test_serve_load as load
+
+    server = start(env, tmp_path / "server.log", True,
+                   serve_args=(f"--max-tokens={load.MAX_TOKENS_LIMIT}",))
+    try:
+        url = server.url()
+        alone = asyncio.run(load.serve_alone(url, MODEL))
+        results = asyncio.run(load.run_load(url, MODEL, 400, 32, alone))
+        time.sleep(1.0)  # a cancelled stream's generation ends at its next token
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+    finally:
+        server.stop()
+    load.check(results, alone)
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples["hf_paged_kv_blocks_used"] == 0, samples
+    assert samples["hf_paged_requests_running"] == samples["hf_paged_requests_waiting"] == 0

@@ -158,6 +158,18 @@ async def serve_alone(url: str, model: str) -> dict[int, dict]:
                 for i, (endpoint, request, stream) in enumerate(VALID)}
 
 
+def check(results: list[tuple[str, object, object]], alone: dict[int, dict]) -> None:
+    """Every valid outcome as served alone, every invalid one its status and words."""
+    for kind, index, got in results:
+        if kind == "valid":
+            assert got == alone[index], (VALID[index], got, alone[index])
+        elif kind in INVALID:
+            status, text = got
+            _, _, expected_status, words = INVALID[kind]
+            assert status == expected_status and words in text, (kind, status, text)
+    assert len(alone[3]["choices"]) == 1  # n=2: transformers serve answers one choice
+
+
 def idle(model, threads_before: int, timeout: float = 15.0) -> tuple[dict, list[str]]:
     """The engine's stats and the process's thread names once nothing runs (a cancelled
     stream's generation ends at its next token; helper threads of the server's libraries end
@@ -189,14 +201,7 @@ def test_load(mode, tiny_checkpoint):
         manager = _RUNNING.get(model.engine)
         active = None if manager is None else dict(manager.batch_processor.active)
     print(f"{mode}: {count} requests, {at_once} at once, in {seconds:.1f} s")
-    for kind, index, got in results:
-        if kind == "valid":
-            assert got == alone[index], (VALID[index], got, alone[index])
-        elif kind in INVALID:
-            status, text = got
-            _, _, expected_status, words = INVALID[kind]
-            assert status == expected_status and words in text, (kind, status, text)
-    assert len(alone[3]["choices"]) == 1  # n=2: transformers serve answers one choice
+    check(results, alone)
     assert stats["num_running"] == stats["num_waiting"] == 0, stats
     assert stats["num_free_blocks"] == stats["num_blocks"] == stats_before["num_blocks"], stats
     assert len(threads) <= len(threads_before), (threads_before, threads)
