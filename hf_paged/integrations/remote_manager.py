@@ -7,9 +7,7 @@ is transformers' ``ContinuousBatchingManager`` with its plumbing kept where the 
 (``register_result_handler``, the ``OutputRouter``, ``background_thread_status``) and its
 requests sent to the engine process; a thread turns the tokens that come back into
 transformers' ``GenerationOutput`` objects (one token list a request, shared as the engine
-loop shares it) and delivers them through the router, on the server's event loop, to the
-handler the server registers for each request (held until it registers: the server's
-streams register theirs after ``add_request`` returns, and the engine may answer first).
+loop shares it) and delivers them through the router, on the server's event loop.
 """
 
 from __future__ import annotations
@@ -110,10 +108,6 @@ class RemoteManager(ContinuousBatchingManager):
         self.num_return_sequences = num if num is not None else 1
         self.is_tp_driver = True
         self.tokens: dict[str, list[int]] = {}  # request id -> its tokens so far
-        # Outputs that came before their request's handler (transformers' server registers
-        # a stream's handler after add_request returns), delivered when it registers.
-        self._held: dict[str, list[GenerationOutput]] = {}
-        self._deliver_lock = threading.Lock()
 
     def start(self) -> None:
         if self._generation_thread is None:
@@ -143,16 +137,7 @@ class RemoteManager(ContinuousBatchingManager):
 
     def cancel_request(self, request_id: str) -> None:
         self.tokens.pop(request_id, None)
-        self._held.pop(request_id, None)
         self.process.send("cancel", request_id)
-
-    def register_result_handler(self, request_id: str, callback) -> None:
-        """transformers' registration, then the outputs that came before it, in order."""
-        with self._deliver_lock:
-            super().register_result_handler(request_id, callback)
-            held = self._held.pop(request_id, None)
-            if held:
-                self.output_router.deliver_batch(held)
 
     def validate_request(self, input_ids: list[int], **kwargs) -> None:
         """The engine process's ``validate_request``: a ValueError naming the problem."""
@@ -177,25 +162,13 @@ class RemoteManager(ContinuousBatchingManager):
                                                 status=status, error=error))
                 if status in (RequestStatus.FINISHED, RequestStatus.FAILED):
                     del self.tokens[request_id]
-            self._deliver(outputs)
+            if outputs:
+                self.output_router.deliver_batch(outputs)
         elif kind == "fatal":
             error = RuntimeError(message[1])
             failed = [GenerationOutput(request_id, status=RequestStatus.FAILED, error=str(error))
                       for request_id in list(self.tokens)]
             self.tokens.clear()
-            self._deliver(failed)
+            if failed:
+                self.output_router.deliver_batch(failed)
             self.background_thread_status.record_fatal_error(error)
-
-    def _deliver(self, outputs: list[GenerationOutput]) -> None:
-        """Through the router those whose handler is registered; hold the others for it (the
-        server registers every request's)."""
-        with self._deliver_lock:
-            handlers = self.output_router.result_handlers
-            ready = []
-            for output in outputs:
-                if output.request_id in handlers:
-                    ready.append(output)
-                else:
-                    self._held.setdefault(output.request_id, []).append(output)
-            if ready:
-                self.output_router.deliver_batch(ready)

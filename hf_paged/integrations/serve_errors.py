@@ -30,6 +30,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from hf_paged.integrations import serve_stream
+
 # What a refusal's body says, in OpenAI's error shape.
 ERROR_TYPE = "invalid_request_error"
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,12 +77,17 @@ def extend(app, generation_state) -> None:
 
 
 def guard(manager) -> None:
-    """Put ``refuse_invalid`` in front of ``manager``'s two generation entry points."""
+    """Put ``refuse_invalid`` in front of ``manager``'s two generation entry points (and keep a
+    continuous-batching stream's first outputs: ``serve_stream.keep_first_outputs``)."""
     stream, whole = manager.generate_streaming, manager.generate_non_streaming
 
     def generate_streaming(model, processor, inputs, gen_config, *args: Any, **kwargs: Any):
         refuse_invalid(manager, model, processor, inputs, gen_config, streaming=True)
-        return stream(model, processor, inputs, gen_config, *args, **kwargs)
+        cb = getattr(manager, "_cb", None)
+        if cb is None:
+            return stream(model, processor, inputs, gen_config, *args, **kwargs)
+        return serve_stream.keep_first_outputs(  # see there: a stream's first outputs
+            cb, lambda: stream(model, processor, inputs, gen_config, *args, **kwargs))
 
     async def generate_non_streaming(model, processor, inputs, gen_config, *args: Any,
                                      **kwargs: Any):

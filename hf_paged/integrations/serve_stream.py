@@ -18,10 +18,15 @@ engine's step loop needs too.
 - ``RequestId``: transformers' request-id middleware as a plain ASGI middleware: the same
   ``X-Request-ID`` header in and out, and ``request.state.request_id``, with no per-chunk
   work.
+- ``keep_first_outputs``: transformers' continuous-batching streams register their result
+  handler after ``add_request`` returns; an output the engine delivers in between would go to
+  the manager's queue, which nobody reads, and the stream would never end. A placeholder
+  handler, registered before the request is added, passes such outputs on to the stream's.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections import OrderedDict
@@ -65,6 +70,48 @@ def fast_chunks(handler, text_field: str) -> None:
         return head + json.dumps(text, ensure_ascii=False)[1:-1] + tail
 
     handler._build_chunk_sse = build_chunk_sse
+
+
+def keep_first_outputs(cb, start_stream):
+    """``start_stream()`` (transformers' ``CBGenerateManager.generate_streaming``: ``cb``'s
+    ``add_request``, then ``register_result_handler``) with a placeholder handler registered
+    for the request before it is added. Runs on the event loop, synchronously: the
+    placeholder's calls run after it returns, when the stream's handler has replaced it, and
+    go to that handler, before any output delivered to it directly."""
+    router, loop = cb.output_router, asyncio.get_running_loop()
+    own = cb.__dict__.get("add_request")
+    add = cb.add_request
+
+    def add_request(*args, **kwargs):
+        request_id = kwargs.get("request_id")
+        if request_id is None:
+            return add(*args, **kwargs)
+
+        def placeholder(output) -> None:
+            entry = router.result_handlers.get(request_id)
+            if entry is not None and entry[0] is not placeholder:
+                entry[0](output)  # the stream's handler (none: the request was dropped)
+
+        with router._lock:
+            router.result_handlers.setdefault(request_id, (placeholder, loop))
+        added = None
+        try:
+            added = add(*args, **kwargs)
+            return added
+        finally:
+            if added is None:  # not taken: nothing will come
+                with router._lock:
+                    if router.result_handlers.get(request_id, (None,))[0] is placeholder:
+                        del router.result_handlers[request_id]
+
+    cb.add_request = add_request
+    try:
+        return start_stream()
+    finally:
+        if own is None:
+            del cb.add_request
+        else:
+            cb.add_request = own
 
 
 class RequestId:

@@ -169,3 +169,49 @@ def test_request_id_header(server):
         assert response.headers["X-Request-ID"] == "abc-123"
     with urllib.request.urlopen(f"{url}/health", timeout=REQUEST_TIMEOUT) as response:
         assert len(response.headers["X-Request-ID"]) == 36  # a new uuid4
+
+
+def test_a_streams_first_outputs_reach_its_handler():
+    """An output the engine delivers between ``add_request`` and the stream's
+    ``register_result_handler`` (transformers' order) reaches the stream's handler, in order,
+    not the manager's queue; a request not taken leaves no handler behind."""
+    import asyncio
+
+    from transformers.generation.continuous_batching.continuous_api import OutputRouter
+    from transformers.generation.continuous_batching.requests import (
+        GenerationOutput,
+        RequestStatus,
+    )
+
+    from hf_paged.integrations.serve_stream import keep_first_outputs
+
+    class Manager:  # what the placeholder needs of a continuous-batching manager
+        def __init__(self):
+            self.output_router = OutputRouter()
+
+        def add_request(self, input_ids, request_id=None, **kwargs):
+            if not input_ids:
+                return None
+            self.output_router.deliver(GenerationOutput(request_id, generated_tokens=[1]))
+            return request_id
+
+    async def main() -> tuple[list, Manager]:
+        cb, seen = Manager(), []
+
+        def start_stream():  # transformers' CBGenerateManager.generate_streaming, in short
+            request_id = cb.add_request([5], request_id="r1", streaming=True)
+            loop = asyncio.get_running_loop()
+            cb.output_router.result_handlers[request_id] = (seen.append, loop)
+            cb.output_router.deliver(GenerationOutput(request_id, generated_tokens=[1, 2],
+                                                      status=RequestStatus.FINISHED))
+
+        keep_first_outputs(cb, start_stream)
+        keep_first_outputs(cb, lambda: cb.add_request([], request_id="r2"))
+        await asyncio.sleep(0.05)
+        return seen, cb
+
+    seen, cb = asyncio.run(main())
+    assert [o.generated_tokens for o in seen] == [[1], [1, 2]]
+    assert cb.output_router.output_queue.empty()
+    assert "r2" not in cb.output_router.result_handlers
+    assert "add_request" not in vars(cb)  # the manager's own method is back
