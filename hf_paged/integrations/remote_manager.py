@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 
 import torch
 from transformers.generation.continuous_batching.continuous_api import (
@@ -172,3 +173,32 @@ class RemoteManager(ContinuousBatchingManager):
             if failed:
                 self.output_router.deliver_batch(failed)
             self.background_thread_status.record_fatal_error(error)
+
+
+def load_in_engine_process() -> Callable[[], None]:
+    """Have transformers' ``ModelManager`` load each model as a ``RemoteModel`` (the engine in
+    a process of its own), with the keywords its loader passes and the engine options of
+    ``patch_transformers``; before any server starts (a model named on the command line loads
+    when the manager is built). Returns what undoes it."""
+    from transformers.cli.serving.model_manager import ModelManager
+    from transformers.cli.serving.utils import split_revision
+
+    from hf_paged.integrations.patch import engine_defaults
+
+    stock = ModelManager.__dict__["_load_model"]
+
+    def _load_model(self, model_id_and_revision: str, tqdm_class=None, progress_callback=None,
+                    gguf_file=None):
+        if gguf_file is not None:
+            raise ValueError("hf_paged serves safetensors checkpoints, not GGUF files")
+        model_id, revision = split_revision(model_id_and_revision)
+        return RemoteModel(dict(
+            engine_defaults(), model=model_id, revision=revision, dtype=self.dtype,
+            device_map=self.device, attn_implementation=self.attn_implementation))
+
+    ModelManager._load_model = _load_model
+
+    def restore() -> None:
+        ModelManager._load_model = stock
+
+    return restore

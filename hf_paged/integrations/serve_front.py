@@ -142,7 +142,12 @@ def install(options: FrontOptions) -> Callable[[], None]:
     setattr(build_server, _GUARDED, True)
     build_server.__wrapped__ = stock  # type: ignore[attr-defined]
     server.build_server = build_server
-    restore = load_in_engine_process() if options.engine_process else (lambda: None)
+    if options.engine_process:
+        from hf_paged.integrations.remote_manager import load_in_engine_process
+
+        restore = load_in_engine_process()
+    else:
+        restore = lambda: None  # noqa: E731
 
     def uninstall() -> None:
         if server.build_server is build_server:
@@ -171,36 +176,6 @@ def extend(app, model_manager, generation_state, options: FrontOptions) -> None:
                             status_code=503)
 
     app.add_api_route("/metrics", serve_metrics.endpoint(served), methods=["GET"])
-
-
-def load_in_engine_process() -> Callable[[], None]:
-    """Have transformers' ``ModelManager`` load each model as a ``RemoteModel`` (the engine in
-    a process of its own), with the keywords its loader passes and the engine options of
-    ``patch_transformers``; before any server starts (a model named on the command line loads
-    when the manager is built). Returns what undoes it."""
-    from transformers.cli.serving.model_manager import ModelManager
-    from transformers.cli.serving.utils import split_revision
-
-    from hf_paged.integrations.patch import engine_defaults
-    from hf_paged.integrations.remote_manager import RemoteModel
-
-    stock = ModelManager.__dict__["_load_model"]
-
-    def _load_model(self, model_id_and_revision: str, tqdm_class=None, progress_callback=None,
-                    gguf_file=None):
-        if gguf_file is not None:
-            raise ValueError("hf_paged serves safetensors checkpoints, not GGUF files")
-        model_id, revision = split_revision(model_id_and_revision)
-        return RemoteModel(dict(
-            engine_defaults(), model=model_id, revision=revision, dtype=self.dtype,
-            device_map=self.device, attn_implementation=self.attn_implementation))
-
-    ModelManager._load_model = _load_model
-
-    def restore() -> None:
-        ModelManager._load_model = stock
-
-    return restore
 
 
 class Guard:
