@@ -47,7 +47,10 @@ class EngineProcess:
         self._calls: dict[int, queue.SimpleQueue] = {}
         self._next_call = 0
         self.conn.send(("load", load))
-        reply = self.conn.recv()
+        try:
+            reply = self.conn.recv()
+        except EOFError:
+            reply = ("failed", f"it exited (code {self.process.wait()})")
         if reply[0] != "ready":
             self.process.wait(timeout=30)
             raise RuntimeError(f"the engine process could not load the model: {reply[1]}")

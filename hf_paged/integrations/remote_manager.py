@@ -36,11 +36,14 @@ class RemoteEngine:
 
     def __init__(self, process: EngineProcess):
         self.process = process
-        self.closed = False
+        self.stopped = False
+
+    @property
+    def closed(self) -> bool:
+        """Stopped, or its process exited (``/health`` then reports the loop's fatal error)."""
+        return self.stopped or self.process.process.poll() is not None
 
     def _read(self):
-        if self.process.process.poll() is not None:
-            return {}, None, f"the engine process exited (code {self.process.process.poll()})"
         return self.process.call("stats")
 
     def stats(self) -> dict[str, int]:
@@ -85,7 +88,7 @@ class RemoteModel:
             self.manager.on_message(message)
 
     def close(self) -> None:
-        self.engine.closed = True
+        self.engine.stopped = True
         self._finalizer()
 
 

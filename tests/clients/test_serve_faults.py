@@ -187,3 +187,21 @@ def test_engine_process_under_load(env, tmp_path):
     samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
     assert samples["hf_paged_kv_blocks_used"] == 0, samples
     assert samples["hf_paged_requests_running"] == samples["hf_paged_requests_waiting"] == 0
+
+
+def test_killed_engine_process_fails_streams_and_health_says_so(env, tmp_path):
+    """--engine-process: the engine's process killed with streams open fails every one of
+    them with an error saying so; /health answers 503 naming it."""
+    server = start(env, tmp_path / "server.log", True)
+    try:
+        url = server.url()
+        (engine,) = children(server.process.pid)
+        outcomes = asyncio.run(open_streams(url, lambda: os.kill(engine, signal.SIGKILL)))
+        status, body = health(url)
+    finally:
+        server.stop()
+    named = f"the engine process exited (code {-signal.SIGKILL})"
+    assert all(o[0] == "error" and named in o[2] for o in outcomes), (outcomes,
+                                                                       server.log_tail())
+    assert status == 503 and body == {"status": "unhealthy", "reason": "cb_worker_dead",
+                                      "error": named}, body
