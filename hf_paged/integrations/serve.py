@@ -30,7 +30,7 @@ from collections.abc import Callable
 ENGINE_OPTION = "--engine-option"
 SERVE_HELP = f"""\
 hf-paged serve: `transformers serve` with Qwen3 checkpoints loaded on hf_paged's engine.
-hf-paged's own option (repeatable, anywhere among the arguments):
+hf-paged's own options (anywhere among the arguments; --engine-option repeatable):
   {ENGINE_OPTION} KEY=VALUE   an engine option for every model the server loads, e.g.
                              {ENGINE_OPTION} max_model_len=4096 {ENGINE_OPTION} num_kv_blocks=2048
                              (VALUE is a Python literal: 128, 0.9, True, None; else a string)
