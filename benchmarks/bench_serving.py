@@ -1,18 +1,27 @@
-"""Online serving: requests arriving as a Poisson process at several rates, with W1's prompt
-and output lengths, through the OpenAI-compatible ``/v1/completions`` of ``transformers serve
---continuous-batching`` on stock transformers and of ``hf-paged serve --continuous-batching``
-(the same server, Qwen3 checkpoints on hf_paged), one after the other in the same run: requests
-per second served, time to first token and time per output token (p50, p99). Writes
-``serving-<device>.json``.
+"""Online serving at W1's scale: W1's 256 requests (its prompt and output lengths, text
+prompts, greedy, streamed through the ``openai`` client from ``--client-processes`` processes)
+arriving as a Poisson process at several rates, then sent by closed loops of 64 and 256
+concurrent clients, through the OpenAI-compatible ``/v1/completions`` of ``hf-paged serve
+--continuous-batching`` (with ``--engine-process``, and without: one process) and of stock
+``transformers serve --continuous-batching`` (the same server on stock transformers), one
+after the other in the same run: requests per second served,
+output tokens per second, time to first token and time per output token (p50, p99). Every phase
+is bounded in time (``--phase-timeout``, ``--baseline-phase-timeout``: requests still open then
+are cancelled, and the phase says ``timed_out``), and the run by ``--time-budget`` (phases it
+leaves no time for are skipped, saying so). After each of hf-paged serve's phases its
+``/metrics`` are read (preemptions, prefix-cache hit rate, tokens). Writes
+``serving-<device>.json``; ``benchmarks.serving_report`` makes the table and the plot.
 
-usage: python -m benchmarks.bench_serving --model CHECKPOINT [--rates 1 4 16]
-       [--num-requests 32] [--systems transformers hf_paged]
+usage: python -m benchmarks.bench_serving --model CHECKPOINT [--rates 8 16 32 64]
+       [--concurrency 64 256] [--num-requests 256]
+       [--systems hf_paged_engine_process transformers hf_paged]
+       [--phase-timeout 90] [--baseline-phase-timeout 25] [--time-budget 520]
+       [--client-processes 4] [--serve-arg=--switch-interval-ms=0.5]
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import random
 import shutil
@@ -21,6 +30,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -28,19 +38,22 @@ import torch
 from transformers import AutoTokenizer
 
 from benchmarks.common import device_info, git_commit, write_result
+from benchmarks.serving_client import Phase, run_phases, split
 from benchmarks.workloads import MAX_TOKEN_ID, w1
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def server_command(system: str, model: str, port: int, engine_options: list[str]) -> list[str]:
+def server_command(system: str, model: str, port: int, engine_options: list[str],
+                   serve_args: list[str] = ()) -> list[str]:
     common = [model, "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
               "--dtype", "bfloat16", "--log-level", "warning"]
     if system == "transformers":
         return [sys.executable, "-c", "from transformers.cli.transformers import main; main()",
                 "serve", *common]
     options = [a for o in engine_options for a in ("--engine-option", o)]
-    return [sys.executable, "-m", "hf_paged", "serve", *common, *options]
+    split = ["--engine-process"] if system == "hf_paged_engine_process" else []
+    return [sys.executable, "-m", "hf_paged", "serve", *common, *options, *split, *serve_args]
 
 
 def decodable_copy(model: str, out: Path, tokenizer_size: int) -> str:
@@ -69,83 +82,117 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def wait_ready(client, model: str, deadline: float) -> None:
-    """Until the server answers a one-token completion (the model loaded, warmed up)."""
-    while True:
-        try:
-            await client.completions.create(model=model, prompt="Hello", max_tokens=2)
-            return
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-            await asyncio.sleep(2)
+def wait_ready(url: str, model: str, deadline: float) -> None:
+    """Until the server answers a two-token completion (the model loaded, warmed up)."""
+    from openai import OpenAI
+
+    with OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120) as client:
+        while True:
+            try:
+                client.completions.create(model=model, prompt="Hello", max_tokens=2)
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(2)
 
 
-async def one_request(client, model: str, prompt: str, max_tokens: int, start: float) -> dict:
-    """Stream one completion; the times of its first and last text chunks."""
-    await asyncio.sleep(max(0.0, start - time.perf_counter()))
-    sent = time.perf_counter()
-    first = last = None
-    chunks = 0
-    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
-                                             temperature=0.0, stream=True)
-    async for chunk in stream:
-        if chunk.choices and chunk.choices[0].text:
-            last = time.perf_counter()
-            first = first or last
-            chunks += 1
-    return {"sent": sent, "first": first, "last": last, "chunks": chunks}
-
-
-async def run_rate(client, model: str, prompts: list[str], lengths: list[int], rate: float,
-                   seed: int) -> dict:
-    rng = random.Random(seed)
-    begin = time.perf_counter() + 0.5
-    starts, t = [], begin
-    for _ in prompts:
-        starts.append(t)
-        t += rng.expovariate(rate)
-    results = await asyncio.gather(*(one_request(client, model, p, n, s)
-                                     for p, n, s in zip(prompts, lengths, starts)))
-    done = [r for r in results if r["first"] is not None]
-    wall = max(r["last"] for r in done) - begin
+def summarize(results: list[dict], offered: dict, begin: float, deadline: float,
+              count: int) -> dict:
+    """A phase's figures: what was offered, served, and how fast; tokens as the server
+    counted them (the stream's usage), else the text chunks."""
+    done = [r for r in results if r["finished"] and r["first"] is not None]
+    failed = [r for r in results if r.get("error")]
+    end = max((r["last"] for r in done), default=deadline)
+    wall = max(end - begin, 1e-9)
+    tokens = sum(r["tokens"] if r["tokens"] is not None else r["chunks"] for r in done)
     ttft = np.array([r["first"] - r["sent"] for r in done]) * 1e3
     tpot = np.array([(r["last"] - r["first"]) / (r["chunks"] - 1) for r in done
                      if r["chunks"] > 1]) * 1e3
-    pct = lambda a, q: round(float(np.percentile(a, q)), 2)  # noqa: E731
+    pct = lambda a, q: round(float(np.percentile(a, q)), 2) if len(a) else None  # noqa: E731
     return {
-        "rate_requests_per_s": rate, "requests": len(prompts), "completed": len(done),
-        "requests_per_s": round(len(done) / wall, 3),
+        **offered, "requests": count, "completed": len(done), "failed": len(failed),
+        "timed_out": len(done) + len(failed) < count,
+        "errors": sorted({r["error"] for r in failed})[:5],
+        "wall_s": round(wall, 2), "requests_per_s": round(len(done) / wall, 3),
+        "output_tok_per_s": round(tokens / wall, 1),
         "output_chunks_per_s": round(sum(r["chunks"] for r in done) / wall, 1),
         "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99),
         "tpot_ms_p50": pct(tpot, 50), "tpot_ms_p99": pct(tpot, 99),
     }
 
 
-async def measure(system: str, args, prompts, lengths) -> dict:
-    from openai import AsyncOpenAI
+def run_phase(url: str, args, requests: list[tuple[str, int]], timeout: float,
+              rate: float | None = None, concurrency: int | None = None) -> dict:
+    """One phase: Poisson arrivals at ``rate`` requests/s (``inf``: all at once), or a closed
+    loop of ``concurrency`` clients; bounded by ``timeout`` seconds."""
+    begin = time.perf_counter() + 3.0  # the client processes start meanwhile
+    deadline = begin + timeout
+    if rate is not None:
+        rng = random.Random(int(rate) if rate != float("inf") else 0)
+        starts, t = [], begin
+        for _ in requests:
+            starts.append(t)
+            t += 0.0 if rate == float("inf") else rng.expovariate(rate)
+        phase = Phase(url, args.model, requests, deadline, starts=starts,
+                      timeout=args.request_timeout)
+        offered = {"rate_requests_per_s": rate}
+    else:
+        phase = Phase(url, args.model, requests, deadline, concurrency=concurrency,
+                      timeout=args.request_timeout)
+        offered = {"concurrency": concurrency}
+    results = run_phases(split(phase, args.client_processes))
+    return summarize(results, offered, begin, deadline, len(requests))
 
+
+def scrape(url: str) -> dict[str, float]:
+    """hf-paged serve's /metrics, the samples without labels but ``le`` (empty for a server
+    without /metrics)."""
+    try:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+            text = response.read().decode()
+    except Exception:
+        return {}
+    return {s.name + (f"_le_{s.labels['le']}" if "le" in s.labels else ""): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples
+            if not s.name.endswith("_created")}
+
+
+def measure(system: str, args, requests: list[tuple[str, int]]) -> dict:
     port = free_port()
-    command = server_command(system, args.model, port, args.engine_option)
+    url = f"http://127.0.0.1:{port}"
+    command = server_command(system, args.model, port, args.engine_option, args.serve_arg)
+    timeout = args.baseline_phase_timeout if system == "transformers" else args.phase_timeout
     log = open(args.results_dir / f"serve-{system}.log", "w")  # noqa: SIM115
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                               env=dict(os.environ, PYTHONPATH=os.pathsep.join(
                                   [str(ROOT), os.environ.get("PYTHONPATH", "")])),
                               start_new_session=True)
-    client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                         timeout=args.request_timeout, max_retries=0)
     started = time.perf_counter()
+    phases: list[dict] = []
+    run = {"command": command[3:] if system == "transformers" else command[1:],
+           "phase_timeout_s": timeout, "phases": phases}
     try:
-        await wait_ready(client, args.model, time.monotonic() + args.start_timeout)
-        ready = time.perf_counter() - started
-        print(f"serving {system}: ready in {ready:.1f} s", flush=True)
-        rates = []
-        for rate in args.rates:
-            figures = await run_rate(client, args.model, prompts, lengths, rate, seed=int(rate))
-            print(f"serving {system} at {rate} req/s: {figures}", flush=True)
-            rates.append(figures)
-        return {"command": command[3:] if system == "transformers" else command[1:],
-                "ready_s": round(ready, 1), "rates": rates}
+        wait_ready(url, args.model, time.monotonic() + args.start_timeout)
+        run["ready_s"] = round(time.perf_counter() - started, 1)
+        print(f"serving {system}: ready in {run['ready_s']} s", flush=True)
+        plan = [dict(rate=r) for r in args.rates] + [dict(concurrency=c)
+                                                     for c in args.concurrency]
+        for offered in plan:
+            left = args.end - time.monotonic() - 5.0  # 5 s to stop the server
+            if left < 10.0:
+                phases.append({**offered, "skipped": "the run's --time-budget was spent"})
+                continue
+            figures = run_phase(url, args, requests, min(timeout, left), **offered)
+            metrics = scrape(url)
+            if metrics:
+                figures["server_metrics"] = {k: v for k, v in metrics.items()
+                                             if k.split("_le_")[0] in SCRAPED}
+            print(f"serving {system} {offered}: {figures}", flush=True)
+            phases.append(figures)
+        return run
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
@@ -155,20 +202,45 @@ async def measure(system: str, args, prompts, lengths) -> dict:
         log.close()
 
 
+# hf-paged serve with its engine in a process of its own, stock transformers serve, and
+# hf-paged serve in one process (engine loop and event loop sharing the GIL).
+SYSTEMS = ("hf_paged_engine_process", "transformers", "hf_paged")
+# What the result keeps of hf-paged serve's /metrics after each phase.
+SCRAPED = {"hf_paged_preemptions_total", "hf_paged_kv_blocks_total",
+           "hf_paged_prefix_cache_hit_rate", "hf_paged_generation_tokens_total",
+           "hf_paged_requests_finished_total"}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--rates", type=float, nargs="+", default=[1.0, 4.0, 16.0])
-    parser.add_argument("--num-requests", type=int, default=32, help="W1's first N")
+    parser.add_argument("--rates", type=float, nargs="*", default=[8.0, 16.0, 32.0, 64.0],
+                        help="Poisson arrival rates, requests/s (inf: all at once)")
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[64, 256],
+                        help="closed loops of this many clients")
+    parser.add_argument("--num-requests", type=int, default=256, help="W1's first N")
     parser.add_argument("--max-input-len", type=int, default=1024, help="W1's: 1024")
     parser.add_argument("--max-output-len", type=int, default=1024, help="W1's: 1024")
-    parser.add_argument("--systems", nargs="+", default=["transformers", "hf_paged"])
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS),
+                        help="run in this order (the time budget may cut the last short)")
     parser.add_argument("--engine-option", action="append", default=[],
                         help="KEY=VALUE for hf-paged serve's engine")
+    parser.add_argument("--serve-arg", action="append", default=[],
+                        help="an argument for hf-paged serve alone, e.g. "
+                             "--serve-arg=--switch-interval-ms=0.5")
+    parser.add_argument("--phase-timeout", type=float, default=90,
+                        help="seconds a phase of hf-paged serve may take")
+    parser.add_argument("--baseline-phase-timeout", type=float, default=25,
+                        help="seconds a phase of transformers serve may take (it serves a few "
+                             "requests a minute at W1's lengths)")
+    parser.add_argument("--time-budget", type=float, default=520,
+                        help="seconds for the whole run: phases that would pass it are skipped")
+    parser.add_argument("--client-processes", type=int, default=4)
     parser.add_argument("--start-timeout", type=float, default=240)
     parser.add_argument("--request-timeout", type=float, default=600)
     parser.add_argument("--results-dir", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
+    args.end = time.monotonic() + args.time_budget
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     args.model = decodable_copy(args.model, Path(f"{args.model.rstrip('/')}-decodable"),
                                 len(tokenizer))
@@ -184,11 +256,12 @@ def main(argv: list[str] | None = None) -> None:
         "checkpoint": args.model, "num_requests": args.num_requests,
         "max_input_len": args.max_input_len, "max_output_len": args.max_output_len,
         "prompt_tokens": sum(len(p) for p in workload.prompts),
-        "max_output_tokens": sum(lengths), "arrivals": "Poisson", "runs": {},
+        "max_output_tokens": sum(lengths), "arrivals": "Poisson, and closed loops",
+        "client_processes": args.client_processes, "runs": {},
     }
     for system in args.systems:
         try:
-            result["runs"][system] = asyncio.run(measure(system, args, prompts, lengths))
+            result["runs"][system] = measure(system, args, list(zip(prompts, lengths)))
         except Exception as error:  # a server that fails is reported, the other still runs
             result["runs"][system] = {"error": f"{type(error).__name__}: {error}"}
             print(f"serving {system} failed: {result['runs'][system]['error']}", flush=True)

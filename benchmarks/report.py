@@ -12,6 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
+from benchmarks import serving_report
 from benchmarks.common import RESULTS_DIR
 
 BASELINES = {
@@ -113,6 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     if not results:
         raise SystemExit(f"no result JSON with a summary in {args.results_dir}")
     text = table(results)
+    serving = serving_report.report(args.results_dir)  # its own rows: phases, not speedups
+    text += f"\n\nServing (bench_serving):\n\n{serving}\n" if serving else ""
     (args.results_dir / "README-table.md").write_text(text)
     print(text)
     png = args.results_dir / "throughput.png"

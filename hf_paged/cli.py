@@ -146,7 +146,7 @@ def _front(command: str, argv: list[str]) -> int:
                 print(serve.SERVE_HELP)
             else:
                 serve.check_serve_extras()
-            start = partial(serve.transformers_serve, rest)
+            start = serve.serve_command(rest)
         elif not rest or rest[0] in ("-h", "--help"):
             print(RUN_USAGE, file=sys.stdout if rest else sys.stderr)
             return 0 if rest else 2

@@ -41,9 +41,10 @@
 #   startup: from_pretrained on an empty Triton cache, then warm (bench_startup); T_START=240
 #   lm-eval: lm-eval's generate_until through HFLM, stock against patched (bench_lm_eval; needs
 #       lm_eval importable, e.g. from wheels on PYTHONPATH); T_LMEVAL=420, LMEVAL_ARGS
-#   serving: Poisson arrivals through hf-paged serve and transformers serve, both with
-#       --continuous-batching (bench_serving; needs fastapi, uvicorn, openai); T_SERVE=560,
-#       SERVE_ARGS (default: --rates 1 4 16 --num-requests 32)
+#   serving: W1's 256 requests through hf-paged serve and transformers serve, both with
+#       --continuous-batching: Poisson arrivals, then closed loops of 64 and 256 clients, each
+#       phase bounded in time (bench_serving; needs fastapi, uvicorn, openai,
+#       prometheus_client); T_SERVE=560, SERVE_ARGS (default: its own, about 7 minutes)
 #   moe: Qwen3-30B-A3B's layers, MOE_LAYERS=24 of its 48 (30 GB in bf16: a 64 GiB disk holds
 #       it), built once at CKPT_MOE=/tmp/ckpt/30b-a3b-$MOE_LAYERS (drawn on the GPU, written
 #       aside and moved in whole, so a build cut short leaves none; 69 s on an H100,
@@ -197,7 +198,7 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
       beam) bench beam "${T_BEAM:-240}" bench_beam_search "${BEAM_ARGS:-}" "${BASELINE_ARGS[@]}" ;;
       startup) bench startup "${T_START:-240}" bench_startup "" ;;
       serving) step serving "${T_SERVE:-560}" python -m benchmarks.bench_serving --model "$CKPT" \
-            --results-dir "$RESULTS" ${SERVE_ARGS:---rates 1 4 16 --num-requests 32} ;;
+            --results-dir "$RESULTS" ${SERVE_ARGS:-} ;;
       lm-eval) step lm-eval "${T_LMEVAL:-420}" python -m benchmarks.bench_lm_eval --model "$CKPT" \
             --results-dir "$RESULTS" ${LMEVAL_ARGS:-} ;;
       profile) step profile "${T_PROF:-120}" python -m benchmarks.profile_steps \

@@ -19,14 +19,19 @@ from transformers.generation.continuous_batching.requests import (
 from hf_paged.engine.sequence import Sequence, Status
 from hf_paged.generation.paged_engine import PagedEngine
 from hf_paged.integrations.continuous_batching_requests import RequestSettings
+from hf_paged.integrations.request_times import RequestTimes
 
 logger = logging.getLogger(__name__)
+# What a partial output shares with its request's state (``EngineLoop._partial``).
+_SHARED = ("generated_tokens", "logprobs", "error", "status", "created_time", "lifespan",
+           "timestamps")
 
 
 class EngineLoop:
     """A manager's requests on the engine; only the manager's background thread calls it (it
     is the manager's ``batch_processor``). ``active`` maps request ids to (state, sequence);
-    outputs go to the manager's ``OutputRouter``."""
+    outputs go to the manager's ``OutputRouter``; ``times`` totals what a server reports of
+    them (``/metrics``)."""
 
     def __init__(self, engine: PagedEngine, settings: RequestSettings, router: OutputRouter):
         self.engine = engine
@@ -34,6 +39,8 @@ class EngineLoop:
         self.settings = settings
         self.router = router
         self.active: dict[str, tuple[RequestState, Sequence]] = {}
+        self.times = RequestTimes()
+        self.first_token_at: dict[str, float] = {}  # request id -> when its first token came
 
     def take(self, states: list[RequestState], cancellations: list[str]) -> None:
         """New requests first, then cancellations (in that order, as transformers)."""
@@ -70,6 +77,7 @@ class EngineLoop:
         """Drop the request and free its KV blocks now; as in transformers, no output follows
         (an unknown or finished id is ignored)."""
         entry = self.active.pop(request_id, None)
+        self.first_token_at.pop(request_id, None)
         if entry is not None:
             self._release(entry[1])
 
@@ -105,6 +113,8 @@ class EngineLoop:
             if new > 0:
                 if state.status < RequestStatus.DECODING:
                     state.status = RequestStatus.DECODING
+                    self.first_token_at[request_id] = now
+                self.times.tokens += new
                 state.generated_tokens.extend(seq.token_ids[len(seq.token_ids) - new:])
                 if state.record_timestamps:
                     state.timestamps.extend([now] * new)
@@ -113,15 +123,32 @@ class EngineLoop:
             if seq.is_finished:
                 del self.active[request_id]
                 hooks.drop(seq)
+                first = self.first_token_at.pop(request_id, None)
+                self.times.request_done(state.created_time, first, now,
+                                        len(state.generated_tokens))
                 state.status = RequestStatus.FINISHED  # stamps the end of its lifespan
                 outputs.append(state.to_generation_output())
             elif new > 0 and state.streaming:
-                outputs.append(state.to_generation_output())
+                outputs.append(self._partial(state))
         if outputs:
             self.router.deliver_batch(outputs)
 
+    def _partial(self, state: RequestState) -> GenerationOutput:
+        """A streaming request's output before its last. For a request a result handler
+        reads (transformers serve's streamer, on the event loop: ``generated_tokens`` from where
+        it left off), the state's own lists rather than copies, which would cost this thread
+        O(length) a token every step; this thread only appends to them, so a reader sees a
+        prefix. Outputs read from the queue are copies, as transformers makes them."""
+        if state.request_id not in self.router.result_handlers or state._true_initial_tokens:
+            return state.to_generation_output()
+        output = GenerationOutput(state.request_id, prompt_ids=state.initial_tokens)
+        for name in _SHARED:
+            setattr(output, name, getattr(state, name))
+        return output
+
     def fail(self, request_id: str, error: Exception) -> None:
         state, seq = self.active.pop(request_id)
+        self.first_token_at.pop(request_id, None)
         self._release(seq)
         self.router.fail_and_deliver(state, error)
 
@@ -146,6 +173,7 @@ class EngineLoop:
             for _, seq in self.active.values():
                 self._release(seq)
             self.active.clear()
+            self.first_token_at.clear()
             if (self.engine.in_flight is not None and not self.engine.closed
                     and not self.engine.scheduler.has_work()):
                 self.engine.step()  # schedules nothing, collects the last step

@@ -25,6 +25,11 @@ _saved: dict[type, object] = {}
 _engine_defaults: dict[str, object] = {}
 
 
+def engine_defaults() -> dict[str, object]:
+    """The engine options of the latest ``patch_transformers()`` call (a copy)."""
+    return dict(_engine_defaults)
+
+
 class TransformersPatch:
     """What ``patch_transformers()`` returns; as a context manager it unpatches on exit."""
 

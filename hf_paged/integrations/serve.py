@@ -7,15 +7,17 @@ runs in this process, unchanged (its typer CLI, FastAPI app, handlers and uvicor
 checkpoints, so ``/v1/chat/completions``, ``/v1/completions`` and the rest call hf_paged's
 ``generate`` (or, with ``--continuous-batching``, its ``init_continuous_batching``).
 
-One thing is added (``serve_errors``): a request the engine refuses (a prompt too long for
-``max_model_len`` or the KV cache, a bad sampling value) gets a 400 in OpenAI's error shape,
-naming the problem, before its response starts, where transformers would answer a bare 500 or
-an error event inside a 200 stream.
+Added around transformers' app (``serve_front``): a request the engine refuses (a prompt too
+long for ``max_model_len`` or the KV cache, a bad sampling value) gets a 400 in OpenAI's error
+shape, naming the problem, before its response starts, where transformers would answer a bare
+500 or an error event inside a 200 stream (``serve_errors``); an API key, limits on a request's
+body and ``max_tokens``, ``/health`` naming a broken engine, and ``/metrics``.
 
 transformers serve's flags set only transformers' loading keywords (``--dtype``, ``--device``,
 ...), so engine options travel another way: hf-paged takes ``--engine-option KEY=VALUE`` out of
 the arguments before handing the rest over, and the patch applies them as defaults to every
-hf_paged load.
+hf_paged load. hf-paged's server flags (``--api-key``, ``--max-body-bytes``, ``--max-tokens``,
+``--switch-interval-ms``, ``--engine-process``) are taken out the same way.
 """
 
 from __future__ import annotations
@@ -24,14 +26,25 @@ import ast
 import importlib.metadata
 import importlib.util
 import sys
+from collections.abc import Callable
 
 ENGINE_OPTION = "--engine-option"
 SERVE_HELP = f"""\
 hf-paged serve: `transformers serve` with Qwen3 checkpoints loaded on hf_paged's engine.
-hf-paged's own option (repeatable, anywhere among the arguments):
+hf-paged's own options (anywhere among the arguments; --engine-option repeatable):
   {ENGINE_OPTION} KEY=VALUE   an engine option for every model the server loads, e.g.
                              {ENGINE_OPTION} max_model_len=4096 {ENGINE_OPTION} num_kv_blocks=2048
                              (VALUE is a Python literal: 128, 0.9, True, None; else a string)
+  --api-key KEY              every endpoint but /health needs 'Authorization: Bearer KEY'
+                             (default: the HF_PAGED_API_KEY environment variable; none: open)
+  --max-body-bytes N         refuse request bodies over N bytes with a 413 (default 4 MiB)
+  --max-tokens N             refuse requests asking for over N new tokens with a 400
+                             (default: the engine's max_model_len bounds a request)
+  --switch-interval-ms MS    the interpreter's thread switch interval (default: Python's 5):
+                             how long the engine's loop may wait for the GIL after a step
+  --engine-process           the engine in a process of its own (with --continuous-batching):
+                             the server's per-token work shares no GIL with its steps
+/health answers 503 naming why when an engine is broken; /metrics is Prometheus' text format.
 Every other argument is transformers serve's own:
 """
 
@@ -112,13 +125,23 @@ def run_console_command(name: str, args: list[str], prog: str | None = None) -> 
     return 0 if status is None else status
 
 
-def transformers_serve(args: list[str]) -> int:
-    """``transformers serve ARGS``, as its console command runs it (under the name hf-paged, so
-    that its usage lines read ``hf-paged serve``), its app refusing invalid requests with a 400
-    (``serve_errors``). Patch transformers first."""
-    from hf_paged.integrations import serve_errors
+def serve_command(args: list[str]) -> Callable[[], int]:
+    """What runs ``hf-paged serve ARGS`` (engine options taken out already): hf-paged's server
+    flags are parsed now (a bad one raises ValueError naming it), the rest go to
+    ``transformers serve``."""
+    from hf_paged.integrations.serve_front import take_front_options
 
-    uninstall = serve_errors.install()
+    options, rest = take_front_options(args)
+    return lambda: transformers_serve(rest, options)
+
+
+def transformers_serve(args: list[str], options=None) -> int:
+    """``transformers serve ARGS``, as its console command runs it (under the name hf-paged, so
+    that its usage lines read ``hf-paged serve``), its app extended by ``serve_front`` with
+    ``options`` (a ``FrontOptions``; None: the defaults). Patch transformers first."""
+    from hf_paged.integrations import serve_front
+
+    uninstall = serve_front.install(options or serve_front.FrontOptions())
     try:
         return run_console_command("transformers", ["serve", *args], prog="hf-paged")
     finally:

@@ -10,10 +10,10 @@ it with a 400 whose body names it, which the ``openai`` client raises as ``BadRe
 
 What is added, and nothing else (handlers, tokenization and generation stay transformers'):
 
-- ``install()`` wraps transformers' app factory (``transformers.cli.serving.server.
-  build_server``, which ``Serve`` imports when it starts). The app it builds gets two exception
-  handlers, and the server's ``GenerationState`` hands out its generation managers with a check
-  in front of ``generate_streaming`` / ``generate_non_streaming``.
+- ``extend(app, generation_state)`` (called by ``serve_front`` on each app transformers'
+  factory builds) adds two exception handlers, and has the server's ``GenerationState`` hand
+  out its generation managers with a check in front of ``generate_streaming`` /
+  ``generate_non_streaming``.
 - The check runs when transformers' handler calls the manager: the prompt is tokenized and the
   ``GenerationConfig`` built by transformers' own code (chat template, ``max_tokens``, its
   default of 1024 new tokens, a request's ``generation_config``), and nothing has been sent
@@ -27,10 +27,10 @@ What is added, and nothing else (handlers, tokenization and generation stay tran
 
 from __future__ import annotations
 
-import inspect
 import os
-from collections.abc import Callable
 from typing import Any
+
+from hf_paged.integrations import serve_stream
 
 # What a refusal's body says, in OpenAI's error shape.
 ERROR_TYPE = "invalid_request_error"
@@ -48,33 +48,6 @@ class RefusedRequest(Exception):
 def error_body(message: str) -> dict[str, Any]:
     """OpenAI's error shape: the ``openai`` client reads ``error.message`` as the message."""
     return {"error": {"message": message, "type": ERROR_TYPE, "param": None, "code": None}}
-
-
-def install() -> Callable[[], None]:
-    """Wrap transformers serve's app factory so that the apps it builds from now on refuse
-    invalid requests to hf_paged models with a 400; returns what undoes it. Installing twice
-    is the same as once."""
-    from transformers.cli.serving import server
-
-    stock = server.build_server
-    if getattr(stock, _GUARDED, False):
-        return lambda: None
-    signature = inspect.signature(stock)
-
-    def build_server(*args: Any, **kwargs: Any):
-        app = stock(*args, **kwargs)
-        extend(app, signature.bind(*args, **kwargs).arguments["generation_state"])
-        return app
-
-    setattr(build_server, _GUARDED, True)
-    build_server.__wrapped__ = stock  # type: ignore[attr-defined]
-    server.build_server = build_server
-
-    def uninstall() -> None:
-        if server.build_server is build_server:
-            server.build_server = stock
-
-    return uninstall
 
 
 def extend(app, generation_state) -> None:
@@ -104,12 +77,17 @@ def extend(app, generation_state) -> None:
 
 
 def guard(manager) -> None:
-    """Put ``refuse_invalid`` in front of ``manager``'s two generation entry points."""
+    """Put ``refuse_invalid`` in front of ``manager``'s two generation entry points (and keep a
+    continuous-batching stream's first outputs: ``serve_stream.keep_first_outputs``)."""
     stream, whole = manager.generate_streaming, manager.generate_non_streaming
 
     def generate_streaming(model, processor, inputs, gen_config, *args: Any, **kwargs: Any):
         refuse_invalid(manager, model, processor, inputs, gen_config, streaming=True)
-        return stream(model, processor, inputs, gen_config, *args, **kwargs)
+        cb = getattr(manager, "_cb", None)
+        if cb is None:
+            return stream(model, processor, inputs, gen_config, *args, **kwargs)
+        return serve_stream.keep_first_outputs(  # see there: a stream's first outputs
+            cb, lambda: stream(model, processor, inputs, gen_config, *args, **kwargs))
 
     async def generate_non_streaming(model, processor, inputs, gen_config, *args: Any,
                                      **kwargs: Any):
@@ -127,13 +105,13 @@ def refuse_invalid(manager, model, processor, inputs, gen_config, streaming: boo
     transformers' handler gives the manager, which passes them on as they are."""
     from hf_paged.integrations.causal_lm import PagedCausalLM
 
-    if not isinstance(model, PagedCausalLM):
+    cb = getattr(manager, "_cb", None)  # transformers' CBGenerateManager: the CB manager
+    if cb is None and not isinstance(model, PagedCausalLM):
         return
     try:
-        cb = getattr(manager, "_cb", None)  # transformers' CBGenerateManager: the CB manager
         if cb is not None:
             check = getattr(cb, "validate_request", None)
-            if check is not None:  # hf_paged's manager; transformers' own has none
+            if check is not None:  # hf_paged's managers; transformers' own has none
                 # what transformers' CBGenerateManager passes to add_request
                 check(inputs["input_ids"], max_new_tokens=gen_config.max_new_tokens,
                       eos_token_id=gen_config.eos_token_id)

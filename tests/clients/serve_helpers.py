@@ -104,20 +104,20 @@ class ServerProcess:
 
 
 @contextmanager
-def in_process_server(checkpoint: str, continuous_batching: bool,
+def in_process_server(checkpoint: str, continuous_batching: bool, front=None,
                       **engine_options) -> Iterator[tuple[str, hf_paged.Qwen3ForCausalLM]]:
     """transformers' own server (``transformers.cli.serve.Serve``, with uvicorn in a thread, as
-    transformers' own tests run it) in this process, patched and refusing invalid requests with
-    a 400 as hf-paged serve does: yields its URL and the model it loaded, so that a test can
-    read the engine's state afterwards."""
+    transformers' own tests run it) in this process, patched and extended as hf-paged serve
+    does (``front``: its ``FrontOptions``, None: the defaults): yields its URL and the model it
+    loaded, so that a test can read the engine's state afterwards."""
     from transformers.cli.serve import Serve
 
-    from hf_paged.integrations import serve_errors
+    from hf_paged.integrations import serve_front
 
     port, threads = free_port(), torch.get_num_threads()
     verbosity = transformers.logging.get_verbosity()  # Serve sets transformers' log level
     torch.set_num_threads(1)
-    uninstall = serve_errors.install()  # as hf-paged serve does
+    uninstall = serve_front.install(front or serve_front.FrontOptions())  # as hf-paged serve
     try:
         with hf_paged.patch_transformers(**engine_options):
             server = Serve(force_model=checkpoint, device="cpu", dtype="float32",

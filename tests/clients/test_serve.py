@@ -6,8 +6,7 @@ Three servers run as subprocesses on 127.0.0.1, started together: stock ``transf
 ``python -m hf_paged serve`` (transformers' ``model.generate`` + streamer path) and ``python -m
 hf_paged serve --continuous-batching`` (transformers' continuous-batching path, which calls
 ``model.init_continuous_batching``; tests of it carry ``continuous_batching`` in their ids). The
-load test runs transformers' server inside this process, so that it can read the engine's KV
-blocks afterwards.
+load test is test_serve_load.py.
 """
 
 from __future__ import annotations
@@ -17,24 +16,19 @@ import json
 import re
 import sys
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 import pytest
-import torch
-from tokenizers.decoders import DecodeStream
 
 from hf_paged.cli import main
 from hf_paged.integrations.patch import unpatch_transformers
 from tests.clients.serve_helpers import (
     MODEL,
-    REQUEST_TIMEOUT,
     ServerProcess,
     ask,
     client,
     hub_cache,
-    in_process_server,
     server_env,
 )
 from tests.conftest import SMALL
@@ -273,125 +267,6 @@ def test_cancelled_stream_then_server_answers(servers, stock, mode):
         chunks.close()
     for endpoint, request in (CASES["chat"], CASES["completion"]):
         assert ask(url, endpoint, **request) == stock(endpoint, **request)
-
-
-# ---- the load test: transformers' server in this process ---------------------------------
-
-NUM_REQUESTS, CONCURRENCY = 200, 32
-WORDS = "the river runs from a mountain to the sea past old towns and green fields".split()
-PROMPTS = [" ".join(WORDS[(i * 7) % len(WORDS):] + WORDS[:(i * 3) % 11])[:30 + 4 * i]
-           for i in range(40)]
-MAX_TOKENS = 8
-CANCEL_AFTER_CHUNKS = 2
-# Refused requests (a prompt longer than max_model_len=128, bad values, an unknown field) and
-# the words that name the problem in the answer.
-INVALID = {
-    "too_long": (dict(prompt="river " * 200, max_tokens=4), "max_model_len"),
-    "bad_temperature": (dict(prompt="Hi", max_tokens=4, temperature=-1,
-                             extra_body={"generation_config": SAMPLING}), "temperature"),
-    "zero_max_tokens": (dict(prompt="Hi", max_tokens=0), "max_new_tokens"),
-    "unknown_field": (dict(prompt="Hi", max_tokens=4, extra_body={"bogus": 1}), "bogus"),
-}
-
-
-def plan(i: int) -> tuple[str, dict, bool]:
-    """Request ``i`` of the load: (kind, request, stream); 10% cancelled, 8 invalid."""
-    if i % 25 == 12:
-        name = list(INVALID)[(i // 25) % len(INVALID)]
-        return name, dict(INVALID[name][0]), i // 25 >= len(INVALID)
-    if i % 10 == 5:
-        return "cancel", dict(prompt=PROMPTS[i % len(PROMPTS)], max_tokens=40), True
-    return "valid", dict(prompt=PROMPTS[i % len(PROMPTS)], max_tokens=3 + i % 6), i % 2 == 0
-
-
-def send(url: str, model: str, kind: str, request: dict, stream: bool) -> dict:
-    if kind != "cancel":
-        return ask(url, "completion", stream, model=model, **request)
-    with client(url) as c:
-        chunks = c.completions.create(model=model, stream=True, **request)
-        for _ in range(CANCEL_AFTER_CHUNKS):
-            next(chunks)
-        chunks.close()
-    return {"cancelled": True}
-
-
-def expected_outcome(tokenizer, prompt_len: int, ids: list[int], max_tokens: int,
-                     stream: bool) -> dict:
-    """transformers serve's answer for greedy tokens ``ids``: decoded whole, or step by step as
-    its streamer decodes them."""
-    if stream:
-        decoder = DecodeStream([], skip_special_tokens=True)
-        text = "".join(filter(None, (decoder.step(tokenizer._tokenizer, t) for t in ids)))
-    else:
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-    finish = "length" if len(ids) >= max_tokens else "stop"
-    return {"choices": [(text, None, finish)], "usage": (prompt_len, len(ids))}
-
-
-@pytest.fixture(scope="module")
-def greedy(tokenizer, stock_model):
-    """prompt -> (prompt length, stock generate's greedy new tokens, MAX_TOKENS of them)."""
-    out = {}
-    for prompt in PROMPTS:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        with torch.no_grad():
-            new = stock_model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
-        out[prompt] = (ids.shape[1], new[0, ids.shape[1]:].tolist())
-    return out
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_load(mode, tiny_checkpoint, tokenizer, greedy):
-    """200 completions, 32 at a time, 10% cancelled mid-stream, 8 invalid: every valid one
-    gets stock's greedy tokens, every invalid one is refused naming the problem, the server
-    answers afterwards and the engine holds no KV block."""
-    with in_process_server(tiny_checkpoint, mode == "continuous_batching", **SMALL) as (url,
-                                                                                      model):
-        requests = [plan(i) for i in range(NUM_REQUESTS)]
-        with ThreadPoolExecutor(CONCURRENCY) as pool:
-            futures = [pool.submit(send, url, tiny_checkpoint, *r) for r in requests]
-            outcomes = [f.result(timeout=REQUEST_TIMEOUT * 2) for f in futures]
-        for (kind, request, stream), outcome in zip(requests, outcomes):
-            if kind == "valid":
-                prompt_len, ids = greedy[request["prompt"]]
-                assert outcome == expected_outcome(tokenizer, prompt_len,
-                                                   ids[:request["max_tokens"]],
-                                                   request["max_tokens"], stream), request
-            elif kind in INVALID:
-                check_refused(mode, kind, outcome, stream)
-        last = dict(model=tiny_checkpoint, prompt=PROMPTS[0], max_tokens=MAX_TOKENS)
-        prompt_len, ids = greedy[PROMPTS[0]]
-        assert ask(url, "completion", **last) == expected_outcome(
-            tokenizer, prompt_len, ids, MAX_TOKENS, False)
-        stats = idle_stats(model)
-    assert stats["num_free_blocks"] == stats["num_blocks"], stats
-
-
-def check_refused(mode: str, kind: str, outcome: dict, stream: bool) -> None:
-    """transformers serve names an unknown field in a 422; what the engine refuses is a 400
-    naming it, streamed or not. transformers' continuous-batching manager passes a request's
-    prompt, max_new_tokens and EOS only: a bad temperature in the request's
-    generation_config is never seen there."""
-    words = INVALID[kind][1]
-    if kind == "unknown_field":
-        assert outcome["status"] == 422 and words in outcome["error"]["detail"], outcome
-    elif kind == "bad_temperature" and mode == "continuous_batching":
-        assert outcome["choices"][0][-1] == "length", outcome
-    else:
-        assert outcome["status"] == 400 and words in outcome["error"]["message"], outcome
-
-
-def idle_stats(model, timeout: float = 10.0) -> dict:
-    """The engine's stats once nothing runs or waits (a cancelled stream's generation ends at
-    its next token)."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = model.engine.stats()
-        if stats["num_running"] == stats["num_waiting"] == 0 or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.05)
 
 
 # ---- the command line ----------------------------------------------------------------------
