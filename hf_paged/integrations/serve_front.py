@@ -175,7 +175,10 @@ def extend(app, model_manager, generation_state, options: FrontOptions) -> None:
         return JSONResponse({"status": "unhealthy", "reason": reason, "error": error},
                             status_code=503)
 
-    app.add_api_route("/metrics", serve_metrics.endpoint(served), methods=["GET"])
+    # response_model=None: the handler's return annotation names a class imported inside a
+    # function, which FastAPI's OpenAPI listing cannot resolve (/openapi.json answered 500).
+    app.add_api_route("/metrics", serve_metrics.endpoint(served), methods=["GET"],
+                      response_model=None)
 
 
 class Guard:
