@@ -54,10 +54,11 @@ def scales_of(module: nn.Module) -> BlockScales | None:
     return scales if isinstance(scales, BlockScales) else None
 
 
-def tune_fp8_projections(layers: nn.Module) -> dict[str, dict]:
+def tune_fp8_projections(layers: nn.Module, dtype: torch.dtype) -> dict[str, dict]:
     """Set ``small_m_rows`` and ``w8a8_rows`` on every bias-free FP8 projection in ``layers``
-    (on CUDA) and return, per weight shape (``fp8``, and ``gated`` for a merged gate/up
-    projection), the microseconds measured and the choice."""
+    (on CUDA), timed on inputs of the model's ``dtype``, and return, per weight shape (``fp8``,
+    and ``gated`` for a merged gate/up projection), the microseconds measured and the
+    choice."""
     groups: dict[str, list[_ParallelLinear]] = defaultdict(list)
     for module in layers.modules():
         w = module.weight if isinstance(module, _ParallelLinear) else None
@@ -69,9 +70,9 @@ def tune_fp8_projections(layers: nn.Module) -> dict[str, dict]:
             groups[name].append(module)
     if not groups or not kernels.triton_available():
         return {}
-    dtype = activation_dtype(layers)
-    weight = next(iter(groups.values()))[0].weight
-    key = {"device": torch.cuda.get_device_name(weight.device), "dtype": str(dtype),
+    first = next(iter(groups.values()))[0]
+    key = {"device": torch.cuda.get_device_name(first.weight.device), "dtype": str(dtype),
+           "block": list(first.block),
            "shapes": {name: len(modules) for name, modules in groups.items()},
            "torch": torch.__version__, "kernel": _kernel_digest()}
     try:
@@ -86,20 +87,14 @@ def tune_fp8_projections(layers: nn.Module) -> dict[str, dict]:
     return report
 
 
-def activation_dtype(layers: nn.Module) -> torch.dtype:
-    """The dtype the projections' inputs come in: the layers' first floating-point parameter
-    that is not FP8 (the norms')."""
-    return next((p.dtype for p in layers.parameters()
-                 if p.is_floating_point() and p.dtype != FP8), torch.bfloat16)
-
-
 def _kernel_digest() -> str:
     import triton
 
     from hf_paged.kernels import fp8_gemm, small_m
+    from hf_paged.worker import projection_tuning  # its row rule and timing decide too
 
     text = triton.__version__.encode()
-    for path in (small_m.__file__, fp8_gemm.__file__, __file__):
+    for path in (small_m.__file__, fp8_gemm.__file__, projection_tuning.__file__, __file__):
         text += Path(path).read_bytes()
     return hashlib.sha256(text).hexdigest()[:16]
 

@@ -60,7 +60,8 @@ class Startup:
         if cuda:
             with self._stage("projections", "timing the projections"):
                 self.projection_timings = tune_projections(self.model.layers)
-                self.projection_timings |= tune_fp8_projections(self.model.layers)
+                self.projection_timings |= tune_fp8_projections(
+                    self.model.layers, self.model.embed_tokens.weight.dtype)
             chosen = {shape: r["small_m_rows"] for shape, r in self.projection_timings.items()}
             self._log(f"small-M kernel up to these rows, by projection shape: {chosen}")
             with self._stage("kernels", "compiling kernels"):
