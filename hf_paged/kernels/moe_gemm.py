@@ -28,6 +28,8 @@ reads only the weights of the experts it routes to.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -210,6 +212,9 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: t
         return out
     cfg = config or moe_config(tokens, num_experts, top_k, inter, hidden, x.dtype, fp8=fp8)
     scale_k = w13_scales.block_k if fp8 else cfg.block_k
+    if config is None and fp8 and scale_k < cfg.block_k and not scale_k & (scale_k - 1):
+        # narrower scale columns than the tile (64-wide blocks): a K step within one
+        cfg = dataclasses.replace(cfg, block_k=scale_k)
     if scale_k % cfg.block_k:
         raise ValueError(f"config.block_k={cfg.block_k} must divide the scales' {scale_k}")
     sorted_pairs, block_expert, used = moe_align(ids.contiguous(), num_experts, cfg.block_m)

@@ -66,6 +66,10 @@ def _checked(config: dict) -> dict:
             or not all(isinstance(b, int) and b > 0 for b in block)):
         raise _refuse("weight_block_size", block, "per-tensor FP8 is not served; a block size "
                       "is two positive integers")
+    # The kernels step along K by whole scale columns, in tiles of a power of two.
+    if block[1] < 16 or block[1] & (block[1] - 1):
+        raise _refuse("weight_block_size", block, "the block's input width (its second number) "
+                      "must be a power of two from 16")
     skip = config.get("modules_to_not_convert", config.get("ignored_layers"))
     if skip is not None and not (isinstance(skip, (list, tuple))
                                  and all(isinstance(s, str) for s in skip)):

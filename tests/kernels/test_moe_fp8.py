@@ -25,23 +25,24 @@ SHAPES = [
 ]
 
 
-def fp8_experts(experts: int, hidden: int, inter: int
+def fp8_experts(experts: int, hidden: int, inter: int, block: int = BLOCK
                 ) -> tuple[torch.Tensor, BlockScales, torch.Tensor, BlockScales]:
-    """Random float8_e4m3fn ``w13`` and ``w2`` with scale grids as a checkpoint stores them:
-    gate and up each with their own grid rows (stacked), down with one grid."""
+    """Random float8_e4m3fn ``w13`` and ``w2`` with scale grids of ``block``-square blocks as
+    a checkpoint stores them: gate and up each with their own grid rows (stacked), down with
+    one grid."""
     def grid(rows: int, cols: int) -> torch.Tensor:
         # scales of about 1 / (64 sqrt(K)): outputs of order one for values of order 64
-        cells = (experts, rows, -(-cols // BLOCK))
+        cells = (experts, rows, -(-cols // block))
         return (0.5 + torch.rand(cells, device=DEVICE)) / (64 * cols ** 0.5)
 
     def values(*shape: int) -> torch.Tensor:
         return (torch.randn(shape, device=DEVICE) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
 
     w13, w2 = values(experts, 2 * inter, hidden), values(experts, hidden, inter)
-    part = -(-inter // BLOCK)
-    s13 = BlockScales(grid(2 * part, hidden), grid_rows([inter, inter], BLOCK, DEVICE), BLOCK)
-    s2 = BlockScales(grid(-(-hidden // BLOCK), inter), grid_rows([hidden], BLOCK, DEVICE),
-                     BLOCK)
+    part = -(-inter // block)
+    s13 = BlockScales(grid(2 * part, hidden), grid_rows([inter, inter], block, DEVICE), block)
+    s2 = BlockScales(grid(-(-hidden // block), inter), grid_rows([hidden], block, DEVICE),
+                     block)
     return w13, s13, w2, s2
 
 
@@ -88,6 +89,17 @@ def test_fp8_unused_experts_are_not_read():
         tensor[unused] = float("nan")
     assert torch.equal(moe_experts(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2),
                        want)
+
+
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_fp8_experts_of_narrower_blocks(tokens):
+    """64-wide scale blocks, narrower than the default tiles' K step: the tiles step within
+    one scale column (a checkpoint of weight_block_size [64, 64])."""
+    x = activations(tokens, 160, HALF)
+    w13, s13, w2, s2 = fp8_experts(6, 160, 72, block=64)
+    weights, ids = routing(tokens, 6, 2, HALF)
+    want = reference.moe_experts(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2)
+    assert_close(moe_experts(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2), want)
 
 
 def test_fp8_arguments_refused_by_name():

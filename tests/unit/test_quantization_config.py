@@ -75,6 +75,7 @@ def test_a_passed_config_of_another_method_than_the_checkpoints_is_refused():
     (dict(weight_block_size=None), "weight_block_size=None"),
     (dict(weight_block_size=[128]), "weight_block_size=[128]"),
     (dict(weight_block_size=[0, 128]), "weight_block_size=[0, 128]"),
+    (dict(weight_block_size=[128, 96]), "weight_block_size=[128, 96]"),
     (dict(dequantize=True), "dequantize=True"),
     (dict(modules_to_convert=["model.embed_tokens"]), "modules_to_convert="),
     (dict(expert_dtype="fp4"), "expert_dtype='fp4'"),
