@@ -73,12 +73,15 @@ class EngineProcess:
             self._calls[call_id] = reply
             self.conn.send(("call", call_id, name, args))
         try:
-            return reply.get(timeout=timeout)
+            value = reply.get(timeout=timeout)
         except queue.Empty:
             raise RuntimeError(f"the engine process did not answer {name} in {timeout:.0f} s "
                                f"(exit code {self.process.poll()})") from None
         finally:
             self._calls.pop(call_id, None)
+        if isinstance(value, BaseException):  # the call raised there
+            raise RuntimeError(f"the engine process's {name} failed: {value!r}") from value
+        return value
 
     def _receive(self) -> None:
         while True:
@@ -93,7 +96,12 @@ class EngineProcess:
                 if waiting is not None:
                     waiting.put(message[2])
             else:
-                self.on_message(message)
+                try:
+                    self.on_message(message)
+                except Exception as error:  # a stream that hears nothing more would hang
+                    logger.exception("handling the engine process's output failed")
+                    self.on_message(("fatal", f"handling the engine's output failed: {error!r}"))
+                    return
 
     def stop(self, timeout: float = 30.0) -> None:
         try:
@@ -119,6 +127,12 @@ class _Handoff:
 
     def call_soon_threadsafe(self, function, *args) -> None:
         self.calls.put((function, args))
+
+
+def _failed():
+    from transformers.generation.continuous_batching.requests import RequestStatus
+
+    return RequestStatus.FAILED
 
 
 class _Engine:
@@ -152,6 +166,8 @@ class _Engine:
                 logger.exception("engine process: %s failed", kind)
                 if kind == "call":
                     self.send("reply", message[1], error)
+                elif kind == "add":  # the request fails alone, named, instead of never ending
+                    self.send("out", [(message[1]["request_id"], [], _failed(), repr(error))])
         if self.manager is not None:
             self.manager.stop(block=True, timeout=30)
 

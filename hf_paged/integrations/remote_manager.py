@@ -165,7 +165,8 @@ class RemoteManager(ContinuousBatchingManager):
                 outputs.append(GenerationOutput(request_id, generated_tokens=tokens,
                                                 status=status, error=error))
                 if status in (RequestStatus.FINISHED, RequestStatus.FAILED):
-                    del self.tokens[request_id]
+                    # pop: the event loop may have cancelled it since (cancel_request)
+                    self.tokens.pop(request_id, None)
             if outputs:
                 self.output_router.deliver_batch(outputs)
         elif kind == "fatal":
