@@ -51,9 +51,6 @@ def dequantize(weight: torch.Tensor, scales: BlockScales, dtype: torch.dtype) ->
     return (weight.float() * per_element).to(dtype)
 
 
-FP8 = torch.float8_e4m3fn
-
-
 def quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """``weight [..., N, K]`` -> (its float8_e4m3fn values, its float32 ``weight_scale_inv``
     grid ``[..., ceil(N / bn), ceil(K / bk)]``), as transformers' ``Fp8Quantize`` computes them:
