@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from transformers import FineGrainedFP8Config
 
 # The keys of a fine-grained FP8 config (transformers' FineGrainedFP8Config, and ``fmt`` of
@@ -37,6 +38,15 @@ class Fp8Scheme:
     modules_to_not_convert: tuple[str, ...] | None
     pre_quantized: bool  # the checkpoint holds FP8 weights; else they are quantized on load
     config: dict  # the quantization_config as config.json keeps it
+
+
+def check_device(scheme: Fp8Scheme, device: torch.device) -> None:
+    """Raise ValueError when the kernels of ``device`` cannot read ``scheme``'s blocks: on
+    CUDA a GEMM's K step (at least 16, the tensor cores' depth) stays within one scale column,
+    so blocks narrower than 16 columns are served on the CPU path only."""
+    if device.type == "cuda" and scheme.block[1] < 16:
+        raise _refuse("weight_block_size", list(scheme.block), "on CUDA the block's input "
+                      "width must be at least 16")
 
 
 def _refuse(key: str, value: object, why: str) -> ValueError:
@@ -67,9 +77,9 @@ def _checked(config: dict) -> dict:
         raise _refuse("weight_block_size", block, "per-tensor FP8 is not served; a block size "
                       "is two positive integers")
     # The kernels step along K by whole scale columns, in tiles of a power of two.
-    if block[1] < 16 or block[1] & (block[1] - 1):
+    if block[1] & (block[1] - 1):
         raise _refuse("weight_block_size", block, "the block's input width (its second number) "
-                      "must be a power of two from 16")
+                      "must be a power of two")
     skip = config.get("modules_to_not_convert", config.get("ignored_layers"))
     if skip is not None and not (isinstance(skip, (list, tuple))
                                  and all(isinstance(s, str) for s in skip)):

@@ -18,6 +18,7 @@ from hf_paged import quantization
 from hf_paged.families import check_model
 from hf_paged.modeling.full_forward import full_forward
 from hf_paged.modeling.tp import SINGLE
+from hf_paged.quantization import fp8
 from hf_paged.step import StepPlan, StepResult, WorkerSpec
 from hf_paged.worker.backend import resolve_backend
 from hf_paged.worker.channel import RESULTS, STEP
@@ -182,6 +183,8 @@ def check_spec(spec: WorkerSpec, quantization_config: object = None) -> None:
     into ``spec.quantization`` and the attention backend (in ``spec.config``) for the
     device."""
     spec.quantization = quantization.resolve(spec.hf_config, quantization_config)
+    if spec.quantization is not None:
+        fp8.check_device(spec.quantization, spec.device)
     check_model(spec.hf_config, spec.config.tensor_parallel_size, spec.quantization)
     spec.config.attention_backend = resolve_backend(
         spec.config.attention_backend, spec.device, spec.config.block_size)

@@ -11,10 +11,12 @@ import re
 import shutil
 
 import pytest
+import torch
 from transformers import AutoConfig, BitsAndBytesConfig, FineGrainedFP8Config, Qwen3Config
 
 import hf_paged
 from hf_paged import cli, families, quantization
+from hf_paged.quantization import fp8
 from hf_paged.random_checkpoint import shape_config
 from tests.conftest import FP8_CONFIGS, TINY_CONFIGS
 
@@ -86,6 +88,15 @@ def test_fp8_variants_not_served_are_refused_by_name(override, named):
     with pytest.raises(ValueError,
                        match=rf"quant_method 'fp8'\): {re.escape(named)}.* is not served"):
         quantization.resolve(config)
+
+
+def test_blocks_narrower_than_the_gpu_kernels_step_are_served_on_the_cpu_only():
+    config = Qwen3Config(**TINY_CONFIGS["gqa_tied"],
+                         quantization_config={**FP8, "weight_block_size": [8, 8]})
+    scheme = quantization.resolve(config)
+    fp8.check_device(scheme, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"weight_block_size=\[8, 8\] is not served .*CUDA"):
+        fp8.check_device(scheme, torch.device("cuda"))
 
 
 def test_a_missing_block_size_is_refused_as_per_tensor_fp8():
