@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import PretrainedConfig, Qwen3Config, Qwen3ForCausalLM
 
 from hf_paged.random_checkpoint import SHAPES, make_checkpoint, quantize_fp8, random_qwen3
 
@@ -102,18 +102,23 @@ def moe_checkpoints(tmp_path_factory) -> dict[str, str]:
     return paths
 
 
+def float32_checkpoint(folder, shape: dict, seed: int = 0) -> tuple[str, PretrainedConfig]:
+    """A random float32 checkpoint of ``shape`` (a Qwen3 one unless it names its
+    ``model_type``) written to ``folder``; the folder and its config."""
+    config = transformers.AutoConfig.for_model(**{"model_type": "qwen3", **shape},
+                                               dtype="float32")
+    random_qwen3(config, seed=seed).save_pretrained(folder)
+    return str(folder), config
+
+
 @pytest.fixture(scope="session")
 def fp8_checkpoints(tmp_path_factory) -> dict[str, str]:
     """name -> folder of a random checkpoint in the fine-grained FP8 layout (float32 weights
     quantized by ``hf-paged make-checkpoint --quantize fp8``'s code)."""
     paths = {}
     for name, shape in FP8_CONFIGS.items():
-        path = str(tmp_path_factory.mktemp(f"fp8_{name}"))
-        config = transformers.AutoConfig.for_model(**{"model_type": "qwen3", **shape},
-                                                   dtype="float32")
-        random_qwen3(config, seed=0).save_pretrained(path)
-        quantize_fp8(path, config)
-        paths[name] = path
+        paths[name], config = float32_checkpoint(tmp_path_factory.mktemp(f"fp8_{name}"), shape)
+        quantize_fp8(paths[name], config)
     return paths
 
 

@@ -51,62 +51,56 @@ def activations(tokens: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(tokens, hidden, device=DEVICE).to(dtype)
 
 
+def case(shape: tuple[int, ...], dtype: torch.dtype, block: int = BLOCK) -> dict:
+    """``moe_experts``' arguments for ``shape`` (tokens, experts, top_k, hidden, intermediate):
+    activations, FP8 experts with ``block``-square scale blocks, and a routing."""
+    tokens, experts, top_k, hidden, inter = shape
+    w13, s13, w2, s2 = fp8_experts(experts, hidden, inter, block)
+    weights, ids = routing(tokens, experts, top_k, dtype)
+    return dict(x=activations(tokens, hidden, dtype), w13=w13, w2=w2, weights=weights, ids=ids,
+                w13_scales=s13, w2_scales=s2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_fp8_experts(dtype, shape):
-    tokens, experts, top_k, hidden, inter = shape
-    x = activations(tokens, hidden, dtype)
-    w13, s13, w2, s2 = fp8_experts(experts, hidden, inter)
-    weights, ids = routing(tokens, experts, top_k, dtype)
-    want = reference.moe_experts(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2)
+    args = case(shape, dtype)
+    want = reference.moe_experts(**args)
     assert want.abs().max() > 0.1  # scales that keep the outputs away from zero
-    assert_close(moe_experts(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2), want)
-
-
-def test_fp8_short_k_steps_and_narrow_tiles():
-    """Four K steps per scale block, N tiles that split the gate/up grid rows."""
-    tokens, experts, top_k, hidden, inter = 6, 4, 2, 200, 72
-    x = activations(tokens, hidden, HALF)
-    w13, s13, w2, s2 = fp8_experts(experts, hidden, inter)
-    weights, ids = routing(tokens, experts, top_k, HALF)
-    config = MoEConfig(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4,
-                       num_stages=2)
-    assert_close(
-        moe_experts(x, w13, w2, weights, ids, config=config, w13_scales=s13, w2_scales=s2),
-        reference.moe_experts(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2))
-
-
-def test_fp8_unused_experts_are_not_read():
-    """NaN in the weights and scales of every expert no token picks leaves the output
-    unchanged."""
-    tokens, experts, top_k, hidden, inter = 2, 8, 2, 64, 40
-    x = activations(tokens, hidden, HALF)
-    w13, s13, w2, s2 = fp8_experts(experts, hidden, inter)
-    weights, ids = routing(tokens, experts, top_k, HALF)
-    want = moe_experts(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2)
-    unused = sorted(set(range(experts)) - set(ids.flatten().tolist()))
-    for tensor in (w13, w2, s13.inv, s2.inv):
-        tensor[unused] = float("nan")
-    assert torch.equal(moe_experts(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2),
-                       want)
+    assert_close(moe_experts(**args), want)
 
 
 @pytest.mark.parametrize("tokens", [1, 40])
 def test_fp8_experts_of_narrower_blocks(tokens):
     """64-wide scale blocks, narrower than the default tiles' K step: the tiles step within
     one scale column (a checkpoint of weight_block_size [64, 64])."""
-    x = activations(tokens, 160, HALF)
-    w13, s13, w2, s2 = fp8_experts(6, 160, 72, block=64)
-    weights, ids = routing(tokens, 6, 2, HALF)
-    want = reference.moe_experts(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2)
-    assert_close(moe_experts(x, w13, w2, weights, ids, w13_scales=s13, w2_scales=s2), want)
+    args = case((tokens, 6, 2, 160, 72), HALF, block=64)
+    assert_close(moe_experts(**args), reference.moe_experts(**args))
+
+
+def test_fp8_short_k_steps_and_narrow_tiles():
+    """Four K steps per scale block, N tiles that split the gate/up grid rows."""
+    args = case((6, 4, 2, 200, 72), HALF)
+    config = MoEConfig(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=4,
+                       num_stages=2)
+    assert_close(moe_experts(**args, config=config), reference.moe_experts(**args))
+
+
+def test_fp8_unused_experts_are_not_read():
+    """NaN in the weights and scales of every expert no token picks leaves the output
+    unchanged."""
+    args = case((2, 8, 2, 64, 40), HALF)
+    want = moe_experts(**args)
+    unused = sorted(set(range(8)) - set(args["ids"].flatten().tolist()))
+    for tensor in (args["w13"], args["w2"], args["w13_scales"].inv, args["w2_scales"].inv):
+        tensor[unused] = float("nan")
+    assert torch.equal(moe_experts(**args), want)
 
 
 def test_fp8_arguments_refused_by_name():
-    tokens, experts, top_k, hidden, inter = 2, 4, 2, 64, 32
-    x = activations(tokens, hidden, HALF)
-    w13, s13, w2, s2 = fp8_experts(experts, hidden, inter)
-    weights, ids = routing(tokens, experts, top_k, HALF)
+    args = case((2, 4, 2, 64, 32), HALF)
+    x, w13, w2, weights, ids = (args[k] for k in ("x", "w13", "w2", "weights", "ids"))
+    s13, s2 = args["w13_scales"], args["w2_scales"]
     with pytest.raises(ValueError, match="w13_scales and w2_scales"):
         moe_experts(x, w13, w2, weights, ids, w13_scales=s13)
     with pytest.raises(ValueError, match="float8_e4m3fn"):

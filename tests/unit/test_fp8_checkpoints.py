@@ -12,15 +12,13 @@ import re
 
 import pytest
 import torch
-import transformers
 from safetensors.torch import load_file
 from transformers import FineGrainedFP8Config
 from transformers.integrations.finegrained_fp8 import Fp8Quantize
 
 import hf_paged
 from hf_paged.kernels.block_scales import FP8, BlockScales, dequantize, grid_rows, quantize
-from hf_paged.random_checkpoint import random_qwen3
-from tests.conftest import FP8_CONFIGS
+from tests.conftest import FP8_CONFIGS, float32_checkpoint
 from tests.unit.test_loading_errors import drop, rewrite
 
 SMALL = dict(device="cpu", dtype=torch.float32, max_model_len=64, num_kv_blocks=16,
@@ -130,14 +128,8 @@ def float_checkpoints(tmp_path_factory) -> dict[str, str]:
     shapes = {"blocks_untied": FP8_CONFIGS["blocks_untied"],
               "moe_blocks_dense0": FP8_CONFIGS["moe_blocks_dense0"],
               "mlp_300": dict(FP8_CONFIGS["blocks_untied"], intermediate_size=300)}
-    paths = {}
-    for name, shape in shapes.items():
-        path = str(tmp_path_factory.mktemp(f"float_{name}"))
-        config = transformers.AutoConfig.for_model(**{"model_type": "qwen3", **shape},
-                                                   dtype="float32")
-        random_qwen3(config, seed=3).save_pretrained(path)
-        paths[name] = path
-    return paths
+    return {name: float32_checkpoint(tmp_path_factory.mktemp(f"float_{name}"), shape, seed=3)[0]
+            for name, shape in shapes.items()}
 
 
 @pytest.mark.parametrize("name", ["blocks_untied", "moe_blocks_dense0", "mlp_300"])
