@@ -17,6 +17,7 @@ from hf_paged.engine import followers
 from hf_paged.engine.batch import ScheduledBatch
 from hf_paged.engine.block_manager import BlockManager
 from hf_paged.engine.loading import load
+from hf_paged.engine.padded_forward import PaddedForward
 from hf_paged.engine.run_loop import progress_text, step_until_finished, stream_new_tokens
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.sequence import Sequence, Status
@@ -26,7 +27,7 @@ from hf_paged.sampling_params import SamplingParams
 from hf_paged.worker.executor import Executor
 
 
-class EngineCore:
+class EngineCore(PaddedForward):
     """A model served by continuous batching over a paged KV cache.
 
     ``generate_tokens`` takes token-id lists with per-request ``SamplingParams``;
@@ -146,30 +147,6 @@ class EngineCore:
         for seq in seqs:
             self.scheduler.add(seq)
         return seqs
-
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      position_ids: torch.Tensor) -> torch.Tensor:
-        """transformers' model forward over padded ``[batch, seq_len]`` rows (SDPA attention):
-        the final (normed) hidden states, on a scratch KV cache, so the engine's cache and
-        prefix cache are left alone."""
-        if self.closed:
-            raise RuntimeError("this model was closed; load it again to use it")
-        if self.config.tensor_parallel_size > 1:  # the other ranks only follow steps
-            raise ValueError("the model call (forward) runs in one process: it is not available "
-                             "with tensor_parallel_size > 1; generate() is")
-        return self.executor.hidden_states(input_ids, attention_mask, position_ids)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                position_ids: torch.Tensor, logits_to_keep: int | torch.Tensor = 0
-                ) -> torch.Tensor:
-        """The logits of ``hidden_states`` (``logits_to_keep`` as transformers takes it), in
-        the model dtype."""
-        hidden = self.hidden_states(input_ids, attention_mask, position_ids)
-        if isinstance(logits_to_keep, int):
-            hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
-        else:
-            hidden = hidden[:, logits_to_keep.to(hidden.device)]
-        return self.executor.logits(hidden)
 
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError, naming the argument, for a request the engine cannot serve."""
