@@ -244,7 +244,7 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
 
   echo "=== results"
   if python -m benchmarks.report --results-dir "$RESULTS" && [[ -n ${OUT:-} ]]; then
-    cp "$RESULTS/README-table.md" "$OUT/"
+    cp "$RESULTS/README-table.md" "$RESULTS"/*.json "$OUT/"
     [[ ! -f $RESULTS/throughput.png ]] || cp "$RESULTS/throughput.png" "$OUT/"
   fi
   echo "=== steps"

@@ -20,7 +20,8 @@ from tests.gpu.test_gpu_parity import (
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
-    return make_checkpoint("0.6b", str(tmp_path_factory.mktemp("qwen3-0.6b")), dtype="bfloat16")
+    return make_checkpoint("0.6b", str(tmp_path_factory.mktemp("qwen3-0.6b")), dtype="bfloat16",
+                           device="cuda")
 
 
 @pytest.fixture(scope="session")

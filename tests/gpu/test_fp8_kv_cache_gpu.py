@@ -2,7 +2,7 @@
 (the store's e4m3 values, decode attention split and unsplit, cascade, replayed from a CUDA
 graph), and the engine on it: float32 tokens of the Triton backend equal to the plain-torch
 backend's over the same FP8 cache, CUDA graphs equal to eager, and in bf16 at the 0.6B shape
-greedy top-1 agreement with the bf16 cache."""
+greedy top-1 agreement with the bf16 cache, as its plain-torch definition agrees."""
 
 from __future__ import annotations
 
@@ -18,23 +18,25 @@ from tests.kernels.test_fp8_kv_cache import FP8, bits, fp8_batch
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
+# How far the kernels' agreement with the bf16 cache may fall below the definition's: the
+# kernels' norm and RoPE may round a key to the neighbouring e4m3 value.
+SLACK = 0.05
 
 
 def test_store_rounds_as_the_reference():
+    """The cache holds exactly the reference's e4m3 rounding of the rotated keys and the values
+    the kernel wrote: the rotation itself may differ from the reference's by a bf16 step of its
+    inputs (another rsqrt, fused products), which near a cancellation is many e4m3 steps of a
+    small key; the non-FP8 tests hold the rotation to the reference."""
     _, args = attention_inputs(300, 16, 8, 128, 64, 8, torch.bfloat16)
     caches = [torch.zeros(c.shape, device=CUDA).to(FP8) for c in args[8:10]]
     k_scale, v_scale = (torch.rand(8, device=CUDA) * 0.05 + 1e-3 for _ in "kv")
     expected = [c.clone() for c in caches]
-    reference.norm_rope_store(*[a.clone() for a in args[:3]], *args[3:8], *expected, args[10],
-                              k_scale, v_scale)
     norm_rope_store(*args[:8], *caches, args[10], k_scale, v_scale)
+    key, value = args[1:3]  # the rotated keys, written in place
+    reference.store_kv(key, value, *expected, args[10], k_scale, v_scale)
     for got, want in zip(caches, expected):
-        # The same e4m3 value, but where the kernel's norm and RoPE (another rsqrt, fused
-        # products) moved a key across a rounding midpoint: then the neighbouring one.
-        same = torch.eq(bits(got), bits(want))
-        step = torch.maximum(want.float().abs(), torch.tensor(2.0**-6, device=CUDA)) / 8
-        assert ((got.float() - want.float()).abs() <= step).all()
-        assert same.float().mean() > 0.999
+        assert torch.equal(bits(got), bits(want))
 
 
 @pytest.mark.parametrize("num_splits,shared", [(1, 0), (None, 0), (4, 0), (None, 5)])
@@ -81,19 +83,29 @@ def test_engine_on_the_kernels_is_the_twins_over_an_fp8_cache(tmp_path):
     assert agree >= 0.95, agree
 
 
-def test_agreement_with_the_bf16_cache_at_the_real_shape(checkpoint, batch):
-    """Teacher-forced over the bf16 cache's own greedy tokens: the FP8 cache's top-1 agrees on
-    most positions (transformers' near-ties aside, fp8 error moves bf16 logits by a few of
-    their steps)."""
+def test_agreement_with_the_bf16_cache_as_the_definition_agrees(checkpoint, batch):
+    """bf16, the 0.6B shape, teacher-forced over the bf16 cache's own greedy tokens: the FP8
+    cache on the kernels picks the bf16 cache's top-1 as often as the FP8 cache's definition
+    does (the plain-torch backend over its e4m3 values), within ``SLACK``. The agreement
+    itself belongs to the format and the checkpoint (a random one, its logits scaled to
+    have no near-ties, amplifies a 2^-4 rounding of keys and values more than trained weights
+    do); it is printed with the mean KL divergence, and the benchmark reports it on W1."""
     ids, mask = batch
+    new = slice(ids.shape[1] - 1, -1)
     with hf_paged.from_pretrained(checkpoint, device="cuda") as engine:
         out = engine.generate(ids, attention_mask=mask, max_new_tokens=32)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         full = torch.cat([positions, positions[:, -1:] + torch.arange(1, 33)], dim=1)
         full_mask = torch.cat([mask, torch.ones(mask.shape[0], 32, dtype=mask.dtype)], dim=1)
-        plain = engine.forward(out, full_mask, full).float()
-    with hf_paged.from_pretrained(checkpoint, device="cuda", kv_cache_dtype="fp8") as engine:
-        fp8 = engine.forward(out, full_mask, full).float()
-    new = slice(ids.shape[1] - 1, -1)
-    agree = (plain[:, new].argmax(-1) == fp8[:, new].argmax(-1)).float().mean()
-    assert agree >= 0.9, agree
+        plain = engine.forward(out, full_mask, full).float()[:, new]
+    agree = {}
+    for backend in ("triton", "sdpa"):
+        with hf_paged.from_pretrained(checkpoint, device="cuda", kv_cache_dtype="fp8",
+                                      attention_backend=backend) as engine:
+            fp8 = engine.forward(out, full_mask, full).float()[:, new]
+        agree[backend] = float((plain.argmax(-1) == fp8.argmax(-1)).float().mean())
+        kl = torch.nn.functional.kl_div(fp8.log_softmax(-1), plain.log_softmax(-1),
+                                        log_target=True, reduction="none").sum(-1).mean()
+        print(f"FP8 cache, {backend} backend: top-1 agreement with the bf16 cache "
+              f"{agree[backend]:.1%}, mean KL {float(kl):.4f}")
+    assert agree["triton"] >= agree["sdpa"] - SLACK, agree
