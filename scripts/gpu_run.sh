@@ -6,7 +6,7 @@
 #                                     moe-prof moe-kernels speculation quantized (default: the
 #                                     first four)
 #
-# Everything printed also goes to $OUT/run.log, and the result JSONs, README-table.md and
+# Everything printed also goes to $OUT/run.log, and this run's result JSONs, README-table.md and
 # throughput.png are copied into $OUT, when OUT is set. Each step runs under a time limit (a
 # benchmark cut short keeps the figures it had saved) and a failing step does not stop the next.
 # A call runs at most 10 minutes: the GPU tests take 4 to 6 of them (their slowest are listed)
@@ -177,6 +177,8 @@ quantized() {  # W8 on each shape of QUANT_SHAPES, its FP8 copy built once
   done
 }
 
+STARTED=$(mktemp)  # the JSONs written after it are this run's
+
 main() {
   nvidia-smi -L || true
   python -c 'import sys, torch, transformers, triton
@@ -244,7 +246,9 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
 
   echo "=== results"
   if python -m benchmarks.report --results-dir "$RESULTS" && [[ -n ${OUT:-} ]]; then
-    cp "$RESULTS/README-table.md" "$RESULTS"/*.json "$OUT/"
+    # Only this run's JSONs: a call brings back a bounded number of files.
+    cp "$RESULTS/README-table.md" "$OUT/"
+    find "$RESULTS" -name '*.json' -newer "$STARTED" -exec cp {} "$OUT/" \;
     [[ ! -f $RESULTS/throughput.png ]] || cp "$RESULTS/throughput.png" "$OUT/"
   fi
   echo "=== steps"
