@@ -65,6 +65,10 @@ class EngineConfig:
         speculative_max_batch: speculation runs while at most this many requests are running;
             a larger batch decodes one token a step, since verifying drafts for it would cost
             more compute than the weight reads it saves.
+        max_loras: LoRA adapters the engine holds at once (``add_lora``), each in a slot
+            beside every projection; requests on any of them and on the base model share
+            batches. The slots take device memory from the first adapter on.
+        max_lora_rank: the largest adapter rank a slot holds (smaller ranks are zero-padded).
     """
 
     max_num_seqs: int = 256
@@ -87,10 +91,13 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 2
     speculative_max_batch: int = 8
+    max_loras: int = 4
+    max_lora_rank: int = 64
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
-                     "num_speculative_tokens", "prompt_lookup_max", "speculative_max_batch"):
+                     "num_speculative_tokens", "prompt_lookup_max", "speculative_max_batch",
+                     "max_loras", "max_lora_rank"):
             _require_positive_int(name, getattr(self, name))
         for name in ("max_model_len", "num_kv_blocks", "max_graph_batch_size"):
             if getattr(self, name) is not None:

@@ -133,6 +133,8 @@ class SamplingParams:
         hooks: logits processing and stopping done by the caller (see ``RequestHooks``).
         speculation: speculative decoding for this request (see ``Speculation``); None: the
             engine's own (``EngineConfig.speculative_method``), if any.
+        adapter: the name of a LoRA adapter the engine holds (``EngineCore.add_lora``) to
+            generate with; None: the base model.
     """
 
     max_new_tokens: int = 16
@@ -145,8 +147,11 @@ class SamplingParams:
     ignore_eos: bool = False
     hooks: RequestHooks | None = None
     speculation: Speculation | None = None
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
+        if self.adapter is not None and not isinstance(self.adapter, str):
+            raise ValueError(f"adapter must be an adapter's name or None, got {self.adapter!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
             raise ValueError(
                 f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}"

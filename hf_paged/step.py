@@ -97,6 +97,8 @@ class StepPlan:
     num_draft_tokens: list[int] = field(default_factory=list)
     # Also report the probability each drawn token had (a draft model's confidence).
     report_probs: bool = False
+    # Each sequence's LoRA adapter slot (-1: the base model); empty: none in the step.
+    lora_slots: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -126,6 +128,8 @@ class StepInputs:
     # sampled rows of no group, then one per follower forked by it (0 for a step verifying
     # drafts, whose tokens the host reads before it schedules the next).
     num_drawn: int
+    # Per sequence: its LoRA adapter slot (-1: none); empty when no sequence has one.
+    lora_slots: list[int] = field(default_factory=list)
 
 
 @dataclass

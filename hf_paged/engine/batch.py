@@ -54,6 +54,8 @@ class ScheduledBatch:
             [s.block_table for s in seqs], self.sample,
             [s.sampling for s in seqs], [(i, f.sampling) for i, f in self.sample_copies],
             self.block_copies, self.is_decode, self.num_draft_tokens if drafting else [],
+            lora_slots=[s.lora_slot for s in seqs] if any(s.lora_slot >= 0 for s in seqs)
+            else [],
         )
 
     @property

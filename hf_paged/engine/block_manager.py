@@ -1,9 +1,11 @@
 """Paged KV blocks: block tables, reference counts, prefix cache and LRU eviction.
 
 A full block is named by a chained hash (xxhash of its parent's hash and its token ids), so a
-hash names a whole prefix. A block whose last user lets go keeps its hash and contents and
-joins the evictable LRU; allocation takes never-used (or hash-less) blocks first, then evicts
-the least recently used cached block. Every operation is O(1) per block.
+hash names a whole prefix; a chain starts from the sequence's LoRA adapter's id (0: the base
+model), so blocks computed under one adapter never serve another. A block whose last user
+lets go keeps its hash and contents and joins the evictable LRU; allocation takes never-used
+(or hash-less) blocks first, then evicts the least recently used cached block. Every
+operation is O(1) per block.
 
 Forked sequences (beams, several samples of one prompt) share their blocks by reference count.
 A write into a shared, partly filled last block first copies it (copy-on-write): ``allocate``
@@ -20,8 +22,6 @@ from dataclasses import dataclass
 import xxhash
 
 from hf_paged.engine.sequence import Sequence
-
-_ROOT_HASH = 0
 
 
 def block_hash(parent_hash: int, token_ids: list[int] | tuple[int, ...]) -> int:
@@ -206,7 +206,8 @@ class BlockManager:
         return block_id
 
     def _key(self, seq: Sequence, i: int) -> tuple[int, tuple[int, ...]]:
-        parent = seq.block_hashes[i - 1] if i else _ROOT_HASH
+        # A chain starts from the sequence's salt: its LoRA adapter's id (0: the base model).
+        parent = seq.block_hashes[i - 1] if i else seq.prefix_salt
         bs = self.block_size
         return parent, tuple(seq.token_ids[i * bs : (i + 1) * bs])
 

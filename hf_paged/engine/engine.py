@@ -8,12 +8,14 @@ lives one floor up, on ``hf_paged.PagedEngine``.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import GenerationConfig, PretrainedConfig
 
 from hf_paged.config import EngineConfig
 from hf_paged.engine import followers
+from hf_paged.engine.adapters import Adapters
 from hf_paged.engine.batch import ScheduledBatch
 from hf_paged.engine.block_manager import BlockManager
 from hf_paged.engine.loading import load
@@ -25,6 +27,9 @@ from hf_paged.engine.speculation.speculator import Speculator, default_speculati
 from hf_paged.engine.validation import check_fork_count, check_request
 from hf_paged.sampling_params import SamplingParams
 from hf_paged.worker.executor import Executor
+
+if TYPE_CHECKING:
+    from hf_paged.lora.adapter import LoraAdapter
 
 
 class EngineCore(PaddedForward):
@@ -69,6 +74,7 @@ class EngineCore(PaddedForward):
         self.in_flight: tuple[ScheduledBatch, object] | None = None
         self._last_batch = None
         self.closed = False
+        self.adapters = Adapters(executor, config.max_loras)  # LoRA: see add_lora
 
     @property
     def device(self) -> torch.device:
@@ -124,7 +130,7 @@ class EngineCore(PaddedForward):
         count against ``max_new_tokens``; the prompt may then be empty)."""
         tokens = [*prompt_token_ids, *output_token_ids]
         self.validate_request(tokens, params)
-        seq = Sequence(tokens, params, request_id)
+        seq = Sequence(tokens, params, request_id, self.adapters.resolve(params.adapter))
         seq.num_prompt_tokens = len(prompt_token_ids)
         # Tokens it continues from may already end it (an EOS, its length): then it never runs.
         reason = self.scheduler.finish_reason(seq) if output_token_ids else None
@@ -143,7 +149,8 @@ class EngineCore(PaddedForward):
             raise ValueError("params: one SamplingParams per prompt, or a single one for all")
         for prompt, p in zip(prompts, params_list):
             self.validate_request(prompt, p)
-        seqs = [Sequence(prompt, p) for prompt, p in zip(prompts, params_list)]
+        seqs = [Sequence(prompt, p, lora=self.adapters.resolve(p.adapter))
+                for prompt, p in zip(prompts, params_list)]
         for seq in seqs:
             self.scheduler.add(seq)
         return seqs
@@ -155,6 +162,16 @@ class EngineCore(PaddedForward):
         memory = "gpu_memory_utilization" if self.device.type == "cuda" else "cpu_kv_cache_gib"
         check_request(prompt_token_ids, params.max_new_tokens, self.hf_config.vocab_size,
                       self.max_model_len, self.block_manager, memory)
+        self.adapters.resolve(params.adapter)
+
+    def add_lora(self, name: str, adapter: LoraAdapter) -> None:
+        """Hold LoRA ``adapter`` under ``name`` (``SamplingParams(adapter=name)``) beside the
+        running requests; ``remove_lora`` unloads it once no request uses it."""
+        self.adapters.add(name, adapter)
+
+    def remove_lora(self, name: str) -> None:
+        s = self.scheduler
+        self.adapters.remove(name, [*s.running, *s.waiting, *s.parked])
 
     def add_forked_requests(
         self, prompt_token_ids: list[int], params: SamplingParams, n: int
@@ -165,7 +182,8 @@ class EngineCore(PaddedForward):
         expanded by ``num_return_sequences`` does). Returns the ``n`` sequences."""
         check_fork_count(n, self.config.max_num_seqs)
         self.validate_request(prompt_token_ids, params)
-        seqs = [Sequence(prompt_token_ids, params) for _ in range(n)]
+        lora = self.adapters.resolve(params.adapter)
+        seqs = [Sequence(prompt_token_ids, params, lora=lora) for _ in range(n)]
         self.scheduler.add(seqs[0], seqs[1:])
         return seqs
 
@@ -298,5 +316,7 @@ class EngineCore(PaddedForward):
             "num_preemptions": s.num_preemptions,
             "num_running": len(s.running),
             "num_waiting": len(s.waiting),
+            "num_loras": len(self.adapters.loaded),
+            "lora_bytes": self.executor.lora_bytes,
             **self.speculator.stats(),
         }

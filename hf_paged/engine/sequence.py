@@ -28,8 +28,12 @@ class Sequence:
     the cache block holding tokens ``i*block_size`` to ``(i+1)*block_size - 1``.
     """
 
-    def __init__(self, token_ids: list[int], params: SamplingParams, request_id: object = None):
+    def __init__(self, token_ids: list[int], params: SamplingParams, request_id: object = None,
+                 lora: tuple[int, int] = (-1, 0)):
         self.seq_id = next(_ids)
+        # The LoRA adapter's device slot (-1: the base model) and the id its prefix-cache
+        # blocks are keyed by (0: the base model's): one adapter's blocks never serve another.
+        self.lora_slot, self.prefix_salt = lora
         self.request_id = self.seq_id if request_id is None else request_id
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
@@ -74,7 +78,8 @@ class Sequence:
 
     def fork(self) -> Sequence:
         """A new sequence with this one's tokens and progress (the caller shares the blocks)."""
-        child = Sequence(self.token_ids, self.params, self.request_id)
+        child = Sequence(self.token_ids, self.params, self.request_id,
+                         (self.lora_slot, self.prefix_salt))
         child.num_prompt_tokens = self.num_prompt_tokens
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens

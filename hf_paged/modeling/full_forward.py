@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_paged.modeling.attention import AttentionMetadata
+from hf_paged.modeling.lora import LoraBatch
 from hf_paged.modeling.paged_model import PagedModel
 
 
@@ -29,8 +30,10 @@ def full_forward(
     attention_mask: torch.Tensor,
     position_ids: torch.Tensor,
     block_size: int,
+    lora: tuple[LoraBatch, list[int]] | None = None,
 ) -> torch.Tensor:
-    """Final hidden states ``[batch, seq_len, hidden]``, as transformers' model computes them."""
+    """Final hidden states ``[batch, seq_len, hidden]``, as transformers' model computes them;
+    ``lora``: the model's adapter batch and each row's adapter slot (-1: none)."""
     device = model.embed_tokens.weight.device
     batch, width = input_ids.shape
     keep = attention_mask.to(device).bool()
@@ -64,9 +67,27 @@ def full_forward(
     positions = position_ids.to(device, torch.long).expand(batch, width).flatten()[order]
     out = torch.empty(batch * width, model.config.hidden_size,
                       dtype=model.embed_tokens.weight.dtype, device=device)
-    with _scratch_cache(model, zero + 1, block_size):
+    with _scratch_cache(model, zero + 1, block_size), _adapter_rows(
+            lora, meta, lengths, row_of_dropped, device):
         out[order] = model.forward(tokens, positions, meta)
     return out.view(batch, width, -1)
+
+
+@contextlib.contextmanager
+def _adapter_rows(lora: tuple[LoraBatch, list[int]] | None, meta: AttentionMetadata,
+                  lengths: torch.Tensor, row_of_dropped: torch.Tensor, device: torch.device):
+    """Each packed sequence on its row's adapter slot while the forward runs."""
+    if lora is None or all(s < 0 for s in lora[1]):
+        yield
+        return
+    batch, row_slots = lora
+    row_slots = torch.tensor(row_slots, dtype=torch.int32, device=device)
+    slots = torch.cat([row_slots[lengths > 0], row_slots[row_of_dropped]])
+    batch.rows = (meta.cu_seqlens_q, slots, meta.max_query_len)
+    try:
+        yield
+    finally:
+        batch.rows = None
 
 
 @contextlib.contextmanager

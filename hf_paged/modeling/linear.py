@@ -19,6 +19,7 @@ from torch import nn
 
 from hf_paged import kernels
 from hf_paged.kernels.block_scales import FP8, BlockScales, grid_rows, quantize
+from hf_paged.modeling.lora import LoraStack
 from hf_paged.modeling.tp import SINGLE, TensorParallel, kv_head_layout
 
 
@@ -50,6 +51,7 @@ class _ParallelLinear(nn.Module):
         self.small_m_rows = 0  # up to how many rows the small-M kernel serves (start-up's choice)
         self.w8a8_rows = 0  # FP8 weights: from how many rows the w8a8 GEMM serves (start-up's)
         self.block: tuple[int, int] | None = None  # FP8: (rows, columns) a scale covers
+        self.lora: LoraStack | None = None  # adapters' low-rank deltas, once one is loaded
 
     @property
     def parts(self) -> list[int]:
@@ -79,8 +81,9 @@ class _ParallelLinear(nn.Module):
         return BlockScales(self.weight_scale_inv, self.scale_rows, self.block[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.linear(x, self.weight, self.bias, self.small_m_rows, scales=self.scales,
-                              w8a8_rows=self.w8a8_rows)
+        out = kernels.linear(x, self.weight, self.bias, self.small_m_rows, scales=self.scales,
+                             w8a8_rows=self.w8a8_rows)
+        return out if self.lora is None else self.lora.add_to(out, x)
 
     def _copy(self, param: nn.Parameter, loaded, dim: int, dst: int, src: int, size: int
               ) -> None:
@@ -124,7 +127,13 @@ class ColumnParallelLinear(_ParallelLinear):
                gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(self(norm(x, residual)[0]), x + residual)`` (``gated``: the SwiGLU product of
         the merged gate/up output), in one small-M kernel where it serves (the norm is an
-        ``RMSNorm``, whose launch that saves)."""
+        ``RMSNorm``, whose launch that saves). In a step with adapter rows the adapters'
+        deltas need the normed input and come before the SwiGLU product: norm, projection and
+        product then run apart."""
+        if self.lora is not None and self.lora.active():
+            normed, residual = norm(x, residual) if residual is not None else (norm(x), x)
+            out = self(normed)
+            return (kernels.silu_and_mul(out) if gated else out), residual
         return kernels.normed_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias,
                                      self.small_m_rows, gated, scales=self.scales,
                                      w8a8_rows=self.w8a8_rows)
@@ -196,5 +205,8 @@ class RowParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp.rank == 0 else None
-        return self.tp.all_reduce(kernels.linear(x, self.weight, bias, self.small_m_rows,
-                                                 scales=self.scales, w8a8_rows=self.w8a8_rows))
+        out = kernels.linear(x, self.weight, bias, self.small_m_rows, scales=self.scales,
+                             w8a8_rows=self.w8a8_rows)
+        if self.lora is not None:  # a rank's share of the delta, summed with the products
+            out = self.lora.add_to(out, x)
+        return self.tp.all_reduce(out)

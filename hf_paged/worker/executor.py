@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +27,9 @@ from hf_paged.worker.follower import serve
 from hf_paged.worker.ranks import Ranks, join_launched_ranks, launched_world, spawn_ranks
 from hf_paged.worker.runner import LaunchedStep, ModelRunner
 from hf_paged.worker.shard import build_shard
+
+if TYPE_CHECKING:
+    from hf_paged.lora.adapter import LoraAdapter
 
 _LIVENESS_CHECK_S = 0.05  # how often a wait on the device looks for dead workers
 
@@ -59,11 +63,26 @@ class Executor:
         self.runner.release(seq_ids)
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      position_ids: torch.Tensor) -> torch.Tensor:
+                      position_ids: torch.Tensor, lora_slots: list[int] | None = None
+                      ) -> torch.Tensor:
         """transformers' model forward over padded ``[batch, seq_len]`` rows: the final
-        hidden states, on a scratch KV cache (the engine's is left alone)."""
+        hidden states, on a scratch KV cache (the engine's is left alone); ``lora_slots``:
+        each row's adapter slot (-1: none)."""
+        lora = None if lora_slots is None else (self.runner.lora.batch, lora_slots)
         return full_forward(self.model, input_ids, attention_mask, position_ids,
-                            self.runner.config.block_size)
+                            self.runner.config.block_size, lora)
+
+    def load_lora(self, slot: int, adapter: LoraAdapter) -> None:
+        """Put ``adapter`` in ``slot`` of every projection it adapts."""
+        self.runner.lora.load(slot, adapter)
+
+    def unload_lora(self, slot: int) -> None:
+        self.runner.lora.unload(slot)
+
+    @property
+    def lora_bytes(self) -> int:
+        """Device memory the adapter slots take."""
+        return self.runner.lora.nbytes
 
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -96,6 +115,9 @@ class ParallelExecutor(Executor):
         self.broken: str | None = None  # why the group can no longer run steps
         # Workers stop when the engine is closed, collected, or the interpreter exits.
         self._finalizer = weakref.finalize(self, _teardown, runner, ranks)
+
+    def load_lora(self, slot: int, adapter: LoraAdapter) -> None:
+        raise ValueError("LoRA adapters are not supported with tensor_parallel_size > 1 yet")
 
     def launch(self, plan: StepPlan) -> LaunchedStep:
         self._check()

@@ -111,7 +111,7 @@ class StepPreparer:
         return StepInputs(
             input_ids, src, positions, slots, cu_seqlens, seq_lens, tables, logits_rows,
             max(plan.num_tokens), graph_bs, self._shared_prefix_len(plan, tables),
-            plan.block_copies, pending,
+            plan.block_copies, pending, plan.lora_slots,
         )
 
     def sampled(self, seq_ids: list[int]) -> None:

@@ -23,6 +23,7 @@ import torch
 from hf_paged import kernels
 from hf_paged.config import EngineConfig
 from hf_paged.device_copy import to_device
+from hf_paged.families import family_for
 from hf_paged.modeling.attention import AttentionMetadata, decode_order
 from hf_paged.modeling.paged_model import PagedModel
 from hf_paged.modeling.tp import SINGLE, TensorParallel
@@ -30,6 +31,7 @@ from hf_paged.step import StepInputs, StepPlan, StepResult
 from hf_paged.worker.decode_graphs import DecodeGraphs
 from hf_paged.worker.inputs import CASCADE_MIN_SEQS, StepPreparer
 from hf_paged.worker.kv_cache import KVCache, cache_dtype
+from hf_paged.worker.lora_slots import LoraSlots
 from hf_paged.worker.prefill_graphs import PrefillGraphs
 from hf_paged.worker.sampler import Sampler, draw_counts, kernel_settings, per_draw
 from hf_paged.worker.shard import SYMMETRIC_ALL_REDUCE_TOKENS
@@ -69,6 +71,8 @@ class ModelRunner:
         self.preparer = StepPreparer(config.block_size, self.width,
                                      cascade=config.attention_backend == "triton")
         self.sampler = Sampler(model.config.vocab_size, self.device)
+        self.lora = LoraSlots(model, config.max_loras, config.max_lora_rank,
+                              family_for(model.config).weight_target)
         # The last step's sampled tokens, on the device: the next step's pending inputs.
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.long, device=self.device)
         self.flip = 0  # which twin of each double-buffered host buffer this step uses
@@ -153,8 +157,9 @@ class ModelRunner:
     # ---- running --------------------------------------------------------------------------
 
     def prepare(self, plan: StepPlan) -> StepInputs:
+        # The graphs were captured without adapters: a step with adapter rows runs eagerly.
         graph_bs = (self.decode_graphs.batch_size(plan.is_decode, len(plan.seq_ids))
-                    if self.decode_graphs else 0)
+                    if self.decode_graphs and not _on_adapters(plan.lora_slots) else 0)
         return self.preparer.prepare(plan, graph_bs)
 
     def launch(self, plan: StepPlan) -> LaunchedStep:
@@ -223,7 +228,9 @@ class ModelRunner:
         self.flip ^= 1
         if inputs.graph_bs:
             return self.decode_graphs.run(inputs, settings, self.flip)
-        bucket = self.prefill_graphs.bucket(inputs) if self.prefill_graphs else 0
+        adapters = _on_adapters(inputs.lora_slots)
+        bucket = self.prefill_graphs.bucket(inputs) if self.prefill_graphs and not adapters \
+            else 0
         if bucket:
             return self.prefill_graphs.run(inputs, bucket, self.flip), None
         dev = self.device
@@ -239,10 +246,16 @@ class ModelRunner:
         )
         input_ids = to_device(inputs.ids, dev)
         positions = to_device(inputs.positions, dev)
-        if max(inputs.src) >= 0:
-            hidden = self._forward_pending(input_ids, to_device(inputs.src, dev), positions, meta)
-        else:
-            hidden = self.model.forward(input_ids, positions, meta)
+        self.lora.set_rows(meta.cu_seqlens_q, inputs.lora_slots if adapters else [],
+                           inputs.max_query_len)
+        try:
+            if max(inputs.src) >= 0:
+                hidden = self._forward_pending(input_ids, to_device(inputs.src, dev), positions,
+                                               meta)
+            else:
+                hidden = self.model.forward(input_ids, positions, meta)
+        finally:
+            self.lora.set_rows(None, [], 0)
         rows = inputs.logits_rows
         if not rows:
             return None, None
@@ -302,6 +315,11 @@ class ModelRunner:
         self.last_tokens = None
         self.sampler.close()
         self.kv.close()
+
+
+def _on_adapters(lora_slots: list[int]) -> bool:
+    """Whether any sequence of a step runs on a LoRA adapter."""
+    return any(slot >= 0 for slot in lora_slots)
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:

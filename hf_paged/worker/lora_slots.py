@@ -1,0 +1,102 @@
+"""The LoRA adapters a worker holds, in slots: where each adapter tensor goes (the family's
+merged projections: q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``), the stacks beside
+those projections (``modeling.lora``, made when the first adapter loads, for every projection
+an adapter may adapt, so a later adapter never reshapes them), and each step's rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from hf_paged.modeling.linear import QKVParallelLinear, _ParallelLinear
+from hf_paged.modeling.lora import LoraBatch, LoraStack
+from hf_paged.modeling.paged_model import PagedModel
+
+if TYPE_CHECKING:
+    from hf_paged.lora.adapter import LoraAdapter
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+class LoraSlots:
+    """``num_slots`` adapter slots of rank up to ``rank`` on ``model``'s projections;
+    ``weight_target`` is the family's (checkpoint tensor -> parameter and part)."""
+
+    def __init__(self, model: PagedModel, num_slots: int, rank: int,
+                 weight_target: Callable[[str], tuple[str, object]]):
+        self.model, self.num_slots, self.rank = model, num_slots, rank
+        self.weight_target = weight_target
+        self.batch = LoraBatch()
+        self.stacks: list[LoraStack] = []
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory the stacks take (0 before the first adapter)."""
+        return sum(stack.nbytes for stack in self.stacks)
+
+    def target(self, layer: int, projection: str) -> tuple[_ParallelLinear, int]:
+        """The module adapting ``projection`` of layer ``layer`` and the part it is of it; a
+        ValueError naming both where the model has no such projection (a MoE layer's
+        experts)."""
+        block = "self_attn" if projection in ATTENTION else "mlp"
+        name, shard = self.weight_target(f"model.layers.{layer}.{block}.{projection}.weight")
+        try:
+            module = self.model.hf_model.get_submodule(name.rsplit(".", 1)[0])
+        except AttributeError:
+            module = None
+        if not isinstance(module, _ParallelLinear):
+            raise ValueError(f"LoRA on {projection} of layer {layer}: that layer has no such "
+                             f"projection (LoRA on MoE experts is not supported)")
+        if shard is None:
+            return module, 0
+        return module, ("q", "k", "v").index(shard) if isinstance(module, QKVParallelLinear) \
+            else int(shard)
+
+    def load(self, slot: int, adapter: LoraAdapter) -> None:
+        """Put ``adapter`` in ``slot`` (every target checked first: a refused adapter leaves
+        the slots as they were)."""
+        if adapter.max_rank > self.rank:
+            raise ValueError(f"adapter {adapter.name!r} has rank {adapter.max_rank}, above "
+                             f"max_lora_rank={self.rank}")
+        targets = {key: self.target(*key) for key in adapter.weights}
+        if not self.stacks:
+            self._make_stacks()
+        self.unload(slot)
+        for key, weight in adapter.weights.items():
+            module, part = targets[key]
+            module.lora.load(slot, part, weight.a, weight.b, weight.scaling)
+
+    def unload(self, slot: int) -> None:
+        for stack in self.stacks:
+            stack.clear(slot)
+
+    def set_rows(self, cu_seqlens: torch.Tensor | None, slots: list[int],
+                 max_rows: int) -> None:
+        """The step's sequences' slots (``cu_seqlens``: their rows, on the device); none on
+        an adapter: the projections skip the deltas."""
+        if not self.stacks or all(s < 0 for s in slots):
+            self.batch.rows = None
+            return
+        device = self.model.embed_tokens.weight.device
+        self.batch.rows = (cu_seqlens, torch.tensor(slots, dtype=torch.int32, device=device),
+                           max_rows)
+
+    def _make_stacks(self) -> None:
+        """A stack beside every projection an adapter may adapt, each once (q, k and v share
+        ``qkv_proj``'s)."""
+        weight = self.model.embed_tokens.weight
+        for layer in range(len(self.model.layers)):
+            for projection in ATTENTION + MLP:
+                try:
+                    module, _ = self.target(layer, projection)
+                except ValueError:  # a MoE layer's experts
+                    continue
+                if module.lora is None:
+                    module.lora = LoraStack(module.parts, module.weight.shape[1],
+                                            self.num_slots, self.rank, self.batch,
+                                            weight.dtype, weight.device)
+                    self.stacks.append(module.lora)
