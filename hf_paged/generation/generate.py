@@ -9,6 +9,8 @@ stopping criteria, recorded scores) for all of its rows together.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import (
@@ -26,6 +28,8 @@ from hf_paged.generation.outputs import decoder_only_output, pad_outputs, per_st
 from hf_paged.generation.settings import resolve
 from hf_paged.generation.streaming import StreamFeeder
 from hf_paged.sampling_params import SamplingParams
+
+BASE = "__base__"  # peft's name for the base model among ``adapter_names``
 
 
 def generate(
@@ -48,6 +52,7 @@ def generate(
         raise ValueError("synced_gpus is not supported: hf_paged runs one engine per model")
     _check_streamer(streamer)
     progress_bar = kwargs.pop("progress_bar", None)
+    adapter_names = kwargs.pop("adapter_names", None)
     kwargs.update(assistant_model=assistant_model, negative_prompt_ids=negative_prompt_ids,
                   negative_prompt_attention_mask=negative_prompt_attention_mask,
                   custom_generate=custom_generate)
@@ -57,14 +62,19 @@ def generate(
     pad_tensor = config._pad_token_tensor
     pad = int(pad_tensor) if pad_tensor is not None else 0
     prompts = _unpadded_rows(resolved.input_ids, resolved.attention_mask.bool())
+    adapters = row_adapters(adapter_names, len(prompts), inputs)
     empty = [row for row, prompt in enumerate(prompts) if not prompt]
+    if empty and adapters is not None and any(adapters[row] for row in empty):
+        raise ValueError(f"attention_mask: row {empty[0]} keeps no token; a fully masked row "
+                         "cannot run on a LoRA adapter")
     if config.get_generation_mode() is GenerationMode.BEAM_SEARCH:
         if streamer is not None:  # as transformers
             raise ValueError("streamer cannot be used with beam search: set num_beams=1")
         if empty:
             raise ValueError(f"attention_mask: row {empty[0] // config.num_beams} keeps no token; "
                              "hf_paged's beam search needs at least one unmasked prompt token")
-        return beam_search(engine, resolved, prompts[:: config.num_beams], pad, progress_bar)
+        return beam_search(engine, resolved, prompts[:: config.num_beams], pad, progress_bar,
+                           None if adapters is None else adapters[:: config.num_beams])
     record_scores = bool(config.return_dict_in_generate and config.output_scores)
     record_logits = bool(config.return_dict_in_generate and config.output_logits)
     lockstep = record_scores or record_logits
@@ -77,6 +87,8 @@ def generate(
         hooks = CallHooks(resolved, split.rest, criteria, pad, record_scores, record_logits)
     with assisted.speculating(engine, resolved) as speculation:
         params = _sampling_params(resolved, split, lockstep, hooks, speculation)
+        if adapters is not None:
+            params = [replace(params, adapter=name) for name in adapters]
         chunks = speculation is not None and resolved.input_ids.shape[0] == 1
         feeder = StreamFeeder(streamer, pad, chunks) if streamer is not None else None
         if feeder:
@@ -124,6 +136,7 @@ def check(engine, inputs: torch.Tensor | None = None, generation_config=None,
     if kwargs.pop("synced_gpus", None):
         raise ValueError("synced_gpus is not supported: hf_paged runs one engine per model")
     kwargs.pop("progress_bar", None)
+    adapter_names = kwargs.pop("adapter_names", None)
     resolved = resolve(engine.hf_config, engine.generation_config, inputs, generation_config,
                        kwargs.pop("logits_processor", None), kwargs.pop("stopping_criteria", None),
                        kwargs.pop("prefix_allowed_tokens_fn", None), kwargs)
@@ -134,9 +147,10 @@ def check(engine, inputs: torch.Tensor | None = None, generation_config=None,
     lockstep = bool(config.return_dict_in_generate
                     and (config.output_scores or config.output_logits))
     params = _sampling_params(resolved, _split(resolved, lockstep), lockstep, None)
-    for prompt in prompts:
+    adapters = row_adapters(adapter_names, len(prompts), inputs) or [None] * len(prompts)
+    for prompt, adapter in zip(prompts, adapters):
         if prompt:  # a fully masked row starts from transformers' first token instead
-            engine.validate_request(prompt, params)
+            engine.validate_request(prompt, replace(params, adapter=adapter))
 
 
 def _check_streamer(streamer) -> None:
@@ -169,22 +183,41 @@ def _sampling_params(resolved, split: procs.Split, lockstep: bool, hooks,
     )
 
 
-def _add_requests(engine, prompts: list[list[int]], params: SamplingParams, copies: int,
-                  first: dict[int, int]):
-    """One request per (expanded) row; the ``copies`` rows of one prompt prefill it once and
-    share its KV blocks when the engine can run them together. A row of ``first`` (its first
-    token, drawn already) continues from that token."""
+def _add_requests(engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                  copies: int, first: dict[int, int]):
+    """One request per (expanded) row (``params``: one for all, or one per row); the
+    ``copies`` rows of one prompt prefill it once and share its KV blocks when the engine can
+    run them together. A row of ``first`` (its first token, drawn already) continues from
+    that token."""
+    rows = params if isinstance(params, list) else [params] * len(prompts)
     if first:
         for row, prompt in enumerate(prompts):  # all checked before any is queued
-            engine.validate_request(prompt or [first[row]], params)
-        return [engine.add_request(prompt, params, output_token_ids=[first[row]] if not prompt
-                                   else ()) for row, prompt in enumerate(prompts)]
+            engine.validate_request(prompt or [first[row]], rows[row])
+        return [engine.add_request(prompt, rows[row], output_token_ids=[first[row]]
+                                   if not prompt else ()) for row, prompt in enumerate(prompts)]
     if copies == 1 or copies > engine.config.max_num_seqs:
-        return engine.add_requests(prompts, params)
-    for prompt in prompts[::copies]:  # all checked before any is queued
-        engine.validate_request(prompt, params)
-    return [seq for prompt in prompts[::copies]
-            for seq in engine.add_forked_requests(prompt, params, copies)]
+        return engine.add_requests(prompts, rows)
+    for prompt, row_params in zip(prompts[::copies], rows[::copies]):  # all checked first
+        engine.validate_request(prompt, row_params)
+    return [seq for prompt, row_params in zip(prompts[::copies], rows[::copies])
+            for seq in engine.add_forked_requests(prompt, row_params, copies)]
+
+
+def row_adapters(adapter_names, rows: int, inputs) -> list[str | None] | None:
+    """peft's ``adapter_names`` (one per input row; ``"__base__"``: the base model) for each
+    of the ``rows`` rows expanded from them (``num_return_sequences``, beams)."""
+    if adapter_names is None:
+        return None
+    if isinstance(adapter_names, str) or not isinstance(adapter_names, (list, tuple)):
+        raise ValueError(f"adapter_names must be a list of adapter names, one per input row, "
+                         f"got {adapter_names!r}")
+    if not adapter_names or rows % len(adapter_names):
+        batch = inputs.shape[0] if isinstance(inputs, torch.Tensor) else "the"
+        raise ValueError(f"adapter_names: {len(adapter_names)} names for {batch} input rows "
+                         f"(one per row)")
+    copies = rows // len(adapter_names)
+    return [None if name in (None, BASE) else name
+            for name in adapter_names for _ in range(copies)]
 
 
 def _unpadded_rows(input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:

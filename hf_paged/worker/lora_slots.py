@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hf_paged.modeling.linear import QKVParallelLinear, _ParallelLinear
+from hf_paged.modeling.linear import _ParallelLinear, part_index
 from hf_paged.modeling.lora import LoraBatch, LoraStack
 from hf_paged.modeling.paged_model import PagedModel
 
@@ -51,10 +51,7 @@ class LoraSlots:
         if not isinstance(module, _ParallelLinear):
             raise ValueError(f"LoRA on {projection} of layer {layer}: that layer has no such "
                              f"projection (LoRA on MoE experts is not supported)")
-        if shard is None:
-            return module, 0
-        return module, ("q", "k", "v").index(shard) if isinstance(module, QKVParallelLinear) \
-            else int(shard)
+        return module, part_index(module, shard)
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Put ``adapter`` in ``slot`` (every target checked first: a refused adapter leaves
