@@ -111,7 +111,8 @@ def _targets(config: LoraConfig, base_config: PretrainedConfig) -> dict[tuple[in
         probe.target_modules = {m.name for m in modules if m.linear and m.name != "lm_head"}
     entries = [target_modules] if isinstance(target_modules, str) else sorted(target_modules)
     for entry in entries:
-        single = copy.copy(probe)
+        single = copy.copy(probe)  # the entry alone, before exclude_modules takes its share
+        single.exclude_modules = None
         if not isinstance(target_modules, str):
             single.target_modules = {entry}
         if not _reached(single, modules):

@@ -75,6 +75,9 @@ def _scaling(config: LoraConfig, module: str) -> tuple[int, float]:
     """The module's rank and scaling, as PEFT's LoraModel._create_and_replace and
     LoraLayer.update_layer resolve them."""
     r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), module), config.r)
+    if r <= 0:
+        raise ValueError(f"adapter option r / rank_pattern gives {module} rank {r}: a rank must "
+                         f"be positive")
     alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), module),
                                      config.lora_alpha)
     return r, alpha / (math.sqrt(r) if config.use_rslora else r)

@@ -245,3 +245,14 @@ def test_unknown_saved_option_named(tmp_path):
         json.dump(saved_config, f)
     with pytest.raises(ValueError, match=r"options \['use_newer_variant'\] are unknown"):
         read_adapter(path, "a", config, torch.float32)
+
+
+def test_rank_not_positive_named(tmp_path):
+    config = base_config("gqa_tied")
+    model = peft_model(config, target_modules=["q_proj"])
+    lora_config = model.peft_config["default"]
+    lora_config.rank_pattern = {"q_proj": 0}
+    with pytest.raises(ValueError, match="r / rank_pattern gives model.layers.0.self_attn.q_proj "
+                                         "rank 0"):
+        adapter_from_state(lora_config, get_peft_model_state_dict(model), "a", config,
+                           torch.float32)
