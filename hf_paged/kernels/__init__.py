@@ -138,6 +138,7 @@ embed = _dispatch("embedding", "embed")
 sample = _dispatch("sampling", "sample")
 moe_route = _dispatch("moe_routing", "moe_route")
 moe_experts = _dispatch("moe_gemm", "moe_experts")
+add_lora = _dispatch("lora", "add_lora")
 
 __all__ = [
     "BlockScales", "add_rms_norm", "copy_blocks", "gated_linear", "linear", "moe_experts",

@@ -44,10 +44,13 @@ class LoraSlots:
         experts)."""
         block = "self_attn" if projection in ATTENTION else "mlp"
         name, shard = self.weight_target(f"model.layers.{layer}.{block}.{projection}.weight")
+        parent, leaf = name.rsplit(".", 2)[:2]
         try:
-            module = self.model.hf_model.get_submodule(name.rsplit(".", 1)[0])
+            block = self.model.hf_model.get_submodule(parent)
         except AttributeError:
             module = None
+        else:  # the projection the step calls (``keep_computing``), peft's wrapper aside
+            module = getattr(block, "compute", {}).get(leaf, getattr(block, leaf, None))
         if not isinstance(module, _ParallelLinear):
             raise ValueError(f"LoRA on {projection} of layer {layer}: that layer has no such "
                              f"projection (LoRA on MoE experts is not supported)")
