@@ -28,6 +28,7 @@ import triton.language as tl
 
 from hf_paged.kernels.gdc import pdl_options, wait_for_previous
 from hf_paged.kernels.launch import launch
+from hf_paged.kernels.reference_lora import check_lora
 
 # Row tiles: 16 (tl.dot's least) when every run fits one, as at decode; else 64, a prefill
 # GEMM's usual height, for which a row tile's x (shrink) or h (expand) stays in registers.
@@ -155,18 +156,11 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     """Triton twin of ``reference.add_lora``: ``out [T, N]`` plus each sequence's adapter
     delta, in place (returned). ``max_rows`` bounds the grid: no sequence may be longer (the
     scheduler knows it; 1 at decode). ``num_splits`` overrides the shrink's split of K."""
+    check_lora(out, x, a, b, scaling, row_part, cu_seqlens, slots)
+    assert x.stride(1) == out.stride(1) == a.stride(2) == b.stride(2) == scaling.stride(1) == 1
     tokens, k = x.shape
-    num_adapters, n, rank = b.shape
+    n, rank = b.shape[1:]
     num_parts = scaling.shape[1]
-    if rank < 16 or rank & (rank - 1):
-        raise ValueError(f"the adapters' rank capacity R ({rank}) is not a power of two >= 16")
-    if a.shape != (num_adapters, num_parts * rank, k) or out.shape != (tokens, n):
-        raise ValueError(f"a {tuple(a.shape)}, b {tuple(b.shape)}, x {tuple(x.shape)} and out "
-                         f"{tuple(out.shape)} do not fit {num_parts} parts")
-    if a.dtype != x.dtype or b.dtype != x.dtype:
-        raise ValueError(f"a ({a.dtype}) and b ({b.dtype}) must have x's dtype ({x.dtype})")
-    assert x.stride(1) == out.stride(1) == a.stride(2) == b.stride(2) == 1
-    assert scaling.dtype == torch.float32 and scaling.stride(1) == 1
     num_seqs = slots.shape[0]
     if tokens == 0 or num_seqs == 0 or max_rows <= 0:
         return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_paged import kernels
 from hf_paged.kernels import reference
 from hf_paged.kernels.lora import add_lora
 from tests.kernels.conftest import DEVICE, HALF
@@ -104,8 +105,23 @@ def test_twin_matches_the_definition(num_parts):
                                atol=1e-5 * expected.abs().max().item())
 
 
-def test_refuses_a_rank_capacity_off_a_power_of_two():
-    args = lora_case(1, 16, [2], [0], HALF)
-    args["b"] = args["b"][..., :12]
-    with pytest.raises(ValueError, match="rank capacity R"):
-        add_lora(**args)
+@pytest.mark.parametrize("fn", [reference.add_lora, add_lora], ids=["twin", "triton"])
+@pytest.mark.parametrize("name,change,message", [
+    ("b", lambda t: t[..., :12], "b rank capacity 12 is not a power of two"),
+    ("a", lambda t: t[:, :-16], "a .* is not "),
+    ("scaling", lambda t: t.half(), "scaling is torch.float16, not float32"),
+    ("cu_seqlens", lambda t: t[:-1], "cu_seqlens .* is not "),
+])
+def test_refuses_arguments_that_do_not_fit(fn, name, change, message):
+    args = lora_case(2, 16, [2, 3], [0, 1], HALF)
+    args[name] = change(args[name])
+    with pytest.raises(ValueError, match=message):
+        fn(**args)
+
+
+def test_dispatch_sends_cpu_tensors_to_triton_on_request(monkeypatch):
+    monkeypatch.setattr(kernels, "_TRITON_ON_CPU", True)
+    args = lora_case(3, 16, *DECODE, torch.float32)
+    out, expected = args["out"].clone(), reference.add_lora(**dict(args, out=args["out"].clone()))
+    assert kernels.add_lora(*dict(args, out=out).values()) is out  # dispatch on ``out``
+    assert_close(out, expected)
