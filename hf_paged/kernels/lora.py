@@ -17,7 +17,9 @@ the shrink splits K over several programs when the grid is small, each writing i
 sums to its own slice of the scratch, and the expand sums the slices as it loads ``h``: the
 same result on every run (no atomics), and no third launch. Both kernels use ``tl.dot``, rows
 padded to 16 at decode: the tensor cores' wasted rows cost nothing in kernels bound by their
-loads, and prefill's row tiles need the tensor cores' rate.
+loads, and prefill's row tiles need the tensor cores' rate. A tile never spans sequences, so
+sequences that share an adapter each read it (from L2 after the first): grouping rows by
+adapter would take a sort on the device first, as the MoE kernels group tokens by expert.
 """
 
 from __future__ import annotations
@@ -31,13 +33,13 @@ from hf_paged.kernels.launch import launch
 from hf_paged.kernels.reference_lora import check_lora
 
 # Row tiles: 16 (tl.dot's least) when every run fits one, as at decode; else 64, a prefill
-# GEMM's usual height, for which a row tile's x (shrink) or h (expand) stays in registers.
+# GEMM's usual height (larger tiles would mostly pad the short runs of a mixed batch).
 _DECODE_ROWS, _PREFILL_ROWS = 16, 64
 # Shrink columns: a whole rank up to 64 (ranks are powers of two from 16, so tiles never
 # straddle a part and need no mask); R=128 takes two tiles, keeping the accumulator small.
 _MAX_BLOCK_R = 64
-# Expand columns: 64 output columns by the whole rank (up to 128), so b's tile, converted to
-# float32 for the product (below), stays within the registers of four warps.
+# Expand columns: 64 output columns by the whole rank (up to 128): b's tile, converted to
+# float32 for the product (below), and h's take up to 64 KB of registers at prefill.
 _BLOCK_N = 64
 # Split-K: below this many shrink programs (two per SM of an H100) the shrink splits K, into
 # shares of at least this many columns (fewer partial sums for the expand to read back).
