@@ -84,6 +84,19 @@ def test_rank_128_and_an_overstated_row_bound():
     assert_close(out, expected)
 
 
+def test_rows_of_strided_tensors():
+    """x and out as column slices of wider tensors: rows a stride apart."""
+    args = lora_case(2, 16, [3, 1], [1, 0], HALF)
+    expected = reference.add_lora(**dict(args, out=args["out"].clone()))
+    for name in ("x", "out"):
+        wide = torch.zeros(args[name].shape[0], args[name].shape[1] + 24, dtype=HALF,
+                           device=DEVICE)
+        args[name] = wide[:, 8:8 + args[name].shape[1]].copy_(args[name])
+    add_lora(**args)
+    assert_close(args["out"], expected)
+    assert not args["out"]._base[:, :8].any() and not args["out"]._base[:, -16:].any()
+
+
 def test_no_adapter_no_change():
     args = lora_case(3, 16, [4, 1, 2], [-1, -1, -1], HALF)
     out, expected = twin_and_kernel(args)
