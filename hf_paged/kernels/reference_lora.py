@@ -30,7 +30,7 @@ def check_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Ten
                  if a.dtype != x.dtype or b.dtype != x.dtype else None),
     }
     if b.shape != (adapters, out.shape[1], rank):
-        problems["b"] = problems["b"] or f"{tuple(b.shape)} is not [{adapters}, N, R]"
+        problems["b"] = problems["b"] or f"{tuple(b.shape)} is not [{adapters}, {out.shape[1]}, R]"
     for name, problem in problems.items():
         if problem:
             raise ValueError(f"add_lora: {name} {problem}")
