@@ -8,9 +8,10 @@ import dataclasses
 import pytest
 import torch
 from peft import IA3Config, LoraConfig
-from transformers import LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hf_paged.lora.adapter import PROJECTIONS
+from hf_paged.lora.base_modules import base_modules, projection_shape
 from hf_paged.lora.checks import check_lora_config
 from hf_paged.lora.reading import read_adapter
 from tests.unit.lora_helpers import base_config, lora_layers, peft_model, plain_moe_matching
@@ -116,6 +117,11 @@ def test_target_refused_by_name(base, targets, named):
     assert named in refusal(LoraConfig(target_modules=targets), base)
 
 
+def test_all_excluded_refused():
+    assert "exclude_modules=['q_proj'] leaves no module of target_modules=['q_proj']" in refusal(
+        LoraConfig(target_modules=["q_proj"], exclude_modules=["q_proj"]))
+
+
 def test_layers_beyond_the_base_match_nothing():
     assert "(layers_to_transform=[7])" in refusal(
         LoraConfig(target_modules=["q_proj"], layers_to_transform=[7]))
@@ -160,3 +166,23 @@ def test_moe_adapters_peft_puts_on_experts_refused(tmp_path, targets):
     with pytest.raises(ValueError, match=r"adapter option target_parameters=\[.*\] is not "
                                          r"served .*LoRA on MoE experts is not supported"):
         read_adapter(str(tmp_path), "a", config, torch.float32)
+
+
+@pytest.mark.parametrize("base", ["gqa4_untied", "moe_e4_k1_step2", "moe_e6_k3_raw_dense0"])
+def test_base_modules_are_the_models(base):
+    """The names are transformers' own, but for the experts: one linear per expert and
+    projection, as the checkpoints (and transformers 4) lay them out."""
+    config = base_config(base)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    named = {name: module for name, module in model.named_modules() if name}
+    modules = {m.name: m for m in base_modules(config)}
+    fused = {name for name in named if ".mlp.experts." in name}  # the fused experts' own
+    expert_linears = {name for name in modules if ".mlp.experts." in name}
+    assert modules.keys() - expert_linears == named.keys() - fused
+    for name, module in named.items():
+        if name in modules and ".mlp.gate" not in name:  # the router was a linear in 4
+            assert modules[name].linear == isinstance(module, torch.nn.Linear), name
+        if modules.get(name) and modules[name].projection:
+            layer, projection = modules[name].projection
+            assert tuple(module.weight.shape) == projection_shape(config, projection)[::-1]
