@@ -108,8 +108,10 @@ def _targets(config: LoraConfig, base_config: PretrainedConfig) -> dict[tuple[in
     elif (isinstance(target_modules, str)
           and target_modules.lower() == INCLUDE_LINEAR_LAYERS_SHORTHAND):
         # PEFT's rule: every linear but the output embedding, by full name; only those are
-        # matched against the names (a 30B-A3B has some 25,000)
-        modules = [m for m in modules if m.linear and m.name != "lm_head"]
+        # matched against the names (a 30B-A3B has some 25,000). The MoE router and experts
+        # were linears in transformers 4 and are not in 5, so whether all-linear reached them
+        # depends on what trained the adapter: its tensors tell, and one on them is refused.
+        modules = [m for m in modules if m.linear and m.projection]
         probe.target_modules = {m.name for m in modules}
     entries = [target_modules] if isinstance(target_modules, str) else sorted(target_modules)
     for entry in entries:
