@@ -134,7 +134,9 @@ def test_state_in_memory(tmp_path):
                         model)
     named = {k: v for k, v in model.state_dict().items() if ".lora_" in k}  # ".lora_A.default."
     assert all(".default." in k for k in named)
-    assert_matches_peft(adapter_from_state(lora_config, named, "a", config, torch.float32), model)
+    adapter = adapter_from_state(lora_config, named, "a", config, torch.float32)
+    assert_matches_peft(adapter, model)
+    assert not any(t.requires_grad for w in adapter.weights.values() for t in (w.a, w.b))
 
 
 def test_dtype_and_nbytes(tmp_path):
