@@ -65,7 +65,6 @@ def test_option_unknown_to_the_check_refused():
     class NewerLoraConfig(LoraConfig):
         use_newer_variant: bool = False
 
-    assert NewerLoraConfig(target_modules=["q_proj"], use_newer_variant=False)  # default: fine
     check_lora_config(NewerLoraConfig(target_modules=["q_proj"]), base_config("gqa_tied"))
     assert ("use_newer_variant=True is not served (an option this version of hf_paged does not "
             "know)") in refusal(NewerLoraConfig(target_modules=["q_proj"], use_newer_variant=True))
