@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from hf_paged.lora.adapter import PROJECTIONS, LoraAdapter
+from hf_paged.lora.base_modules import is_sparse
 from hf_paged.lora.reading import adapter_from_state, read_adapter
 from tests.unit.lora_helpers import base_config, lora_layers, peft_model, plain_moe_matching
 
@@ -77,15 +78,21 @@ def test_default_targets_of_peft(tmp_path):
     assert_matches_peft(adapter, model)
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_random_configurations(tmp_path, seed):
+@pytest.mark.parametrize("seed", range(10))
+def test_random_configurations(tmp_path, monkeypatch, seed):
     """The rule beyond the examples: random shapes, target sets, ranks, alphas, patterns."""
+    plain_moe_matching(monkeypatch)
     rng = random.Random(seed)
-    name = rng.choice(["gqa_tied", "mha_untied", "gqa4_untied", "one_kv_head"])
+    name = rng.choice(["gqa_tied", "mha_untied", "gqa4_untied", "one_kv_head",
+                       "moe_e6_k3_raw_dense0", "moe_e4_k1_step2", "moe_e16_k4_wide"])
     config = base_config(name)
     targets = rng.sample(PROJECTIONS, rng.randint(1, len(PROJECTIONS)))
-    layers = sorted(rng.sample(range(config.num_hidden_layers),
-                               rng.randint(1, config.num_hidden_layers)))
+    attention, every = PROJECTIONS[:4], range(config.num_hidden_layers)
+    dense = [i for i in every if not is_sparse(config, i)]
+    if not dense:  # every layer sparse: attention only
+        targets = [t for t in targets if t in attention] or ["o_proj"]
+    pool = dense if set(targets) - set(attention) else list(every)  # MLPs: dense layers only
+    layers = sorted(rng.sample(pool, rng.randint(1, len(pool))))
     lora = dict(target_modules=targets, r=rng.choice([1, 3, 8, 16]),
                 lora_alpha=rng.choice([1, 8, 24]), use_rslora=rng.random() < 0.5,
                 layers_to_transform=layers)
@@ -134,7 +141,9 @@ def test_state_in_memory(tmp_path):
                         model)
     named = {k: v for k, v in model.state_dict().items() if ".lora_" in k}  # ".lora_A.default."
     assert all(".default." in k for k in named)
-    assert_matches_peft(adapter_from_state(lora_config, named, "a", config, torch.float32), model)
+    adapter = adapter_from_state(lora_config, named, "a", config, torch.float32)
+    assert_matches_peft(adapter, model)
+    assert not any(t.requires_grad for w in adapter.weights.values() for t in (w.a, w.b))
 
 
 def test_dtype_and_nbytes(tmp_path):
@@ -256,3 +265,11 @@ def test_rank_not_positive_named(tmp_path):
                                          "rank 0"):
         adapter_from_state(lora_config, get_peft_model_state_dict(model), "a", config,
                            torch.float32)
+
+
+def test_config_refused_before_tensors_are_read(tmp_path):
+    config = base_config("gqa_tied")
+    _, path = saved(tmp_path, config, target_modules=["q_proj"], use_dora=True)
+    os.remove(os.path.join(path, "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="use_dora=True is not served"):
+        read_adapter(path, "a", config, torch.float32)

@@ -8,11 +8,13 @@ import dataclasses
 import pytest
 import torch
 from peft import IA3Config, LoraConfig
-from transformers import LlamaConfig
+from peft.utils import get_peft_model_state_dict
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hf_paged.lora.adapter import PROJECTIONS
+from hf_paged.lora.base_modules import base_modules, projection_shape
 from hf_paged.lora.checks import check_lora_config
-from hf_paged.lora.reading import read_adapter
+from hf_paged.lora.reading import adapter_from_state, read_adapter
 from tests.unit.lora_helpers import base_config, lora_layers, peft_model, plain_moe_matching
 
 
@@ -63,7 +65,6 @@ def test_option_unknown_to_the_check_refused():
     class NewerLoraConfig(LoraConfig):
         use_newer_variant: bool = False
 
-    assert NewerLoraConfig(target_modules=["q_proj"], use_newer_variant=False)  # default: fine
     check_lora_config(NewerLoraConfig(target_modules=["q_proj"]), base_config("gqa_tied"))
     assert ("use_newer_variant=True is not served (an option this version of hf_paged does not "
             "know)") in refusal(NewerLoraConfig(target_modules=["q_proj"], use_newer_variant=True))
@@ -104,7 +105,6 @@ def test_option_accepted(options):
      "LoRA on MoE experts is not supported"),
     ("moe_e8_k2_tied", r".*\.experts\..*", "LoRA on MoE experts is not supported"),
     ("moe_e8_k2_tied", ["experts"], "LoRA on MoE experts is not supported"),
-    ("moe_e8_k2_tied", "all-linear", "reaches model.layers.0.mlp.gate: LoRA on the MoE router"),
     ("gqa_tied", ["qproj"], "target_modules=['qproj']: 'qproj' matches no module of the qwen3 "
      "base model"),
     ("gqa_tied", ["q_proj", "foo"], "'foo' matches no module"),
@@ -114,6 +114,11 @@ def test_option_accepted(options):
 ])
 def test_target_refused_by_name(base, targets, named):
     assert named in refusal(LoraConfig(target_modules=targets), base)
+
+
+def test_all_excluded_refused():
+    assert "exclude_modules=['q_proj'] leaves no module of target_modules=['q_proj']" in refusal(
+        LoraConfig(target_modules=["q_proj"], exclude_modules=["q_proj"]))
 
 
 def test_layers_beyond_the_base_match_nothing():
@@ -135,6 +140,7 @@ SAME_AS_PEFT = [
                          layers_to_transform=[1], layers_pattern="layers")),
     ("moe_e8_k2_tied", dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])),
     ("moe_e4_k1_step2", dict(target_modules=list(PROJECTIONS), layers_to_transform=[0, 2])),
+    ("moe_e4_k1_step2", dict(target_modules="all-linear")),
     ("moe_e4_k1_step2", dict(target_modules="all-linear",
                              exclude_modules=r".*\.mlp\.(gate|experts.*)")),
     ("moe_e6_k3_raw_dense0", dict(target_modules=r".*\.0\.mlp\..*_proj|.*v_proj")),
@@ -151,6 +157,24 @@ def test_targets_are_those_peft_injects(base, lora, monkeypatch):
         assert module.startswith(f"model.layers.{layer}.") and module.endswith(projection)
 
 
+def test_all_linear_on_moe_follows_the_tensors():
+    """all-linear reached the router and experts in transformers 4 (linears then), not in 5:
+    the served projections are taken, and a tensor on the router or an expert is refused."""
+    config = base_config("moe_e8_k2_tied")  # every layer sparse
+    all_linear = LoraConfig(target_modules="all-linear")
+    targets = check_lora_config(all_linear, config)
+    assert {p for _, p in targets} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    model = peft_model(config, target_modules="all-linear")  # PEFT's: router and experts too
+    state = get_peft_model_state_dict(model)
+    attention = {k: v for k, v in state.items() if "self_attn" in k}
+    assert adapter_from_state(all_linear, attention, "a", config, torch.float32).weights
+    for key in state.keys() - attention.keys():
+        with pytest.raises(ValueError, match=f"^adapter tensor {key}: LoRA on (MoE experts|the "
+                                             r"MoE router \(mlp.gate\)) is not supported"):
+            adapter_from_state(all_linear, {**attention, key: state[key]}, "a", config,
+                               torch.float32)
+
+
 @pytest.mark.parametrize("targets", [["q_proj", "gate_proj", "up_proj", "down_proj"],
                                      "all-linear", ["gate"]])
 def test_moe_adapters_peft_puts_on_experts_refused(tmp_path, targets):
@@ -160,3 +184,23 @@ def test_moe_adapters_peft_puts_on_experts_refused(tmp_path, targets):
     with pytest.raises(ValueError, match=r"adapter option target_parameters=\[.*\] is not "
                                          r"served .*LoRA on MoE experts is not supported"):
         read_adapter(str(tmp_path), "a", config, torch.float32)
+
+
+@pytest.mark.parametrize("base", ["gqa4_untied", "moe_e4_k1_step2", "moe_e6_k3_raw_dense0"])
+def test_base_modules_are_the_models(base):
+    """The names are transformers' own, but for the experts: one linear per expert and
+    projection, as the checkpoints (and transformers 4) lay them out."""
+    config = base_config(base)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    named = {name: module for name, module in model.named_modules() if name}
+    modules = {m.name: m for m in base_modules(config)}
+    fused = {name for name in named if ".mlp.experts." in name}  # the fused experts' own
+    expert_linears = {name for name in modules if ".mlp.experts." in name}
+    assert modules.keys() - expert_linears == named.keys() - fused
+    for name, module in named.items():
+        if name in modules and ".mlp.gate" not in name:  # the router was a linear in 4
+            assert modules[name].linear == isinstance(module, torch.nn.Linear), name
+        if modules.get(name) and modules[name].projection:
+            layer, projection = modules[name].projection
+            assert tuple(module.weight.shape) == projection_shape(config, projection)[::-1]
