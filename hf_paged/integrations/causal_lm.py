@@ -25,7 +25,7 @@ from hf_paged import families
 from hf_paged.generation.paged_engine import PagedEngine
 from hf_paged.integrations import continuous_batching, peft_parts, peft_sync
 from hf_paged.integrations.family_classes import class_by_name, family_class
-from hf_paged.integrations.loading import load_engine
+from hf_paged.integrations.loading import adapter_and_base, load_engine
 from hf_paged.integrations.model_call import (
     forward_inputs,
     inner_model_class,
@@ -285,12 +285,18 @@ class AutoModelForCausalLM:
         in transformers (those the engine cannot honour raise a ``ValueError``);
         ``quantization_config`` quantizes a float checkpoint on load (fine-grained FP8 only);
         transformers keywords it cannot honour (``variant``, ...) raise a ``ValueError`` unless
-        None; unknown ones a ``TypeError``.
+        None; unknown ones a ``TypeError``. A peft adapter's folder loads the base checkpoint
+        its ``adapter_config.json`` names, then the adapter (``load_adapter``), as in
+        transformers.
         """
         if model_args:
             raise TypeError("from_pretrained() takes the checkpoint and keyword arguments only")
-        engine = load_engine(os.fspath(pretrained_model_name_or_path), kwargs)
-        return causal_lm_class(families.family_for(engine.hf_config)).from_engine(engine)
+        adapter, base = adapter_and_base(os.fspath(pretrained_model_name_or_path), kwargs)
+        engine = load_engine(base, kwargs)
+        model = causal_lm_class(families.family_for(engine.hf_config)).from_engine(engine)
+        if adapter is not None:  # transformers' own (PeftAdapterMixin), served by peft_sync
+            model.load_adapter(adapter)
+        return model
 
 
 def _same_device(wanted: torch.device, actual: torch.device) -> bool:

@@ -61,7 +61,8 @@ def _adapters(layers: list[tuple[str, nn.Module]]) -> dict[str, dict]:
         base = layer.get_base_layer()
         if where is None or where[2] not in PROJECTIONS or not isinstance(base, nn.Linear):
             raise ValueError(f"LoRA on {path} is not supported: hf_paged serves adapters on "
-                             f"the decoder layers' {', '.join(PROJECTIONS)}")
+                             f"the decoder layers' {', '.join(PROJECTIONS)} (not on MoE "
+                             f"experts or routers)")
         if layer.lora_embedding_A:
             raise ValueError(f"LoRA on {path}: embedding adapters are not supported")
         for name in layer.lora_A:
