@@ -34,6 +34,12 @@ class LoraSlots:
         self.stacks: list[LoraStack] = []
 
     @property
+    def capacity(self) -> int:
+        """The stacks' rank: ``max_lora_rank`` rounded up to a power of two from 16 (the
+        kernels' tile of the rank)."""
+        return max(16, 1 << (self.rank - 1).bit_length())
+
+    @property
     def nbytes(self) -> int:
         """Device memory the stacks take (0 before the first adapter)."""
         return sum(stack.nbytes for stack in self.stacks)
@@ -97,6 +103,6 @@ class LoraSlots:
                     continue
                 if module.lora is None:
                     module.lora = LoraStack(module.parts, module.weight.shape[1],
-                                            self.num_slots, self.rank, self.batch,
+                                            self.num_slots, self.capacity, self.batch,
                                             weight.dtype, weight.device)
                     self.stacks.append(module.lora)
