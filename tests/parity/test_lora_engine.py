@@ -74,7 +74,11 @@ def test_model_call_per_row_adapters(dense):
         logits = engine.forward(ids, mask, positions,
                                 adapters=[None if n == "__base__" else n for n in names])
     keep = mask.bool()
-    torch.testing.assert_close(logits[keep], expected[keep], rtol=FLOAT32_RTOL, atol=1e-4)
+    # another summation order through every layer, over hidden states the scaled-up adapters
+    # make much larger than the logits: hundreds of float32 steps of the largest logit
+    torch.testing.assert_close(logits[keep], expected[keep], rtol=FLOAT32_RTOL,
+                               atol=512 * torch.finfo(torch.float32).eps
+                               * float(expected.abs().max()))
 
 
 def test_moe_base(moe_checkpoints, tmp_path):
