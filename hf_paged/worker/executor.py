@@ -75,7 +75,7 @@ class Executor:
 
     def load_lora(self, slot: int, adapter: LoraAdapter) -> None:
         """Put ``adapter`` in ``slot`` of every projection it adapts."""
-        self.runner.lora.load(slot, adapter)
+        self.runner.load_lora(slot, adapter)
 
     def unload_lora(self, slot: int) -> None:
         self.runner.lora.unload(slot)

@@ -6,7 +6,8 @@ an adapter may adapt, so a later adapter never reshapes them), and each step's r
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -79,6 +80,17 @@ class LoraSlots:
     def unload(self, slot: int) -> None:
         for stack in self.stacks:
             stack.clear(slot)
+
+    @contextlib.contextmanager
+    def rows(self, cu_seqlens: torch.Tensor, slots: torch.Tensor, max_rows: int
+             ) -> Iterator[None]:
+        """The projections add the deltas of ``slots`` (each sequence's, on the device) while
+        in the context: a decode graph captures them over its input buffers."""
+        self.batch.rows = (cu_seqlens, slots, max_rows)
+        try:
+            yield
+        finally:
+            self.batch.rows = None
 
     def set_rows(self, cu_seqlens: torch.Tensor | None, slots: list[int],
                  max_rows: int) -> None:

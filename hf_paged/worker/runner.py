@@ -26,7 +26,7 @@ from hf_paged.modeling.attention import AttentionMetadata, decode_order
 from hf_paged.modeling.paged_model import PagedModel
 from hf_paged.modeling.tp import SINGLE, TensorParallel
 from hf_paged.step import StepInputs, StepPlan
-from hf_paged.worker.decode_graphs import DecodeGraphs
+from hf_paged.worker.decode_graphs import DecodeGraphs, on_adapters
 from hf_paged.worker.inputs import CASCADE_MIN_SEQS, StepPreparer
 from hf_paged.worker.kv_cache import KVCache, cache_dtype
 from hf_paged.worker.launched_step import LaunchedStep, collect, pinned_copy, to_host
@@ -100,7 +100,7 @@ class ModelRunner:
     def new_decode_graphs(self, max_bs: int) -> DecodeGraphs:
         """Decode graphs up to ``max_bs`` rows over this runner's steps (not captured yet)."""
         return DecodeGraphs(self._decode_step, self._decode_outputs, self.tp.size == 1, max_bs,
-                            self.width, self.device, CASCADE_MIN_SEQS)
+                            self.width, self.device, CASCADE_MIN_SEQS, self.lora.rows)
 
     def new_prefill_graphs(self, max_tokens: int, max_seqs: int) -> PrefillGraphs:
         """Prefill graphs up to ``max_tokens`` tokens of ``max_seqs`` sequences (not captured
@@ -143,9 +143,9 @@ class ModelRunner:
     # ---- running --------------------------------------------------------------------------
 
     def prepare(self, plan: StepPlan) -> StepInputs:
-        # The graphs were captured without adapters: a step with adapter rows runs eagerly.
-        graph_bs = (self.decode_graphs.batch_size(plan.is_decode, len(plan.seq_ids))
-                    if self.decode_graphs and not _on_adapters(plan.lora_slots) else 0)
+        graph_bs = (self.decode_graphs.batch_size(plan.is_decode, len(plan.seq_ids),
+                                                  on_adapters(plan.lora_slots))
+                    if self.decode_graphs else 0)
         return self.preparer.prepare(plan, graph_bs)
 
     def launch(self, plan: StepPlan) -> LaunchedStep:
@@ -205,7 +205,9 @@ class ModelRunner:
         self.flip ^= 1
         if inputs.graph_bs:
             return self.decode_graphs.run(inputs, settings, self.flip)
-        adapters = _on_adapters(inputs.lora_slots)
+        # The prefill graphs are captured without adapters: a prefill with adapter rows runs
+        # eagerly.
+        adapters = on_adapters(inputs.lora_slots)
         bucket = self.prefill_graphs.bucket(inputs) if self.prefill_graphs and not adapters \
             else 0
         if bucket:
@@ -252,6 +254,16 @@ class ModelRunner:
 
     collect = staticmethod(collect)
 
+    def load_lora(self, slot: int, adapter) -> None:
+        """Put a LoRA adapter in ``slot``; after the first, capture the decode graphs that add
+        adapter deltas. A capture draws into the pending tokens of the steps in flight, which
+        are kept aside meanwhile."""
+        self.lora.load(slot, adapter)
+        if self.decode_graphs is not None and not self.decode_graphs.with_adapters:
+            pending = self.last_tokens.clone()
+            self.decode_graphs.capture_adapters()
+            self.last_tokens.copy_(pending)
+
     def release(self, seq_ids: list[int]) -> None:
         """Forget finished or aborted sequences."""
         self.preparer.release(seq_ids)
@@ -278,8 +290,3 @@ class ModelRunner:
         self.last_tokens = None
         self.sampler.close()
         self.kv.close()
-
-
-def _on_adapters(lora_slots: list[int]) -> bool:
-    """Whether any sequence of a step runs on a LoRA adapter."""
-    return any(slot >= 0 for slot in lora_slots)

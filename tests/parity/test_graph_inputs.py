@@ -32,6 +32,9 @@ class EagerReplay:
             captured.copy_(new)
         self.replays += 1
 
+    def reset(self) -> None:
+        """What ``ModelRunner.drop_graphs`` calls on closing: nothing is held."""
+
 
 def stand_ins(graphs, keys: list[tuple]) -> dict:
     with torch.inference_mode():
@@ -47,11 +50,15 @@ def with_eager_prefill_graphs(engine, max_tokens: int, max_seqs: int) -> list[Ea
     return list(replays.values())
 
 
-def with_eager_decode_graphs(engine, max_bs: int) -> list[EagerReplay]:
+def with_eager_decode_graphs(engine, max_bs: int, adapters: bool = False
+                             ) -> list[EagerReplay]:
+    """Decode graphs of up to ``max_bs`` rows as eager stand-ins (``adapters``: also those
+    adding LoRA deltas; the engine holds an adapter already)."""
     runner = engine.executor.runner
     graphs = runner.new_decode_graphs(max_bs)
-    replays = stand_ins(graphs, graphs.keys())
+    replays = stand_ins(graphs, graphs.keys() + (graphs.keys(True) if adapters else []))
     graphs.graphs = {key: (r, *r.outputs) for key, r in replays.items()}
+    graphs.with_adapters = adapters
     runner.decode_graphs = graphs
     run = runner.run
 

@@ -15,6 +15,7 @@ from hf_paged.lora.reading import read_adapter
 from hf_paged.sampling_params import SamplingParams
 from tests.conftest import FLOAT32_RTOL, left_padded
 from tests.lora_adapters import ADAPTERS, save_adapter, stock_peft
+from tests.parity.test_graph_inputs import with_eager_decode_graphs
 
 NEW = 8
 
@@ -108,6 +109,25 @@ def test_kernels_give_the_twins_tokens(dense, monkeypatch):
                          attention_backend="triton" if on_triton else "sdpa") as engine:
             outs.append(engine.generate(ids, **kwargs))
     assert torch.equal(*outs)
+
+
+def test_decode_graphs_add_the_adapters(dense):
+    """The decode graphs over their padded inputs (each replay recomputed eagerly, as
+    test_graph_inputs does): a batch mixing adapters and the base replays the graphs that add
+    the deltas, each row's adapter slot in the graph's inputs, and gives peft's tokens."""
+    base, adapters, stock = dense
+    ids, mask = left_padded([4, 11, 7], 1024, seed=9)
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    names = ["all", "__base__", "qv"]
+    expected = stock.generate(input_ids=ids, adapter_names=names, **kwargs)
+    with engine_with(base, adapters) as engine:
+        replays = with_eager_decode_graphs(engine, max_bs=4, adapters=True)
+        assert torch.equal(engine.generate(ids, adapter_names=names, **kwargs), expected)
+        on_adapters = sum(r.replays for r in replays if r.key[2])
+        assert on_adapters >= NEW - 1
+        plain = stock.generate(input_ids=ids, adapter_names=["__base__"] * 3, **kwargs)
+        assert torch.equal(engine.generate(ids, **kwargs), plain)
+        assert sum(r.replays for r in replays if not r.key[2]) >= NEW - 1
 
 
 def test_prefix_cache_is_keyed_by_adapter(dense):
