@@ -18,6 +18,7 @@ from hf_paged.kernels.reference_fp8 import (  # noqa: F401  (twins of the FP8 ke
     quantize_kv,
     w8a8_linear,
 )
+from hf_paged.kernels.reference_lora import add_lora  # noqa: F401  (twin of the LoRA kernels)
 
 
 def _bytes(cache: torch.Tensor) -> torch.Tensor:
