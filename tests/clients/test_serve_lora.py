@@ -19,9 +19,9 @@ import transformers
 
 from hf_paged.cli import main
 from hf_paged.integrations.patch import unpatch_transformers
-from tests.clients.lora_helpers import ADAPTERS, peft_greedy, save_adapter
 from tests.clients.serve_helpers import MODEL, ServerProcess, ask, client, hub_cache, server_env
 from tests.conftest import SMALL
+from tests.lora_helpers import ADAPTERS, peft_greedy, save_adapter, save_adapters
 
 MODES = ("one_process", "engine_process")
 MAX_TOKENS = 12
@@ -31,9 +31,7 @@ HELLO = [{"role": "user", "content": "Hello there, how are you?"}]
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory, tiny_checkpoint) -> dict[str, str]:
-    root = tmp_path_factory.mktemp("adapters")
-    return {name: save_adapter(tiny_checkpoint, str(root / name), seed, targets)
-            for name, (seed, targets) in ADAPTERS.items()}
+    return save_adapters(tiny_checkpoint, tmp_path_factory.mktemp("adapters"))
 
 
 @pytest.fixture(scope="module")

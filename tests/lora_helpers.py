@@ -35,6 +35,12 @@ def save_adapter(checkpoint: str, out: str, seed: int, targets: list[str],
     return out
 
 
+def save_adapters(checkpoint: str, root) -> dict[str, str]:
+    """``ADAPTERS`` saved in folders under ``root``: name -> folder."""
+    return {name: save_adapter(checkpoint, str(root / name), seed, targets)
+            for name, (seed, targets) in ADAPTERS.items()}
+
+
 def peft_greedy(checkpoint: str, adapter: str | None, prompts: list[list[int]],
                 max_new_tokens: int) -> list[list[int]]:
     """Each prompt's greedy new tokens under stock transformers with ``adapter`` (a folder;
