@@ -52,7 +52,8 @@ def load_with_adapters(loras: dict[str, str]) -> Callable[[], None]:
         try:
             _load_into(model, loras)
         except BaseException:
-            model.close()
+            if hasattr(model, "close"):  # hf_paged's: its engine (or engine process) goes
+                model.close()
             raise
         return model
 

@@ -105,10 +105,17 @@ def test_each_name_answers_as_peft_at_once(servers, expected, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_responses_name_the_adapter(servers, mode):
+def test_responses_name_the_adapter(servers, expected, mode):
+    """A completion names the adapter as its model; so does ``/v1/responses``, whose text is
+    the chat's."""
     with client(servers[mode].url()) as c:
         response = c.completions.create(model="a", prompt=PROMPT, max_tokens=2)
-    assert response.model == "a"
+        assert response.model == "a"
+        events = list(c.responses.create(model="a", input=HELLO[0]["content"], stream=True,
+                                          max_output_tokens=MAX_TOKENS, temperature=0))
+    (done,) = [e for e in events if e.type == "response.completed"]
+    assert done.response.model == "a"
+    assert done.response.output_text.strip() == expected["a", "chat"]["choices"][0][0].strip()
 
 
 @pytest.mark.parametrize("mode", MODES)

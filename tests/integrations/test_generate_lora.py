@@ -6,6 +6,7 @@ batch; what it is not served with, refused by name; and ``hf-paged generate --lo
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from peft import PeftModel
 
 import hf_paged
 from hf_paged.cli import main
+from hf_paged.generation.generate import check
 from hf_paged.lora.named import load_loras
 from tests.conftest import SMALL
 from tests.lora_helpers import save_adapters, stock_model
@@ -83,9 +85,11 @@ def test_copies_of_a_row_keep_its_adapter(engine, peft_tokens):
      "greedy search and sampling only, not assisted_generation"),
 ])
 def test_refused_by_name(engine, kwargs, match):
+    """By generate, and by check (what a server asks before a response starts)."""
     ids, mask = padded(PROMPTS)
-    with pytest.raises(ValueError, match=re.escape(match)):
-        engine.generate(ids, attention_mask=mask, max_new_tokens=4, **kwargs)
+    for call in (engine.generate, partial(check, engine)):
+        with pytest.raises(ValueError, match=re.escape(match)):
+            call(ids, attention_mask=mask, max_new_tokens=4, **kwargs)
     assert engine.stats()["num_waiting"] == engine.stats()["num_running"] == 0
 
 
