@@ -169,19 +169,28 @@ def test_lora_needs_continuous_batching(capsys, dora):
     assert "--lora serves with --continuous-batching only" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("model", [True, False], ids=["dora", "no_model"])
-def test_refused_before_serving_in_one_line(capsys, monkeypatch, tiny_checkpoint, dora, model):
+@pytest.mark.parametrize("case", ["dora", "no_model", "rank", "rank_engine_process"])
+def test_refused_before_serving_in_one_line(capsys, monkeypatch, tiny_checkpoint, adapters, dora,
+                                            case):
     """A DoRA adapter is refused by name before the base model loads; ``--lora`` without the
-    model named on the command line is refused before anything loads."""
+    model named on the command line before anything loads; an adapter the engine cannot hold
+    (its rank over ``max_lora_rank``) as the engine takes it, in this process or the engine's
+    own."""
     monkeypatch.setattr(sys, "argv", list(sys.argv))
+    spec = f"d={dora}" if case in ("dora", "no_model") else f"a={adapters['a']}"
+    argv = ["serve", "--continuous-batching", "--device", "cpu", "--port", "1",
+            "--engine-option", "max_lora_rank=2", f"--lora={spec}"]
+    argv += [] if case == "no_model" else [tiny_checkpoint]
+    argv += ["--engine-process"] if case == "rank_engine_process" else []
     try:
-        status = main(["serve", *([tiny_checkpoint] if model else []), "--continuous-batching",
-                       "--device", "cpu", "--port", "1", f"--lora=d={dora}"])
+        status = main(argv)
     finally:
         unpatch_transformers()
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert status == 2 and err.startswith("error: serve: --lora "), err
-    if model:
-        assert f"--lora d={dora}: " in err and "use_dora=True" in err, err
-    else:
+    if case == "dora":
+        assert f"--lora {spec}: " in err and "use_dora=True" in err, err
+    elif case == "no_model":
         assert "needs the model named on the command line" in err, err
+    else:
+        assert err.endswith(f"--lora {spec}: adapter 'a' has rank 4, above max_lora_rank=2"), err
