@@ -21,6 +21,9 @@ class Adapters:
     def __init__(self, executor: Executor, max_loras: int):
         self.executor, self.max_loras = executor, max_loras
         self.loaded: dict[str, tuple[int, int]] = {}  # name -> (slot, id)
+        # For a caller that keeps adapters elsewhere (peft's layers on the drop-in model):
+        # what each was loaded from, to tell when it changed.
+        self.sources: dict[str, object] = {}
         self._ids = itertools.count(1)
 
     def names(self) -> list[str]:
@@ -59,3 +62,4 @@ class Adapters:
                              f"request(s); remove it once they finish")
         self.executor.unload_lora(slot)
         del self.loaded[name]
+        self.sources.pop(name, None)

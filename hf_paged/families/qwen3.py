@@ -44,6 +44,7 @@ from hf_paged.modeling.linear import (
     QKVParallelLinear,
     RowParallelLinear,
     divide,
+    keep_computing,
 )
 from hf_paged.modeling.loader import target_of
 from hf_paged.modeling.norm import RMSNorm
@@ -187,6 +188,7 @@ class Qwen3PagedAttention(nn.Module):
             config.num_attention_heads * head_dim, config.hidden_size, bias=config.attention_bias,
             tp=tp,
         )
+        keep_computing(self, "o_proj")
         self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
         self.attend = attention_function(backend)
@@ -223,7 +225,7 @@ class Qwen3PagedAttention(nn.Module):
             self.scale, max_query_len=meta.max_query_len, shared_prefix=meta.shared_prefix,
             order=meta.decode_order, k_scale=self.k_scale, v_scale=self.v_scale,
         )
-        return self.o_proj(out.reshape(-1, q_size)), residual
+        return self.compute["o_proj"](out.reshape(-1, q_size)), residual
 
 
 class Qwen3PagedMLP(nn.Module):
@@ -234,10 +236,11 @@ class Qwen3PagedMLP(nn.Module):
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], tp=tp)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, tp=tp)
+        keep_computing(self, "down_proj")
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor, norm: nn.Module
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's output for ``norm(x, residual)``, and the new residual stream."""
         # gate_up's small_m_rows were measured for the gated kernel
         act, residual = self.gate_up_proj.normed(x, residual, norm, gated=True)
-        return self.down_proj(act), residual
+        return self.compute["down_proj"](act), residual

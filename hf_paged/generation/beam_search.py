@@ -18,7 +18,7 @@ as transformers' ``[batch * num_beams]`` batch (``BeamCohort.process``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -218,9 +218,10 @@ class BeamGroup(SequenceGroup):
 
 
 def beam_search(engine, resolved: Resolved, prompts: list[list[int]], pad: int,
-                progress_bar: bool | None):
-    """Run a resolved beam-search call over ``prompts`` (each row's unpadded prompt);
-    returns what transformers' generate returns."""
+                progress_bar: bool | None, adapters: list[str | None] | None = None):
+    """Run a resolved beam-search call over ``prompts`` (each row's unpadded prompt; each on
+    its LoRA adapter of ``adapters``, None: the base model); returns what transformers'
+    generate returns."""
     config = resolved.config
     num_beams = config.num_beams
     if num_beams > engine.config.max_num_seqs:
@@ -246,9 +247,11 @@ def beam_search(engine, resolved: Resolved, prompts: list[list[int]], pad: int,
     cohort = BeamCohort(resolved, settings, pad)
     params = SamplingParams(max_new_tokens=resolved.max_new_tokens,
                             eos_token_ids=settings.eos_token_ids, hooks=cohort)
-    for prompt in prompts:
-        engine.validate_request(prompt, params)
-    cohort.groups = groups = [BeamGroup(engine.add_request(p, params), row, settings, cohort)
+    rows = [params if adapters is None else replace(params, adapter=adapters[row])
+            for row in range(len(prompts))]
+    for prompt, row_params in zip(prompts, rows):
+        engine.validate_request(prompt, row_params)
+    cohort.groups = groups = [BeamGroup(engine.add_request(p, rows[row]), row, settings, cohort)
                               for row, p in enumerate(prompts)]
     engine.run([g.root for g in groups], progress_bar)
     # transformers fills with ``pad_token_id or eos_token_id[0]`` (-1 without an EOS id).

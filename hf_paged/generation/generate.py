@@ -4,14 +4,12 @@ Settings, processors and stopping criteria come from transformers' own preparati
 (``settings``). Each row of the (expanded) batch becomes one engine request; what the engine
 does natively (EOS lists, length, repetition penalty, temperature / top-k / top-p) stays on
 its fast path, and a ``CallHooks`` object carries the rest of the call (other processors,
-stopping criteria, recorded scores) for all of its rows together. ``adapter_names`` (PEFT's
-keyword for a batch of mixed LoRA adapters: one name a row, ``"__base__"`` for the base model)
-picks each row's adapter among those the engine holds (``EngineCore.add_lora``).
+stopping criteria, recorded scores) for all of its rows together.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import replace
 
 import torch
 from transformers.generation.configuration_utils import GenerationMode
@@ -30,6 +28,8 @@ from hf_paged.generation.outputs import decoder_only_output, pad_outputs, per_st
 from hf_paged.generation.settings import resolve
 from hf_paged.generation.streaming import StreamFeeder
 from hf_paged.sampling_params import SamplingParams
+
+BASE = "__base__"  # peft's name for the base model among ``adapter_names``
 
 
 def generate(
@@ -62,17 +62,19 @@ def generate(
     pad_tensor = config._pad_token_tensor
     pad = int(pad_tensor) if pad_tensor is not None else 0
     prompts = _unpadded_rows(resolved.input_ids, resolved.attention_mask.bool())
+    adapters = row_adapters(adapter_names, len(prompts), inputs)
     empty = [row for row, prompt in enumerate(prompts) if not prompt]
-    copies = config.num_return_sequences or 1
-    if adapter_names is not None:
-        _check_adapter_rows(resolved, [row // copies for row in empty])
+    if empty and adapters is not None and any(adapters[row] for row in empty):
+        raise ValueError(f"attention_mask: row {empty[0]} keeps no token; a fully masked row "
+                         "cannot run on a LoRA adapter")
     if config.get_generation_mode() is GenerationMode.BEAM_SEARCH:
         if streamer is not None:  # as transformers
             raise ValueError("streamer cannot be used with beam search: set num_beams=1")
         if empty:
             raise ValueError(f"attention_mask: row {empty[0] // config.num_beams} keeps no token; "
                              "hf_paged's beam search needs at least one unmasked prompt token")
-        return beam_search(engine, resolved, prompts[:: config.num_beams], pad, progress_bar)
+        return beam_search(engine, resolved, prompts[:: config.num_beams], pad, progress_bar,
+                           None if adapters is None else adapters[:: config.num_beams])
     record_scores = bool(config.return_dict_in_generate and config.output_scores)
     record_logits = bool(config.return_dict_in_generate and config.output_logits)
     lockstep = record_scores or record_logits
@@ -84,8 +86,9 @@ def generate(
     if split.rest or criteria or lockstep:
         hooks = CallHooks(resolved, split.rest, criteria, pad, record_scores, record_logits)
     with assisted.speculating(engine, resolved) as speculation:
-        params = _with_adapters(_sampling_params(resolved, split, lockstep, hooks, speculation),
-                                adapter_names, len(prompts), copies)
+        params = _sampling_params(resolved, split, lockstep, hooks, speculation)
+        if adapters is not None:
+            params = [replace(params, adapter=name) for name in adapters]
         chunks = speculation is not None and resolved.input_ids.shape[0] == 1
         feeder = StreamFeeder(streamer, pad, chunks) if streamer is not None else None
         if feeder:
@@ -99,7 +102,7 @@ def generate(
                     hooks.logits[row].append(logits[i].cpu())
                 if record_scores:
                     hooks.scores[row].append(scores[i].cpu())
-        seqs = _add_requests(engine, prompts, params, copies, first)
+        seqs = _add_requests(engine, prompts, params, config.num_return_sequences or 1, first)
         if hooks:
             hooks.attach(seqs, engine.device)
         engine.run(seqs, progress_bar, on_step=feeder.feed if feeder else None)
@@ -130,10 +133,10 @@ def check(engine, inputs: torch.Tensor | None = None, generation_config=None,
     sampling values, a prompt or length the engine cannot fit), queueing nothing: a server
     can then refuse a request before its response starts, rather than from inside it."""
     _check_streamer(streamer)
-    adapter_names = kwargs.pop("adapter_names", None)
     if kwargs.pop("synced_gpus", None):
         raise ValueError("synced_gpus is not supported: hf_paged runs one engine per model")
     kwargs.pop("progress_bar", None)
+    adapter_names = kwargs.pop("adapter_names", None)
     resolved = resolve(engine.hf_config, engine.generation_config, inputs, generation_config,
                        kwargs.pop("logits_processor", None), kwargs.pop("stopping_criteria", None),
                        kwargs.pop("prefix_allowed_tokens_fn", None), kwargs)
@@ -144,14 +147,10 @@ def check(engine, inputs: torch.Tensor | None = None, generation_config=None,
     lockstep = bool(config.return_dict_in_generate
                     and (config.output_scores or config.output_logits))
     params = _sampling_params(resolved, _split(resolved, lockstep), lockstep, None)
-    copies = config.num_return_sequences or 1
-    if adapter_names is not None:
-        _check_adapter_rows(resolved, [row // copies for row, p in enumerate(prompts) if not p])
-    rows = _with_adapters(params, adapter_names, len(prompts), copies)
-    for prompt, row_params in zip(prompts, rows if isinstance(rows, list) else [rows] * len(
-            prompts)):
+    adapters = row_adapters(adapter_names, len(prompts), inputs) or [None] * len(prompts)
+    for prompt, adapter in zip(prompts, adapters):
         if prompt:  # a fully masked row starts from transformers' first token instead
-            engine.validate_request(prompt, row_params)
+            engine.validate_request(prompt, replace(params, adapter=adapter))
 
 
 def _check_streamer(streamer) -> None:
@@ -184,50 +183,41 @@ def _sampling_params(resolved, split: procs.Split, lockstep: bool, hooks,
     )
 
 
-def _check_adapter_rows(resolved, empty: list[int]) -> None:
-    """What ``adapter_names`` is not served with, refused by name (``empty``: the input rows
-    that keep no prompt token)."""
-    mode = resolved.config.get_generation_mode(resolved.assistant_model)
-    if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
-        raise ValueError(f"adapter_names is served with greedy search and sampling only, not "
-                         f"{mode.value}")
-    if empty:
-        raise ValueError(f"adapter_names: row {empty[0]} keeps no prompt token "
-                         "(attention_mask), which adapters are not served for")
-
-
-def _with_adapters(params: SamplingParams, adapter_names, rows: int, copies: int
-                   ) -> SamplingParams | list[SamplingParams]:
-    """``params``, or one a (expanded) row with its adapter (``adapter_names``: one name an
-    input row, ``"__base__"`` the base model, as PEFT takes them)."""
-    if adapter_names is None:
-        return params
-    if isinstance(adapter_names, str) or len(adapter_names) * copies != rows:
-        raise ValueError(f"adapter_names: a list of one name per input row ({rows // copies}), "
-                         f"got {adapter_names!r}")
-    return [dataclasses.replace(params, adapter=None if name == "__base__" else name)
-            for name in adapter_names for _ in range(copies)]
-
-
-def _add_requests(engine, prompts: list[list[int]],
-                  params: SamplingParams | list[SamplingParams], copies: int,
-                  first: dict[int, int]):
-    """One request per (expanded) row (``params``: one for all, or one a row); the ``copies``
-    rows of one prompt prefill it once and share its KV blocks when the engine can run them
-    together. A row of ``first`` (its first token, drawn already) continues from that
-    token."""
-    each = params if isinstance(params, list) else [params] * len(prompts)
+def _add_requests(engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                  copies: int, first: dict[int, int]):
+    """One request per (expanded) row (``params``: one for all, or one per row); the
+    ``copies`` rows of one prompt prefill it once and share its KV blocks when the engine can
+    run them together. A row of ``first`` (its first token, drawn already) continues from
+    that token."""
+    rows = params if isinstance(params, list) else [params] * len(prompts)
     if first:
         for row, prompt in enumerate(prompts):  # all checked before any is queued
-            engine.validate_request(prompt or [first[row]], each[row])
-        return [engine.add_request(prompt, each[row], output_token_ids=[first[row]]
+            engine.validate_request(prompt or [first[row]], rows[row])
+        return [engine.add_request(prompt, rows[row], output_token_ids=[first[row]]
                                    if not prompt else ()) for row, prompt in enumerate(prompts)]
     if copies == 1 or copies > engine.config.max_num_seqs:
-        return engine.add_requests(prompts, params)
-    for row in range(0, len(prompts), copies):  # all checked before any is queued
-        engine.validate_request(prompts[row], each[row])
-    return [seq for row in range(0, len(prompts), copies)
-            for seq in engine.add_forked_requests(prompts[row], each[row], copies)]
+        return engine.add_requests(prompts, rows)
+    for prompt, row_params in zip(prompts[::copies], rows[::copies]):  # all checked first
+        engine.validate_request(prompt, row_params)
+    return [seq for prompt, row_params in zip(prompts[::copies], rows[::copies])
+            for seq in engine.add_forked_requests(prompt, row_params, copies)]
+
+
+def row_adapters(adapter_names, rows: int, inputs) -> list[str | None] | None:
+    """peft's ``adapter_names`` (one per input row; ``"__base__"``: the base model) for each
+    of the ``rows`` rows expanded from them (``num_return_sequences``, beams)."""
+    if adapter_names is None:
+        return None
+    if isinstance(adapter_names, str) or not isinstance(adapter_names, (list, tuple)):
+        raise ValueError(f"adapter_names must be a list of adapter names, one per input row, "
+                         f"got {adapter_names!r}")
+    if not adapter_names or rows % len(adapter_names):
+        batch = inputs.shape[0] if isinstance(inputs, torch.Tensor) else "the"
+        raise ValueError(f"adapter_names: {len(adapter_names)} names for {batch} input rows "
+                         f"(one per row)")
+    copies = rows // len(adapter_names)
+    return [None if name in (None, BASE) else name
+            for name in adapter_names for _ in range(copies)]
 
 
 def _unpadded_rows(input_ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:

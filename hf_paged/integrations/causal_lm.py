@@ -23,13 +23,14 @@ from transformers.modeling_outputs import ModelOutput
 
 from hf_paged import families
 from hf_paged.generation.paged_engine import PagedEngine
-from hf_paged.integrations import continuous_batching
+from hf_paged.integrations import continuous_batching, peft_parts, peft_sync
 from hf_paged.integrations.family_classes import class_by_name, family_class
-from hf_paged.integrations.loading import load_engine
+from hf_paged.integrations.loading import adapter_and_base, load_engine
 from hf_paged.integrations.model_call import (
     forward_inputs,
     inner_model_class,
     refuse_forward_options,
+    row_adapters,
 )
 from hf_paged.integrations.state_dict import transformers_state_dict
 
@@ -56,6 +57,7 @@ class PagedCausalLM:
         inner.engine_ref = weakref.ref(engine)  # not a strong one: the engine holds ``inner``
         model.model = inner
         model.lm_head = engine.model.hf_model.lm_head
+        peft_parts.install(model)
         torch.nn.Module.train(model, False)
         return model
 
@@ -186,7 +188,11 @@ class PagedCausalLM:
 
     @torch.no_grad()
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):
-        """transformers' ``generate`` (same arguments, same result), run by the engine."""
+        """transformers' ``generate`` (same arguments, same result), run by the engine; with
+        peft's adapters on the model, on the adapter peft would run each row on."""
+        adapters = peft_sync.sync(self, self.engine)
+        if adapters is not None and kwargs.get("adapter_names") is None:
+            kwargs["adapter_names"] = adapters
         return self.engine.generate(inputs, generation_config, **kwargs)
 
     def init_continuous_batching(self, generation_config=None, continuous_batching_config=None,
@@ -220,7 +226,8 @@ class PagedCausalLM:
             raise ValueError("output_router_logits (set in the config): hf_paged's forward "
                              "returns no router logits and no load-balancing loss")
         inputs = forward_inputs(input_ids, attention_mask, position_ids, self.config.vocab_size)
-        logits = self.engine.forward(*inputs, logits_to_keep)
+        adapters = row_adapters(peft_sync.sync(self, self.engine), input_ids.shape[0])
+        logits = self.engine.forward(*inputs, logits_to_keep, adapters)
         logits = logits.to(input_ids.device)
         with torch.no_grad():
             loss = None
@@ -278,12 +285,18 @@ class AutoModelForCausalLM:
         in transformers (those the engine cannot honour raise a ``ValueError``);
         ``quantization_config`` quantizes a float checkpoint on load (fine-grained FP8 only);
         transformers keywords it cannot honour (``variant``, ...) raise a ``ValueError`` unless
-        None; unknown ones a ``TypeError``.
+        None; unknown ones a ``TypeError``. A peft adapter's folder loads the base checkpoint
+        its ``adapter_config.json`` names, then the adapter (``load_adapter``), as in
+        transformers.
         """
         if model_args:
             raise TypeError("from_pretrained() takes the checkpoint and keyword arguments only")
-        engine = load_engine(os.fspath(pretrained_model_name_or_path), kwargs)
-        return causal_lm_class(families.family_for(engine.hf_config)).from_engine(engine)
+        adapter, base = adapter_and_base(os.fspath(pretrained_model_name_or_path), kwargs)
+        engine = load_engine(base, kwargs)
+        model = causal_lm_class(families.family_for(engine.hf_config)).from_engine(engine)
+        if adapter is not None:  # transformers' own (PeftAdapterMixin), served by peft_sync
+            model.load_adapter(adapter)
+        return model
 
 
 def _same_device(wanted: torch.device, actual: torch.device) -> bool:

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import os
 
 import torch
 from transformers import AutoConfig, PretrainedConfig
-from transformers.utils import logging
+from transformers.utils import find_adapter_config_file, logging
 
 from hf_paged.config import EngineConfig
 from hf_paged.engine.loading import check_has_config, resolve_checkpoint
@@ -46,6 +47,21 @@ ENGINE_KEYWORDS = (
 _REFUSED_CONFIG_VALUES = {"output_attentions": True, "output_hidden_states": True}
 # device_map strategies that accelerate spreads over GPUs; the engine takes the first one.
 _DEVICE_MAP_STRATEGIES = ("auto", "balanced", "sequential")
+
+
+def adapter_and_base(path_or_id: str, kwargs: dict) -> tuple[str | None, str]:
+    """As transformers' ``from_pretrained``: a folder (or hub id) holding a peft adapter
+    (``adapter_config.json``) names its base checkpoint, loaded first, then the adapter.
+    Returns the adapter's folder (None: not an adapter) and the checkpoint to load."""
+    hub = {name: kwargs[name] for name in HUB_KEYWORDS if name in kwargs and name != "tqdm_class"}
+    found = find_adapter_config_file(path_or_id, subfolder=kwargs.get("subfolder", ""), **hub)
+    if found is None:
+        return None, path_or_id
+    with open(found) as f:
+        base = json.load(f).get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{found}: the adapter names no base_model_name_or_path to load it on")
+    return path_or_id, base
 
 
 def load_engine(path_or_id: str, kwargs: dict) -> PagedEngine:

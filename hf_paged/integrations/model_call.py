@@ -9,6 +9,7 @@ from types import ModuleType
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from hf_paged.integrations import peft_sync
 from hf_paged.integrations.family_classes import class_by_name, family_class
 
 
@@ -26,7 +27,8 @@ class PagedInnerModel:
         if engine is None:
             raise RuntimeError("the hf_paged model this module belongs to was freed")
         inputs = forward_inputs(input_ids, attention_mask, position_ids, self.config.vocab_size)
-        hidden = engine.hidden_states(*inputs).to(inputs[0].device)
+        adapters = row_adapters(peft_sync.sync(self, engine), input_ids.shape[0])
+        hidden = engine.hidden_states(*inputs, adapters).to(inputs[0].device)
         output = BaseModelOutputWithPast(last_hidden_state=hidden)
         if return_dict is None:
             return_dict = self.config.return_dict
@@ -40,6 +42,17 @@ def inner_model_class(family: ModuleType) -> type[PagedInnerModel]:
 
 def __getattr__(name: str) -> type:
     return class_by_name(PagedInnerModel, name, __name__, "INNER_MODEL")
+
+
+def row_adapters(adapters: list[str | None] | None, rows: int) -> list[str | None] | None:
+    """peft's adapter for each of a forward's ``rows`` rows (one name: every row's)."""
+    if adapters is None:
+        return None
+    if len(adapters) == 1:
+        return adapters * rows
+    if len(adapters) != rows:
+        raise ValueError(f"adapter_names: {len(adapters)} names for {rows} input rows")
+    return adapters
 
 
 def forward_inputs(input_ids, attention_mask, position_ids, vocab_size: int) -> tuple:

@@ -7,6 +7,35 @@ from __future__ import annotations
 import torch
 
 
+def check_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+               scaling: torch.Tensor, row_part: torch.Tensor, cu_seqlens: torch.Tensor,
+               slots: torch.Tensor) -> None:
+    """Raise a ValueError naming the first argument of ``add_lora`` whose shape or dtype does
+    not fit the others (both twins call it; values on the device are not read)."""
+    tokens, k = x.shape
+    adapters, parts = scaling.shape
+    rank = b.shape[-1]
+    problems = {
+        "b": (f"rank capacity {rank} is not a power of two >= 16"
+              if rank < 16 or rank & (rank - 1) else None),
+        "out": f"{tuple(out.shape)} is not [{tokens}, N]" if out.shape[0] != tokens else None,
+        "a": (f"{tuple(a.shape)} is not [{adapters}, {parts * rank}, {k}]"
+              if a.shape != (adapters, parts * rank, k) else None),
+        "scaling": f"is {scaling.dtype}, not float32" if scaling.dtype != torch.float32 else None,
+        "row_part": (f"{tuple(row_part.shape)} is not [{out.shape[1]}]"
+                     if row_part.shape != out.shape[1:] else None),
+        "cu_seqlens": (f"{tuple(cu_seqlens.shape)} is not [{slots.numel() + 1}]"
+                       if cu_seqlens.shape != (slots.numel() + 1,) else None),
+        "a, b": (f"{a.dtype} and {b.dtype} are not x's dtype {x.dtype}"
+                 if a.dtype != x.dtype or b.dtype != x.dtype else None),
+    }
+    if b.shape != (adapters, out.shape[1], rank):
+        problems["b"] = problems["b"] or f"{tuple(b.shape)} is not [{adapters}, {out.shape[1]}, R]"
+    for name, problem in problems.items():
+        if problem:
+            raise ValueError(f"add_lora: {name} {problem}")
+
+
 def add_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              scaling: torch.Tensor, row_part: torch.Tensor, cu_seqlens: torch.Tensor,
              slots: torch.Tensor, max_rows: int) -> torch.Tensor:
@@ -28,6 +57,7 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     dtype, then added in it (peft's order: the LoRA branch in the model's dtype, added to the
     base output). ``max_rows`` (the longest run: the Triton twin's grid) is not needed here.
     """
+    check_lora(out, x, a, b, scaling, row_part, cu_seqlens, slots)
     num_parts, rank = scaling.shape[1], b.shape[2]
     columns = [torch.nonzero(row_part == p).squeeze(1) for p in range(num_parts)]
     starts = cu_seqlens.tolist()

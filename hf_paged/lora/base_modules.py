@@ -67,8 +67,10 @@ def base_modules(config: PretrainedConfig) -> list[BaseModule]:
             for e in range(config.num_experts):
                 modules.append(other(f"{layer}.mlp.experts.{e}", refusal=EXPERTS))
                 modules += [other(f"{layer}.mlp.experts.{e}.{p}", True, EXPERTS) for p in _MLP]
+                modules.append(other(f"{layer}.mlp.experts.{e}.act_fn", refusal=EXPERTS))
         else:
             modules += [BaseModule(f"{layer}.mlp.{p}", True, (i, p), None) for p in _MLP]
+            modules.append(other(f"{layer}.mlp.act_fn"))
         modules += [other(f"{layer}.input_layernorm"), other(f"{layer}.post_attention_layernorm")]
     modules += [other("model.norm"), other("model.rotary_emb"), other("lm_head", True)]
     return modules

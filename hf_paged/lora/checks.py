@@ -107,11 +107,16 @@ def _targets(config: LoraConfig, base_config: PretrainedConfig) -> dict[tuple[in
         probe.target_modules = set(target_modules)
     elif (isinstance(target_modules, str)
           and target_modules.lower() == INCLUDE_LINEAR_LAYERS_SHORTHAND):
-        # PEFT's rule: every linear but the output embedding
-        probe.target_modules = {m.name for m in modules if m.linear and m.name != "lm_head"}
+        # PEFT's rule: every linear but the output embedding, by full name; only those are
+        # matched against the names (a 30B-A3B has some 25,000). The MoE router and experts
+        # were linears in transformers 4 and are not in 5, so whether all-linear reached them
+        # depends on what trained the adapter: its tensors tell, and one on them is refused.
+        modules = [m for m in modules if m.linear and m.projection]
+        probe.target_modules = {m.name for m in modules}
     entries = [target_modules] if isinstance(target_modules, str) else sorted(target_modules)
     for entry in entries:
-        single = copy.copy(probe)
+        single = copy.copy(probe)  # the entry alone, before exclude_modules takes its share
+        single.exclude_modules = None
         if not isinstance(target_modules, str):
             single.target_modules = {entry}
         if not _reached(single, modules):
@@ -125,6 +130,10 @@ def _targets(config: LoraConfig, base_config: PretrainedConfig) -> dict[tuple[in
             raise ValueError(f"adapter option target_modules={_shown(target_modules)!r} reaches "
                              f"{module.name}: {module.refusal}; {SERVED}")
         targets[module.projection] = module.name
+    if not targets:
+        raise ValueError(f"adapter option exclude_modules={_shown(config.exclude_modules)!r} "
+                         f"leaves no module of target_modules={_shown(target_modules)!r}; "
+                         f"{SERVED}")
     return targets
 
 

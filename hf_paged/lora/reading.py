@@ -3,6 +3,7 @@ from weights already in memory, every tensor checked against the base model's sh
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -37,7 +38,7 @@ def read_config(path: str) -> PeftConfig:
     config_cls = PEFT_TYPE_TO_CONFIG_MAPPING.get(saved.get("peft_type"))
     if config_cls is None:
         raise ValueError(f"{file}: peft_type={saved.get('peft_type')!r} is not one PEFT knows")
-    unknown = sorted(saved.keys() - {f.name for f in config_cls.__dataclass_fields__.values()})
+    unknown = sorted(saved.keys() - {f.name for f in dataclasses.fields(config_cls)})
     if unknown:
         raise ValueError(f"{file}: options {unknown} are unknown to the installed peft "
                          f"(saved by a newer one?)")
@@ -75,6 +76,9 @@ def _scaling(config: LoraConfig, module: str) -> tuple[int, float]:
     """The module's rank and scaling, as PEFT's LoraModel._create_and_replace and
     LoraLayer.update_layer resolve them."""
     r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), module), config.r)
+    if r <= 0:
+        raise ValueError(f"adapter option r / rank_pattern gives {module} rank {r}: a rank must "
+                         f"be positive")
     alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), module),
                                      config.lora_alpha)
     return r, alpha / (math.sqrt(r) if config.use_rslora else r)
@@ -87,7 +91,7 @@ def _adapter(config: LoraConfig, targets: dict[tuple[int, str], str],
     found: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {t: {} for t in targets}
     for key, tensor in state.items():
         match = _KEY.fullmatch(key)
-        if match is None:
+        if match is None or not isinstance(tensor, torch.Tensor):
             raise ValueError(f"adapter tensor {key}: not a LoRA weight (lora_A / lora_B)")
         target = by_module.get(match["module"])
         if target is None:
@@ -109,5 +113,6 @@ def _adapter(config: LoraConfig, targets: dict[tuple[int, str], str],
             if tuple(tensor.shape) != shape:
                 raise ValueError(f"adapter tensor {key}: shape {list(tensor.shape)}, where "
                                  f"{module} with r={r} takes {list(shape)}")
-        weights[target] = LoraWeight(a.to(dtype), b.to(dtype), scaling)
+        # detached: weights taken from PEFT's modules are parameters that require grad
+        weights[target] = LoraWeight(a.detach().to(dtype), b.detach().to(dtype), scaling)
     return LoraAdapter(name, weights)

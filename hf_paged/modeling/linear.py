@@ -40,9 +40,29 @@ def divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
-class _ParallelLinear(nn.Module):
+def part_index(module: nn.Module, shard: object) -> int:
+    """Which of ``module``'s parts a weight loader's ``shard`` id names (``"q"``/``"k"``/
+    ``"v"`` of a QKV projection, a merged projection's index; None: the whole weight)."""
+    if shard is None:
+        return 0
+    return ("q", "k", "v").index(shard) if isinstance(module, QKVParallelLinear) else int(shard)
+
+
+def keep_computing(module: nn.Module, name: str) -> None:
+    """Let ``module``'s forward call its projection ``name`` through ``module.compute[name]``,
+    an unregistered reference: peft wraps a projection it adapts in its own layer (``o_proj``,
+    ``down_proj``), which would compute its adapters unfused, per call; the step keeps calling
+    the projection itself, whose adapters the engine adds (``modeling.lora``)."""
+    module.__dict__.setdefault("compute", {})[name] = getattr(module, name)
+
+
+class _ParallelLinear(nn.Linear):
+    """An ``nn.Linear`` to the libraries that look for one (peft wraps projections it finds so
+    and reads their ``in_features`` / ``out_features``, the whole model's), holding this rank's
+    shard."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: TensorParallel):
-        super().__init__()
+        nn.Module.__init__(self)  # not nn.Linear's: it would allocate and initialise a weight
         self.tp = tp
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = None
@@ -122,6 +142,7 @@ class ColumnParallelLinear(_ParallelLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  tp: TensorParallel = SINGLE):
         super().__init__(in_features, divide(out_features, tp.size, "output features"), bias, tp)
+        self.in_features, self.out_features = in_features, out_features
 
     def normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
                gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,6 +216,7 @@ class RowParallelLinear(_ParallelLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  tp: TensorParallel = SINGLE):
         super().__init__(divide(in_features, tp.size, "input features"), out_features, bias, tp)
+        self.in_features, self.out_features = in_features, out_features
 
     def weight_loader(self, param: nn.Parameter, loaded) -> None:
         if param.dim() == 1:  # the bias is added once, after the reduction

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hf_paged.modeling.linear import QKVParallelLinear, _ParallelLinear
+from hf_paged.modeling.linear import _ParallelLinear, part_index
 from hf_paged.modeling.lora import LoraBatch, LoraStack
 from hf_paged.modeling.paged_model import PagedModel
 
@@ -34,6 +34,12 @@ class LoraSlots:
         self.stacks: list[LoraStack] = []
 
     @property
+    def capacity(self) -> int:
+        """The stacks' rank: ``max_lora_rank`` rounded up to a power of two from 16 (the
+        kernels' tile of the rank)."""
+        return max(16, 1 << (self.rank - 1).bit_length())
+
+    @property
     def nbytes(self) -> int:
         """Device memory the stacks take (0 before the first adapter)."""
         return sum(stack.nbytes for stack in self.stacks)
@@ -44,17 +50,17 @@ class LoraSlots:
         experts)."""
         block = "self_attn" if projection in ATTENTION else "mlp"
         name, shard = self.weight_target(f"model.layers.{layer}.{block}.{projection}.weight")
+        parent, leaf = name.rsplit(".", 2)[:2]
         try:
-            module = self.model.hf_model.get_submodule(name.rsplit(".", 1)[0])
+            block = self.model.hf_model.get_submodule(parent)
         except AttributeError:
             module = None
+        else:  # the projection the step calls (``keep_computing``), peft's wrapper aside
+            module = getattr(block, "compute", {}).get(leaf, getattr(block, leaf, None))
         if not isinstance(module, _ParallelLinear):
             raise ValueError(f"LoRA on {projection} of layer {layer}: that layer has no such "
                              f"projection (LoRA on MoE experts is not supported)")
-        if shard is None:
-            return module, 0
-        return module, ("q", "k", "v").index(shard) if isinstance(module, QKVParallelLinear) \
-            else int(shard)
+        return module, part_index(module, shard)
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Put ``adapter`` in ``slot`` (every target checked first: a refused adapter leaves
@@ -97,6 +103,6 @@ class LoraSlots:
                     continue
                 if module.lora is None:
                     module.lora = LoraStack(module.parts, module.weight.shape[1],
-                                            self.num_slots, self.rank, self.batch,
+                                            self.num_slots, self.capacity, self.batch,
                                             weight.dtype, weight.device)
                     self.stacks.append(module.lora)

@@ -15,13 +15,14 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 import transformers
 
 from hf_paged.cli import main
 from hf_paged.integrations.patch import unpatch_transformers
 from tests.clients.serve_helpers import MODEL, ServerProcess, ask, client, hub_cache, server_env
 from tests.conftest import SMALL
-from tests.lora_helpers import ADAPTERS, peft_greedy, save_adapter, save_adapters
+from tests.lora_adapters import ADAPTERS, save_adapter, stock_peft
 
 MODES = ("one_process", "engine_process")
 MAX_TOKENS = 12
@@ -31,7 +32,22 @@ HELLO = [{"role": "user", "content": "Hello there, how are you?"}]
 
 @pytest.fixture(scope="module")
 def adapters(tmp_path_factory, tiny_checkpoint) -> dict[str, str]:
-    return save_adapters(tiny_checkpoint, tmp_path_factory.mktemp("adapters"))
+    """Two of the LoRA tests' adapters, served as a (q and v) and b (all seven projections)."""
+    root = tmp_path_factory.mktemp("adapters")
+    return {name: save_adapter(tiny_checkpoint, str(root / name), seed, **ADAPTERS[form])
+            for seed, (name, form) in enumerate({"a": "qv", "b": "all"}.items())}
+
+
+def greedy(checkpoint: str, adapter: str | None, prompt: list[int]) -> list[int]:
+    """Stock transformers' greedy new tokens, with PEFT's ``adapter`` (a folder; None: the
+    base model)."""
+    model = (stock_peft(checkpoint, {"adapter": adapter}) if adapter else
+             transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32))
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.eval().generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                    max_new_tokens=MAX_TOKENS, do_sample=False)
+    return out[0, len(prompt):].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +77,8 @@ def expected(tiny_checkpoint, adapters):
                                                      tokenize=True, return_dict=True)["input_ids"]}
     outcomes = {}
     for name in (MODEL, *adapters):
-        tokens = peft_greedy(tiny_checkpoint, adapters.get(name), list(prompts.values()),
-                             MAX_TOKENS)
-        for (endpoint, prompt), new in zip(prompts.items(), tokens):
+        for endpoint, prompt in prompts.items():
+            new = greedy(tiny_checkpoint, adapters.get(name), prompt)
             text = tokenizer.decode(new, skip_special_tokens=True)
             finish = "length" if len(new) == MAX_TOKENS else "stop"
             outcomes[name, endpoint] = {"choices": [(text, None, finish)],
@@ -94,7 +109,7 @@ def test_each_name_answers_as_peft_at_once(servers, expected, mode):
     """Base, a and b, each by completions and chat, streamed and whole: all twelve requests
     sent at once (the engine batches them together), each answered as PEFT answers."""
     url = servers[mode].url()
-    cases = [(name, endpoint, stream) for name in (MODEL, *ADAPTERS)
+    cases = [(name, endpoint, stream) for name in (MODEL, "a", "b")
              for endpoint in ("completion", "chat") for stream in (False, True)]
     with ThreadPoolExecutor(len(cases)) as pool:
         outcomes = list(pool.map(lambda case: ask(url, case[1], case[2], model=case[0],
@@ -149,7 +164,7 @@ def test_models_and_metrics_list_the_adapters(servers, adapters, mode):
 @pytest.fixture(scope="module")
 def dora(tmp_path_factory, tiny_checkpoint) -> str:
     return save_adapter(tiny_checkpoint, str(tmp_path_factory.mktemp("dora") / "d"), 3,
-                        ["q_proj"], use_dora=True)
+                        **ADAPTERS["qv"], use_dora=True)
 
 
 @pytest.mark.parametrize("spec, match", [
@@ -193,4 +208,4 @@ def test_refused_before_serving_in_one_line(capsys, monkeypatch, tiny_checkpoint
     elif case == "no_model":
         assert "needs the model named on the command line" in err, err
     else:
-        assert err.endswith(f"--lora {spec}: adapter 'a' has rank 4, above max_lora_rank=2"), err
+        assert err.endswith(f"--lora {spec}: adapter 'a' has rank 8, above max_lora_rank=2"), err

@@ -1,6 +1,7 @@
 """The kernels' GPU variants compile for an H100 (sm_90) on this machine: the FP8 paths (FP8
 weights in the small-M kernel, both block-scaled GEMMs, FP8 experts; an FP8 KV cache in the
-store and in decode, split decode, cascade and prefill attention) and their 16-bit twins.
+store and in decode, split decode, cascade and prefill attention) and their 16-bit twins; the
+LoRA kernels at decode and prefill.
 The interpreter runs their arithmetic in the other tests; this catches what only the compiler
 refuses. (``hopper_target`` says how.)"""
 
@@ -88,10 +89,26 @@ def attention() -> None:
                         k_scale=scales[0], v_scale=scales[1])
 
 
+def lora() -> None:
+    adapters, hidden, parts = 4, 1024, [2048, 1024, 1024]
+    row_part = torch.repeat_interleave(torch.arange(3), torch.tensor(parts)).int()
+    scaling = torch.rand(adapters, 3)
+    for dtype in (BF16, torch.float16):
+        for lens, slots, rank in (([1] * 8, [0, -1, 1, 1, 2, 3, 0, -1], 16),  # decode
+                                  ([300, 20, 7], [2, -1, 0], 128)):  # prefill
+            tokens = sum(lens)
+            cu = torch.tensor([0, *lens]).cumsum(0).int()
+            out = torch.randn(tokens, sum(parts), dtype=dtype)
+            kernels.add_lora(out, torch.randn(tokens, hidden, dtype=dtype),
+                             torch.randn(adapters, 3 * rank, hidden, dtype=dtype),
+                             torch.randn(adapters, sum(parts), rank, dtype=dtype), scaling,
+                             row_part, cu, torch.tensor(slots).int(), max(lens))
+
+
 def compile_all() -> None:
     from tests.kernels.hopper_target import compile_for_hopper
 
-    compile_for_hopper([projections, experts, attention])
+    compile_for_hopper([projections, experts, attention, lora])
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="the GPU compiles and runs the kernels itself")

@@ -90,3 +90,9 @@ def test_scheduler_and_plain_data_import_no_speculation():
     for name, imported in graph.items():
         if name.startswith("hf_paged.engine.speculation"):
             assert "hf_paged.engine.engine" not in imported, name
+
+
+def test_lora_imports_nothing_of_the_package():
+    for name, imported in import_graph().items():
+        if name.startswith("hf_paged.lora"):
+            assert all(m.startswith("hf_paged.lora") for m in imported), name
