@@ -24,8 +24,9 @@ from hf_paged.step import StepPlan, StepResult, WorkerSpec
 from hf_paged.worker.backend import resolve_backend
 from hf_paged.worker.channel import RESULTS, STEP
 from hf_paged.worker.follower import serve
+from hf_paged.worker.launched_step import LaunchedStep
 from hf_paged.worker.ranks import Ranks, join_launched_ranks, launched_world, spawn_ranks
-from hf_paged.worker.runner import LaunchedStep, ModelRunner
+from hf_paged.worker.runner import ModelRunner
 from hf_paged.worker.shard import build_shard
 
 if TYPE_CHECKING:

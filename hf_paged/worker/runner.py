@@ -16,8 +16,6 @@ The parts, one job each: ``inputs.StepPreparer`` (plan -> inputs), ``kv_cache.KV
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from hf_paged import kernels
@@ -27,10 +25,11 @@ from hf_paged.families import family_for
 from hf_paged.modeling.attention import AttentionMetadata, decode_order
 from hf_paged.modeling.paged_model import PagedModel
 from hf_paged.modeling.tp import SINGLE, TensorParallel
-from hf_paged.step import StepInputs, StepPlan, StepResult
+from hf_paged.step import StepInputs, StepPlan
 from hf_paged.worker.decode_graphs import DecodeGraphs
 from hf_paged.worker.inputs import CASCADE_MIN_SEQS, StepPreparer
 from hf_paged.worker.kv_cache import KVCache, cache_dtype
+from hf_paged.worker.launched_step import LaunchedStep, collect, pinned_copy, to_host
 from hf_paged.worker.lora_slots import LoraSlots
 from hf_paged.worker.prefill_graphs import PrefillGraphs
 from hf_paged.worker.sampler import Sampler, draw_counts, kernel_settings, per_draw
@@ -41,19 +40,6 @@ from hf_paged.worker.startup import Startup
 # launching an 8,192-token step eagerly takes the host longer than the device's 18 ms), and
 # so do steps verifying drafts that draw up to this many rows (a row costs the LM head little).
 _PREFILL_GRAPH_TOKENS, _PREFILL_GRAPH_SEQS, _PREFILL_GRAPH_ROWS = 8192, 256, 64
-
-
-@dataclass
-class LaunchedStep:
-    """A step enqueued on the device; ``tokens`` (one per sampled row) is valid once ``done``
-    has passed."""
-
-    tokens: torch.Tensor | None
-    done: torch.cuda.Event | None
-    # Group members' rows: (top scores, their token ids, whole score rows, whole logit rows).
-    candidates: tuple | None = None
-    # With ``StepPlan.report_probs``: each token's probability, beside ``tokens``.
-    probs: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -194,23 +180,14 @@ class ModelRunner:
         self.preparer.sampled([r.seq_id for r in rows])
         if self.device.type != "cuda":
             return LaunchedStep(tokens, None, candidates, probs)
-        host = self._pinned_copy(tokens, self.host_tokens[self.flip])
+        host = pinned_copy(tokens, self.host_tokens[self.flip])
         if probs is not None:
-            probs = self._pinned_copy(probs, self.host_probs[self.flip])
+            probs = pinned_copy(probs, self.host_probs[self.flip])
         if candidates is not None:
-            candidates = tuple(None if t is None else _to_host(t) for t in candidates)
+            candidates = tuple(None if t is None else to_host(t) for t in candidates)
         done = torch.cuda.Event()
         done.record()
         return LaunchedStep(host, done, candidates, probs)
-
-    @staticmethod
-    def _pinned_copy(values: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-        """An asynchronous copy of ``values`` to the host, in ``buffer`` when it fits."""
-        if len(values) > len(buffer):  # a step verifying many drafts
-            return _to_host(values)
-        host = buffer[: len(values)]
-        host.copy_(values, non_blocking=True)
-        return host
 
     @torch.inference_mode()
     def follow(self, inputs: StepInputs) -> None:
@@ -273,21 +250,7 @@ class ModelRunner:
             self.last_tokens[:n].zero_()
         self.tp.broadcast_from_first(self.last_tokens[:n])
 
-    @staticmethod
-    def collect(step: LaunchedStep) -> StepResult:
-        """Wait for a launched step; return its sampled tokens, group members' candidates and
-        the tokens' probabilities when the plan asked for them."""
-        if step.tokens is None:
-            return StepResult([], [])
-        if step.done is not None:
-            step.done.synchronize()
-        probs = [] if step.probs is None else step.probs.tolist()
-        if step.candidates is None:
-            return StepResult(step.tokens.tolist(), [], probs)
-        top, ids, scores, logits = step.candidates
-        rows = [(None, None)] * len(top) if scores is None else list(zip(scores, logits))
-        return StepResult(step.tokens.tolist(),
-                          [(t, i, *r) for t, i, r in zip(top, ids, rows)], probs)
+    collect = staticmethod(collect)
 
     def release(self, seq_ids: list[int]) -> None:
         """Forget finished or aborted sequences."""
@@ -320,8 +283,3 @@ class ModelRunner:
 def _on_adapters(lora_slots: list[int]) -> bool:
     """Whether any sequence of a step runs on a LoRA adapter."""
     return any(slot >= 0 for slot in lora_slots)
-
-
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    return host.copy_(tensor, non_blocking=True)
