@@ -45,8 +45,8 @@ hf-paged's own options (anywhere among the arguments; --engine-option repeatable
   --engine-process           the engine in a process of its own (with --continuous-batching):
                              the server's per-token work shares no GIL with its steps
   --lora NAME=PATH           a LoRA adapter (a folder PEFT saved) served beside MODEL, chosen
-                             by a request's model field NAME (repeatable; with
-                             --continuous-batching and MODEL named on the command line)
+                             by a request's model field NAME (repeatable; MODEL named on the
+                             command line)
 /health answers 503 naming why when an engine is broken; /metrics is Prometheus' text format.
 Every other argument is transformers serve's own:
 """

@@ -125,8 +125,6 @@ def take_front_options(argv: list[str]) -> tuple[FrontOptions, list[str]]:
     if values.get("engine_process") and "--continuous-batching" not in rest:
         raise ValueError("--engine-process serves with --continuous-batching only: add it")
     if loras:
-        if "--continuous-batching" not in rest:
-            raise ValueError(f"{LORA_FLAG} serves with --continuous-batching only: add it")
         values["loras"] = tuple(parse_loras(loras).items())
     return FrontOptions(**values), rest
 

@@ -1,5 +1,5 @@
-"""``hf-paged serve MODEL --continuous-batching --lora NAME=PATH ...``: LoRA adapters served by
-name beside the base model, as vLLM's ``--lora-modules``.
+"""``hf-paged serve MODEL --lora NAME=PATH ...``: LoRA adapters served by name beside the base
+model, as vLLM's ``--lora-modules``.
 
 - Loading (``load_with_adapters``): transformers' ``ModelManager`` loads ``MODEL`` when it is
   built, before the server starts; each adapter's config is checked against the base model's
@@ -8,9 +8,11 @@ name beside the base model, as vLLM's ``--lora-modules``.
   itself. A bad adapter stops the server there with one line naming ``--lora NAME=PATH``.
 - Requests (``extend``): a request's ``model`` field selects an adapter by its NAME, the base
   model by its own name (or no name); any other name is a 400 in OpenAI's error shape naming
-  it. The request then runs as one of the base model's (transformers' handlers, its
-  continuous-batching manager) with ``adapter=NAME`` added to the manager's ``add_request``,
-  carried from the handler by a context variable (each request is a task of its own); its
+  it. The request then runs as one of the base model's (transformers' handlers and generation
+  managers), its adapter carried from the handler by a context variable (each request is a
+  task of its own) to where the manager hands it over: with continuous batching,
+  ``adapter=NAME`` added to the continuous-batching manager's ``add_request``; without,
+  ``adapter_names=[NAME]`` (PEFT's keyword) added to the inputs ``model.generate`` gets. Its
   response names the adapter as its model, as vLLM's do.
 - ``/v1/models`` lists the adapters after the base model, as vLLM lists them (``parent``:
   the base model, ``root``: the adapter's folder).
@@ -99,8 +101,9 @@ def extend(model_manager, generation_state, handlers: dict, loras: dict[str, str
         # an adapter's requests are the base model's: its manager, its engine
         model_id = base_id if model_id in loras else model_id
         manager = stock_get_manager(model_id, use_cb=use_cb)
-        if use_cb and not getattr(manager, _TAGGED, False):
-            _pass_adapter(manager)
+        if not getattr(manager, _TAGGED, False):
+            (_pass_adapter if use_cb else _pass_adapter_names)(manager)
+            setattr(manager, _TAGGED, True)
         return manager
 
     generation_state.get_manager = get_manager
@@ -162,4 +165,19 @@ def _pass_adapter(manager) -> None:
         setattr(cb, _TAGGED, True)
 
     manager.init_cb = init_cb
-    setattr(manager, _TAGGED, True)
+
+
+def _pass_adapter_names(manager) -> None:
+    """Have transformers' ``GenerateManager`` (``model.generate`` on its inference thread)
+    generate with the requested adapter: ``adapter_names=[NAME]`` among the inputs it passes
+    as keywords to ``model.generate`` (and to ``serve_errors``' check before it)."""
+    for attr in ("generate_streaming", "generate_non_streaming"):
+        stock = getattr(manager, attr)
+
+        def generate(model, processor, inputs, *args, _stock=stock, **kwargs):
+            adapter = _REQUESTED.get()
+            if adapter is not None:
+                inputs = {**inputs, "adapter_names": [adapter]}
+            return _stock(model, processor, inputs, *args, **kwargs)
+
+        setattr(manager, attr, generate)

@@ -1,6 +1,7 @@
-"""``hf-paged serve MODEL --continuous-batching --lora a=PATH --lora b=PATH``: two PEFT adapters
-of the tiny checkpoint (float32 on CPU) served by name beside the base model, driven by the
-official openai client over loopback, in one process and with ``--engine-process``.
+"""``hf-paged serve MODEL --lora a=PATH --lora b=PATH``: two PEFT adapters of the tiny
+checkpoint (float32 on CPU) served by name beside the base model, driven by the official openai
+client over loopback: through transformers' ``model.generate`` path, its continuous batching,
+and continuous batching with ``--engine-process``.
 
 Each adapter's answer (greedy) is stock transformers + PEFT's with that adapter, the base
 model's name answers as the base model, requests for all three run at once; an unknown name
@@ -24,7 +25,8 @@ from tests.clients.serve_helpers import MODEL, ServerProcess, ask, client, hub_c
 from tests.conftest import SMALL
 from tests.lora_adapters import ADAPTERS, save_adapter, stock_peft
 
-MODES = ("one_process", "engine_process")
+MODES = {"generate": [], "continuous_batching": ["--continuous-batching"],
+         "engine_process": ["--continuous-batching", "--engine-process"]}
 MAX_TOKENS = 12
 PROMPT = "Once upon a time"
 HELLO = [{"role": "user", "content": "Hello there, how are you?"}]
@@ -55,13 +57,12 @@ def servers(tmp_path_factory, tiny_checkpoint, adapters):
     """mode -> ServerProcess serving ``MODEL`` with adapters a and b."""
     root = tmp_path_factory.mktemp("serve_lora")
     env = server_env(hub_cache(root / "hub", tiny_checkpoint))
-    argv = [sys.executable, "-m", "hf_paged", "serve", MODEL, "--continuous-batching",
+    argv = [sys.executable, "-m", "hf_paged", "serve", MODEL,
             "--device", "cpu", "--dtype", "float32", "--log-level", "warning",
             *(f"--engine-option={k}={v}" for k, v in SMALL.items()),
             *(f"--lora={name}={path}" for name, path in adapters.items())]
-    started = {mode: ServerProcess([*argv, *(["--engine-process"] if mode != "one_process"
-                                             else [])], env, root / f"{mode}.log")
-               for mode in MODES}
+    started = {mode: ServerProcess([*argv, *flags], env, root / f"{mode}.log")
+               for mode, flags in MODES.items()}
     yield started
     for server in started.values():
         server.stop()
@@ -107,7 +108,8 @@ def request(endpoint: str) -> dict:
 @pytest.mark.parametrize("mode", MODES)
 def test_each_name_answers_as_peft_at_once(servers, expected, mode):
     """Base, a and b, each by completions and chat, streamed and whole: all twelve requests
-    sent at once (the engine batches them together), each answered as PEFT answers."""
+    sent at once (with continuous batching, the engine batches them together), each answered
+    as PEFT answers."""
     url = servers[mode].url()
     cases = [(name, endpoint, stream) for name in (MODEL, "a", "b")
              for endpoint in ("completion", "chat") for stream in (False, True)]
@@ -173,15 +175,10 @@ def dora(tmp_path_factory, tiny_checkpoint) -> str:
     ("a=/no/such/folder", "--lora a=/no/such/folder: no such folder"),
 ])
 def test_bad_spec_is_one_line(capsys, spec, match):
-    assert main(["serve", "some/model", "--continuous-batching", "--lora", spec]) == 2
+    assert main(["serve", "some/model", "--lora", spec]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: serve: "), err
     assert match in err, err
-
-
-def test_lora_needs_continuous_batching(capsys, dora):
-    assert main(["serve", "some/model", f"--lora=d={dora}"]) == 2
-    assert "--lora serves with --continuous-batching only" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("case", ["dora", "no_model", "rank", "rank_engine_process"])
@@ -193,10 +190,10 @@ def test_refused_before_serving_in_one_line(capsys, monkeypatch, tiny_checkpoint
     own."""
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     spec = f"d={dora}" if case in ("dora", "no_model") else f"a={adapters['a']}"
-    argv = ["serve", "--continuous-batching", "--device", "cpu", "--port", "1",
+    argv = ["serve", "--device", "cpu", "--port", "1",
             "--engine-option", "max_lora_rank=2", f"--lora={spec}"]
     argv += [] if case == "no_model" else [tiny_checkpoint]
-    argv += ["--engine-process"] if case == "rank_engine_process" else []
+    argv += ["--continuous-batching", "--engine-process"] if case == "rank_engine_process" else []
     try:
         status = main(argv)
     finally:
