@@ -43,10 +43,9 @@ def load_with_adapters(loras: dict[str, str]) -> Callable[[], None]:
     stock = ModelManager.__dict__["_load_model"]
 
     def _load_model(self, model_id_and_revision: str, *args, **kwargs):
-        if self.force_model is None:
-            raise AdapterSpecError(f"{LORA_FLAG} needs the model named on the command line: "
-                                   f"hf-paged serve MODEL {LORA_FLAG} NAME=PATH")
-        if model_id_and_revision != self.process_model_name(split_model_id(self.force_model)[0]):
+        pinned = self.force_model  # None: extend refuses --lora before any model loads
+        if pinned is None or model_id_and_revision != self.process_model_name(
+                split_model_id(pinned)[0]):
             return stock(self, model_id_and_revision, *args, **kwargs)
         model_id, revision = split_revision(model_id_and_revision)
         check_loras(loras, AutoConfig.from_pretrained(model_id, revision=revision))
