@@ -12,6 +12,7 @@ from pathlib import Path
 from hf_paged.checkpoint_shapes import SHAPES
 from hf_paged.cli_run import front, one_line
 from hf_paged.config import KV_CACHE_DTYPES
+from hf_paged.lora.named import load_loras, parse_loras
 
 DEFAULT_MODEL = Path.home() / ".cache" / "hf_paged" / "random-qwen3-tiny"
 
@@ -41,9 +42,15 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                      help="the KV cache's dtype: auto (the model's) or fp8 (e4m3, scaled per KV "
                           "head: twice the tokens, half the bytes a decode step reads)")
+    gen.add_argument("--lora", action="append", metavar="NAME=PATH",
+                     help="load the LoRA adapter PEFT saved in folder PATH as NAME (repeatable)")
+    gen.add_argument("--adapter", metavar="NAME",
+                     help="generate with the adapter --lora loaded as NAME (default: the base "
+                     "model)")
     gen.add_argument("--check", action="store_true",
-                     help="also run stock transformers generate and compare the tokens "
-                     "(greedy only: sampled tokens differ from run to run)")
+                     help="also run stock transformers generate (with PEFT's adapter, for "
+                     "--adapter) and compare the tokens (greedy only: sampled tokens differ "
+                     "from run to run)")
 
     mk = sub.add_parser("make-checkpoint",
                         help="write a random Qwen3 or Qwen3-MoE checkpoint of a real shape")
@@ -117,12 +124,17 @@ def _generate(args: argparse.Namespace) -> int:
     if args.check and args.kv_cache_dtype != "auto":
         raise ValueError("--check compares tokens with stock transformers, whose cache is not "
                          f"{args.kv_cache_dtype}: leave --kv-cache-dtype at auto")
+    loras = parse_loras(args.lora or [])
+    if args.adapter is not None and args.adapter not in loras:
+        raise ValueError(f"--adapter {args.adapter}: no --lora loads an adapter of that name")
     t0 = time.perf_counter()
     path = _checkpoint_folder(model)
     engine = from_pretrained(path, dtype=args.dtype, device=args.device,
                              tensor_parallel_size=args.tensor_parallel_size,
                              kv_cache_dtype=args.kv_cache_dtype)
-    print(f"loaded {model} on {engine.device} in {time.perf_counter() - t0:.1f} s")
+    load_loras(engine, loras)
+    print(f"loaded {model}{''.join(f' +{name}' for name in loras)} on {engine.device} in "
+          f"{time.perf_counter() - t0:.1f} s")
     tokenizer = _tokenizer(path)
     try:
         prompts = [[int(t) for t in ids.split(",")] for ids in args.token_ids or []]
@@ -149,6 +161,8 @@ def _generate(args: argparse.Namespace) -> int:
     kwargs = {k: v for k, v in dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
               temperature=args.temperature, top_k=args.top_k, top_p=args.top_p).items()
               if v is not None}
+    if args.adapter is not None:  # PEFT's keyword: the adapter of each row
+        kwargs["adapter_names"] = [args.adapter] * len(prompts)
     t0 = time.perf_counter()
     out = engine.generate(input_ids, attention_mask=mask, **kwargs)
     seconds = time.perf_counter() - t0
@@ -159,6 +173,11 @@ def _generate(args: argparse.Namespace) -> int:
         from transformers import AutoModelForCausalLM
 
         ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=engine.dtype)
+        if args.adapter is not None:
+            from peft import PeftModel
+
+            ref_model = PeftModel.from_pretrained(ref_model, loras[args.adapter],
+                                                  adapter_name=args.adapter)
         ref = ref_model.to(engine.device).generate(input_ids.to(engine.device),
                                                    attention_mask=mask.to(engine.device),
                                                    **kwargs).cpu()

@@ -11,6 +11,8 @@ import sys
 from collections.abc import Callable
 from functools import partial
 
+from hf_paged.lora.named import AdapterSpecError
+
 RUN_USAGE = """\
 usage: hf-paged run [--engine-option KEY=VALUE ...] SCRIPT [ARGS...]
        hf-paged run [--engine-option KEY=VALUE ...] -m MODULE [ARGS...]
@@ -46,7 +48,11 @@ def front(command: str, argv: list[str]) -> int:
     except (ValueError, TypeError, LookupError, ImportError) as error:
         print(f"error: {command}: {one_line(error)}", file=sys.stderr)
         return 2
-    return start()
+    try:
+        return start()
+    except AdapterSpecError as error:  # found as the model loads, before serving
+        print(f"error: {command}: {one_line(error)}", file=sys.stderr)
+        return 2
 
 
 def _run_target(argv: list[str]) -> Callable[[], int]:

@@ -5,7 +5,8 @@ requests: the logits processors ``_get_logits_processor`` builds from it, filter
 ``ContinuousBatchingLogitsProcessorList`` (which drops those it marks unsupported and, with
 ``per_request_processors``, lets a request override ``temperature`` / ``top_k`` / ``top_p``
 through ``add_request(**kwargs)``), and ``do_sample``. A request also sets ``max_new_tokens``
-and ``eos_token_id``. ``RequestSettings`` builds the same list with the same transformers
+and ``eos_token_id``, and, hf_paged's own keyword, ``adapter=NAME``: the LoRA adapter it runs
+with (``EngineCore.add_lora``). ``RequestSettings`` builds the same list with the same transformers
 code, then hands the engine what it computes natively (repetition penalty, temperature,
 top-k, top-p, min-p: ``generation.processors.split``); anything else, and the log-probabilities
 ``return_logprobs`` asks for, runs in ``RowHooks`` as transformers' objects over each
@@ -124,7 +125,9 @@ class RequestSettings:
     def params(self, state: RequestState) -> tuple[SamplingParams, LogitsProcessorList]:
         """The request's SamplingParams and the processors its row runs in ``self.hooks``
         (empty: none). Raises naming what is wrong with the request."""
-        overrides = state.logit_processor_kwargs
+        overrides = dict(state.logit_processor_kwargs)
+        # hf_paged's own keyword: the LoRA adapter the request runs with (its name)
+        adapter = overrides.pop("adapter", None)
         self.cb_processors.check_kwargs(overrides)  # transformers' own check of the keywords
         chain = LogitsProcessorList(_override(p, overrides) for p in self.processors)
         split = procs.split(chain, padded=False, keep_all=False)
@@ -150,6 +153,7 @@ class RequestSettings:
             repetition_penalty=split.repetition_penalty,
             eos_token_ids=_eos_ids(state.eos_token_id),
             hooks=self.hooks if rows or self.logprobs else None,
+            adapter=adapter,
         )
         return params, rows
 

@@ -7,7 +7,8 @@ per streamed token (vLLM's split of API server and engine core). They talk over 
 
 - server -> engine: ``("init", generation_config, continuous_batching_config)`` (the manager
   starts), ``("add", kwargs)`` (``add_request``'s), ``("cancel", request_id)``,
-  ``("call", call_id, name, args)`` (``validate`` a request, read ``stats``), ``("stop",)``;
+  ``("call", call_id, name, args)`` (``validate`` a request, read ``stats``, ``load_loras``
+  from their folders before the manager starts), ``("stop",)``;
 - engine -> server: ``("ready", config, generation_config)`` once loaded (or ``("failed",
   message)``), ``("out", updates)`` once per batch of outputs, each update ``(request_id, new
   tokens, status, error)``, ``("reply", call_id, value)``, ``("fatal", message)`` when the
@@ -195,6 +196,14 @@ class _Engine:
                 self.manager.validate_request(*args[:1], **args[1])
                 value = None
             except ValueError as error:
+                value = str(error)
+        elif name == "load_loras":  # {name: folder}; a bad one: the message naming it
+            from hf_paged.lora.named import AdapterSpecError, load_loras
+
+            try:
+                load_loras(self.model.engine, *args)
+                value = None
+            except AdapterSpecError as error:
                 value = str(error)
         elif name == "stats":
             engine = self.model.engine

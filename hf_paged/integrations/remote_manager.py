@@ -49,6 +49,15 @@ class RemoteEngine:
     def stats(self) -> dict[str, int]:
         return self._read()[0]
 
+    def load_loras(self, loras: dict[str, str]) -> None:
+        """Load LoRA adapters from their folders in the engine process (``named.load_loras``);
+        an ``AdapterSpecError`` naming a bad one."""
+        from hf_paged.lora.named import AdapterSpecError
+
+        problem = self.process.call("load_loras", loras, timeout=600.0)
+        if problem is not None:
+            raise AdapterSpecError(problem)
+
     @property
     def broken(self) -> str | None:
         return self._read()[2]

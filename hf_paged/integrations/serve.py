@@ -17,7 +17,7 @@ transformers serve's flags set only transformers' loading keywords (``--dtype``,
 ...), so engine options travel another way: hf-paged takes ``--engine-option KEY=VALUE`` out of
 the arguments before handing the rest over, and the patch applies them as defaults to every
 hf_paged load. hf-paged's server flags (``--api-key``, ``--max-body-bytes``, ``--max-tokens``,
-``--switch-interval-ms``, ``--engine-process``) are taken out the same way.
+``--switch-interval-ms``, ``--engine-process``, ``--lora``) are taken out the same way.
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ hf-paged's own options (anywhere among the arguments; --engine-option repeatable
                              how long the engine's loop may wait for the GIL after a step
   --engine-process           the engine in a process of its own (with --continuous-batching):
                              the server's per-token work shares no GIL with its steps
+  --lora NAME=PATH           a LoRA adapter (a folder PEFT saved) served beside MODEL, chosen
+                             by a request's model field NAME (repeatable; MODEL named on the
+                             command line)
 /health answers 503 naming why when an engine is broken; /metrics is Prometheus' text format.
 Every other argument is transformers serve's own:
 """

@@ -16,7 +16,8 @@ starts) so that every app it builds gets, in front of its own routes:
 - ``/health`` answering as transformers' does, plus a 503 naming why when a loaded hf_paged
   engine is broken (a tensor-parallel worker died) or the continuous-batching loop died of an
   error, and ``/metrics`` (``serve_metrics``);
-- streamed responses' per-token work made cheap (``serve_stream``).
+- streamed responses' per-token work made cheap (``serve_stream``);
+- with ``--lora NAME=PATH``, adapters selected by the requests' model names (``serve_lora``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hf_paged.integrations import serve_errors, serve_metrics, serve_stream
+from hf_paged.integrations import serve_errors, serve_lora, serve_metrics, serve_stream
+from hf_paged.lora.named import LORA_FLAG, parse_loras
 
 API_KEY_ENV = "HF_PAGED_API_KEY"
 _GUARDED = "_hf_paged_front"
@@ -44,7 +46,7 @@ _OPEN_PATHS = ("/health",)
 @dataclass(frozen=True)
 class FrontOptions:
     """hf-paged serve's own server options (``--api-key``, ``--max-body-bytes``,
-    ``--max-tokens``, ``--switch-interval-ms``)."""
+    ``--max-tokens``, ``--switch-interval-ms``, ``--engine-process``, ``--lora``)."""
 
     api_key: str | None = None
     max_body_bytes: int = 4 << 20  # a prompt of max_model_len tokens fits many times over
@@ -56,6 +58,8 @@ class FrontOptions:
     # The engine and its loop in a process of their own (``engine_process``): the server's
     # per-token work no longer shares a GIL with the engine's steps.
     engine_process: bool = False
+    # LoRA adapters served by name beside the model (``--lora NAME=PATH``): (name, folder).
+    loras: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key:
@@ -71,14 +75,17 @@ class FrontOptions:
 
 SWITCHES = {"--engine-process": "engine_process"}  # flags without a value
 FLAGS = {"--api-key": "api_key", "--max-body-bytes": "max_body_bytes",
-         "--max-tokens": "max_tokens", "--switch-interval-ms": "switch_interval_ms"}
+         "--max-tokens": "max_tokens", "--switch-interval-ms": "switch_interval_ms",
+         LORA_FLAG: "loras"}  # repeatable
 
 
 def take_front_options(argv: list[str]) -> tuple[FrontOptions, list[str]]:
     """Split hf-paged serve's own flags (``--api-key KEY``, ``--max-body-bytes N``,
-    ``--max-tokens N``, ``--switch-interval-ms MS``, also as ``--flag=value``) out of
-    ``argv``; the API key defaults to the ``HF_PAGED_API_KEY`` environment variable."""
+    ``--max-tokens N``, ``--switch-interval-ms MS``, ``--lora NAME=PATH``, also as
+    ``--flag=value``) out of ``argv``; the API key defaults to the ``HF_PAGED_API_KEY``
+    environment variable."""
     values: dict[str, Any] = {}
+    loras: list[str] = []
     env_key = os.environ.get(API_KEY_ENV)
     if env_key:
         values["api_key"] = env_key
@@ -99,6 +106,10 @@ def take_front_options(argv: list[str]) -> tuple[FrontOptions, list[str]]:
                 raise ValueError(f"{flag} needs a value after it")
             value, i = argv[i + 1], i + 1
         field = FLAGS[flag]
+        if field == "loras":
+            loras.append(value)
+            i += 1
+            continue
         if field == "switch_interval_ms":
             try:
                 value = float(value)
@@ -113,6 +124,8 @@ def take_front_options(argv: list[str]) -> tuple[FrontOptions, list[str]]:
         i += 1
     if values.get("engine_process") and "--continuous-batching" not in rest:
         raise ValueError("--engine-process serves with --continuous-batching only: add it")
+    if loras:
+        values["loras"] = tuple(parse_loras(loras).items())
     return FrontOptions(**values), rest
 
 
@@ -134,6 +147,9 @@ def install(options: FrontOptions) -> Callable[[], None]:
         app = stock(*args, **kwargs)
         bound = signature.bind(*args, **kwargs).arguments
         extend(app, bound["model_manager"], bound["generation_state"], options)
+        if options.loras:
+            serve_lora.extend(bound["model_manager"], bound["generation_state"], bound,
+                              dict(options.loras))
         serve_stream.fast_chunks(bound["chat_handler"], "content")
         serve_stream.fast_chunks(bound["completion_handler"], "text")
         serve_stream.replace_request_id_middleware(app)
@@ -148,10 +164,14 @@ def install(options: FrontOptions) -> Callable[[], None]:
         restore = load_in_engine_process()
     else:
         restore = lambda: None  # noqa: E731
+    # after the engine process's loader: adapters go into whichever engine it loads
+    restore_loader = (serve_lora.load_with_adapters(dict(options.loras)) if options.loras
+                      else lambda: None)
 
     def uninstall() -> None:
         if server.build_server is build_server:
             server.build_server = stock
+        restore_loader()
         restore()
 
     return uninstall

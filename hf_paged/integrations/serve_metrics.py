@@ -14,6 +14,7 @@ model id as transformers serve names it):
   up and found), ``hf_paged_prefix_cache_hit_rate`` (their ratio since start);
 - ``hf_paged_preemptions_total``;
 - ``hf_paged_engine_healthy``: 0 once a tensor-parallel worker died (``/health`` says why);
+- ``hf_paged_lora_adapters``: LoRA adapters loaded (``--lora``);
 - continuous batching only (``--continuous-batching``: the loop that measures them):
   ``hf_paged_generation_tokens_total``, ``hf_paged_generation_tokens_per_second`` (since the
   previous scrape), ``hf_paged_requests_finished_total``,
@@ -102,7 +103,8 @@ class Collector:
                     ("kv_blocks_total", total), ("kv_blocks_used", total - free),
                     ("kv_blocks_cached", stats["num_cached_blocks"]),
                     ("prefix_cache_hit_rate", hits / queries if queries else 0.0),
-                    ("engine_healthy", 0 if engine.broken else 1)):
+                    ("engine_healthy", 0 if engine.broken else 1),
+                    ("lora_adapters", stats["num_loras"])):
                 gauges[name].add_metric([model_id], value)
             for name, value in (("prefix_cache_queries", queries), ("prefix_cache_hits", hits),
                                 ("preemptions", stats["num_preemptions"])):
@@ -150,6 +152,7 @@ _GAUGES = {
     "kv_blocks_cached": "free KV cache blocks holding a reusable prefix",
     "prefix_cache_hit_rate": "prefix-cache blocks found over blocks looked up, since start",
     "engine_healthy": "1 while the engine can generate, 0 once a worker died",
+    "lora_adapters": "LoRA adapters loaded",
 }
 _COUNTERS = {
     "prefix_cache_queries": "prefix-cache blocks looked up",
