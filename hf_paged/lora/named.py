@@ -44,8 +44,12 @@ def parse_loras(texts: list[str]) -> dict[str, str]:
 def check_loras(loras: dict[str, str], base_config: PretrainedConfig) -> None:
     """Check each adapter's config against the base model's (no tensor is read), and that its
     weights file is there: a bad adapter is refused before the base model loads."""
-    from hf_paged.lora.checks import check_lora_config  # PEFT: imported when adapters are used
-    from hf_paged.lora.reading import WEIGHTS_NAMES, read_config
+    try:  # PEFT: imported when adapters are used
+        from hf_paged.lora.checks import check_lora_config
+        from hf_paged.lora.reading import WEIGHTS_NAMES, read_config
+    except ImportError as error:
+        raise AdapterSpecError(f"{LORA_FLAG} needs peft, which does not import here ({error}); "
+                               f"install it: pip install 'hf_paged[lora]'") from error
 
     for name, path in loras.items():
         try:

@@ -3,9 +3,12 @@ tiny checkpoint, ``--check`` against stock transformers + PEFT; bad flags in one
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from hf_paged.cli import main
+from hf_paged.lora.named import AdapterSpecError, check_loras
 from tests.lora_adapters import ADAPTERS, save_adapter
 
 
@@ -34,3 +37,12 @@ def test_bad_lora_is_one_line(capsys, tiny_checkpoint, args, match):
     assert main(["generate", "--model", tiny_checkpoint, "--device", "cpu", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and match in err, err
+
+
+def test_lora_without_peft_is_one_line(monkeypatch, tmp_path):
+    """--lora reads adapters with peft (the lora extra): without it, one line says so."""
+    for module in ("hf_paged.lora.checks", "hf_paged.lora.reading"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ImportError
+    with pytest.raises(AdapterSpecError, match=r"--lora needs peft.*hf_paged\[lora\]"):
+        check_loras({"a": str(tmp_path)}, None)
