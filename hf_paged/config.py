@@ -67,7 +67,11 @@ class EngineConfig:
             more compute than the weight reads it saves.
         max_loras: LoRA adapters the engine holds at once (``add_lora``), each in a slot
             beside every projection; requests on any of them and on the base model share
-            batches. The slots take device memory from the first adapter on.
+            batches. The slots take device memory from the first adapter on (from what the KV
+            cache left, unless ``enable_lora``).
+        enable_lora: allocate the adapter slots at start-up, before the KV cache is sized
+            (their memory counted), and capture the decode graphs with adapters then, as
+            vLLM's option does; without it the first ``add_lora`` does both.
         max_lora_rank: the largest adapter rank a slot holds (smaller ranks are zero-padded).
     """
 
@@ -93,6 +97,7 @@ class EngineConfig:
     speculative_max_batch: int = 8
     max_loras: int = 4
     max_lora_rank: int = 64
+    enable_lora: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
@@ -109,7 +114,7 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
             )
-        for name in ("disable_custom_all_reduce", "progress_bar"):
+        for name in ("disable_custom_all_reduce", "progress_bar", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not self.cpu_kv_cache_gib > 0:

@@ -71,7 +71,7 @@ class LoraSlots:
                              f"max_lora_rank={self.rank}")
         targets = {key: self.target(*key) for key in adapter.weights}
         if not self.stacks:
-            self._make_stacks()
+            self.allocate()
         self.unload(slot)
         for key, weight in adapter.weights.items():
             module, part = targets[key]
@@ -103,7 +103,7 @@ class LoraSlots:
         self.batch.rows = (cu_seqlens, torch.tensor(slots, dtype=torch.int32, device=device),
                            max_rows)
 
-    def _make_stacks(self) -> None:
+    def allocate(self) -> None:
         """A stack beside every projection an adapter may adapt, each once (q, k and v share
         ``qkv_proj``'s)."""
         weight = self.model.embed_tokens.weight

@@ -59,6 +59,8 @@ class ModelRunner:
         self.sampler = Sampler(model.config.vocab_size, self.device)
         self.lora = LoraSlots(model, config.max_loras, config.max_lora_rank,
                               family_for(model.config).weight_target)
+        if config.enable_lora:  # before the KV cache takes what memory is left
+            self.lora.allocate()
         # The last step's sampled tokens, on the device: the next step's pending inputs.
         self.last_tokens = torch.zeros(config.max_num_seqs, dtype=torch.long, device=self.device)
         self.flip = 0  # which twin of each double-buffered host buffer this step uses
@@ -77,6 +79,8 @@ class ModelRunner:
         startup = Startup(model, self.kv, self.sampler, config, max_model_len, tp,
                           [g for g in (self.decode_graphs, self.prefill_graphs) if g])
         startup.run()
+        if self.lora.stacks and self.decode_graphs is not None:
+            self.decode_graphs.capture_adapters()
         self.startup_seconds = startup.seconds
         self.projection_timings = startup.projection_timings
 

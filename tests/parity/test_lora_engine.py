@@ -186,3 +186,21 @@ def test_adapters_load_and_unload_while_requests_run(dense):
         again = engine.add_request(prompts[1], SamplingParams(max_new_tokens=NEW, adapter="all"))
         engine.run([again])
         assert again.output_token_ids == expected(prompts[1], "all")
+
+
+def test_enable_lora_allocates_the_slots_at_start_up(dense):
+    """enable_lora: the slots exist (their memory counted) before any adapter, the base model
+    keeps its tokens, and an adapter loaded later fills a slot in place."""
+    base, adapters, stock = dense
+    ids, mask = left_padded([6, 10], 1024, seed=10)
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    with engine_with(base, {}, enable_lora=True) as engine:
+        allocated = engine.stats()["lora_bytes"]
+        assert allocated > 0 and engine.stats()["num_loras"] == 0
+        plain = stock.generate(input_ids=ids, adapter_names=["__base__"] * 2, **kwargs)
+        assert torch.equal(engine.generate(ids, **kwargs), plain)
+        engine.add_lora("qv", read_adapter(adapters["qv"], "qv", engine.hf_config,
+                                           torch.float32))
+        assert engine.stats()["lora_bytes"] == allocated
+        expected = stock.generate(input_ids=ids, adapter_names=["qv"] * 2, **kwargs)
+        assert torch.equal(engine.generate(ids, adapter_names=["qv"] * 2, **kwargs), expected)
