@@ -39,6 +39,10 @@ def front(command: str, argv: list[str]) -> int:
             else:
                 serve.check_serve_extras()
             start = serve.serve_command(rest)
+            adapters = sum(a == "--lora" or a.startswith("--lora=") for a in rest)
+            if adapters:  # their slots reserved before the KV cache is sized, all held
+                options.setdefault("enable_lora", True)
+                options.setdefault("max_loras", max(adapters, 4))
         elif not rest or rest[0] in ("-h", "--help"):
             print(RUN_USAGE, file=sys.stdout if rest else sys.stderr)
             return 0 if rest else 2
