@@ -11,6 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from hf_paged.kernels.block_scales import FP8, BlockScales, dequantize
+from hf_paged.kernels.reference_conv import (  # noqa: F401  (twins of the convolution kernels)
+    causal_conv_decode,
+    causal_conv_prefill,
+)
 from hf_paged.kernels.reference_fp8 import (  # noqa: F401  (twins of the FP8 kernels)
     act_quant,
     dequant_linear,
