@@ -133,6 +133,7 @@ copy_blocks = _dispatch("block_copy", "copy_blocks")
 norm_rope_store = _dispatch("attention_inputs", "norm_rope_store")
 rms_norm = _dispatch("rmsnorm", "rms_norm")
 add_rms_norm = _dispatch("rmsnorm", "add_rms_norm")
+gated_rms_norm = _dispatch("gated_norm", "gated_rms_norm")
 silu_and_mul = _dispatch("activation", "silu_and_mul")
 embed = _dispatch("embedding", "embed")
 sample = _dispatch("sampling", "sample")
@@ -144,6 +145,6 @@ causal_conv_decode = _dispatch("causal_conv", "causal_conv_decode")
 
 __all__ = [
     "BlockScales", "add_lora", "add_rms_norm", "causal_conv_decode", "causal_conv_prefill",
-    "copy_blocks", "gated_linear", "linear", "moe_experts", "moe_route", "norm_rope_store",
-    "normed_linear", "rms_norm", "sample", "silu_and_mul",
+    "copy_blocks", "gated_linear", "gated_rms_norm", "linear", "moe_experts", "moe_route",
+    "norm_rope_store", "normed_linear", "rms_norm", "sample", "silu_and_mul",
 ]

@@ -130,6 +130,16 @@ def add_rms_norm(
     return rms_norm(residual, weight, eps), residual
 
 
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+                   ) -> torch.Tensor:
+    """transformers' Qwen3NextRMSNormGated (Qwen3.5's is the same) over the last dimension of
+    ``x`` and the gate ``z`` ``[..., D]``: ``rms_norm(x)`` (its casts), times ``silu(z)`` in
+    float32, cast to ``x``'s dtype."""
+    if z.shape != x.shape:
+        raise ValueError(f"gated_rms_norm: z {tuple(z.shape)} is not x's {tuple(x.shape)}")
+    return (rms_norm(x, weight, eps) * F.silu(z.float())).to(x.dtype)
+
+
 def rope(
     query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
