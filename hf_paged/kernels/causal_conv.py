@@ -26,6 +26,12 @@ _STATE_WARPS = 4
 
 
 @triton.jit
+def _in_weight_dtype(values, w_ptr):
+    """Inputs as ``F.conv1d`` takes them, cast to the weight's dtype (then float32 to sum)."""
+    return values.to(w_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def _activate(acc, w_dtype: tl.constexpr, SILU: tl.constexpr):
     """The convolution's sum rounded to the weight's dtype (``F.conv1d``'s result), then the
     SiLU in float32 (rounded again by the caller's store)."""
@@ -71,7 +77,7 @@ def _conv_rows_kernel(
         sv = tl.load(pool_ptr + (slot * p_s0 + back * p_s2)[:, None] + cols[None, :] * p_s1,
                      mask=(initial & ~from_x)[:, None] & cmask[None, :], other=0.0)
         w = tl.load(w_ptr + cols * w_s0 + k * w_s1, mask=cmask, other=0.0).to(tl.float32)
-        acc += (xv.to(tl.float32) + sv.to(tl.float32)) * w[None, :]
+        acc += _in_weight_dtype(xv + sv, w_ptr) * w[None, :]  # one of the two is zero
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     out = tl.where(live[:, None], _activate(acc, w_ptr.dtype.element_ty, SILU), 0.0)
@@ -127,12 +133,12 @@ def _conv_decode_kernel(
         if j >= STATE_LEN + 1 - WIDTH:
             k = j - (STATE_LEN + 1 - WIDTH)
             w = tl.load(w_ptr + cols * w_s0 + k * w_s1, mask=cmask, other=0.0)
-            acc += old.to(tl.float32) * w.to(tl.float32)
+            acc += _in_weight_dtype(old, w_ptr) * w.to(tl.float32)
         if j >= 1:
             tl.store(state + (j - 1) * p_s2, old, mask=keep)
     tl.store(state + (STATE_LEN - 1) * p_s2, x, mask=keep)
     w = tl.load(w_ptr + cols * w_s0 + (WIDTH - 1) * w_s1, mask=cmask, other=0.0)
-    acc += x.to(tl.float32) * w.to(tl.float32)
+    acc += _in_weight_dtype(x, w_ptr) * w.to(tl.float32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     tl.store(out_ptr + seq.to(tl.int64) * o_s0 + cols,

@@ -8,7 +8,7 @@ import inspect
 
 import pytest
 import torch
-from transformers import DynamicCache, Qwen3NextConfig
+from transformers import DynamicCache, Qwen3_5TextConfig, Qwen3NextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5
 from transformers.models.qwen3_next import modeling_qwen3_next
 
@@ -91,6 +91,43 @@ def test_packed_prefill_then_decode_match_transformers(family, bias, state_len):
     assert torch.equal(pool[others], untouched[others])
 
 
+def test_twin_is_the_layers_convolution(monkeypatch):
+    # Qwen3.5's GatedDeltaNet forward with its cache (a prefill in two chunks, then one-token
+    # steps), its convolution's outputs recorded where the forward calls it.
+    config = Qwen3_5TextConfig(hidden_size=32, num_hidden_layers=1,
+                               layer_types=["linear_attention"], linear_num_key_heads=2,
+                               linear_key_head_dim=8, linear_num_value_heads=4,
+                               linear_value_head_dim=8)
+    layer = modeling_qwen3_5.Qwen3_5GatedDeltaNet(config, 0).to(DEVICE)
+    recorded = []
+
+    def recording(function):
+        def record(*args, **kwargs):
+            recorded.append(function(*args, **kwargs))
+            return recorded[-1]
+        return record
+
+    for name in ("causal_conv1d_fn", "causal_conv1d_update"):
+        monkeypatch.setattr(modeling_qwen3_5, name, recording(getattr(modeling_qwen3_5, name)))
+    cache = DynamicCache(config=config)
+    weight = layer.conv1d.weight.detach().squeeze(1)
+    pool = torch.zeros(2, weight.shape[0], weight.shape[1], device=DEVICE)
+    slot = int32([1])
+    hidden = rand(1, 12, config.hidden_size)
+    with torch.no_grad():
+        for start, end in ((0, 5), (5, 9), (9, 10), (10, 11), (11, 12)):
+            layer(hidden[:, start:end], cache=cache)
+            x = layer.in_proj_qkv(hidden[0, start:end])
+            if start >= 9:
+                out = reference.causal_conv_decode(x, weight, None, pool, slot)
+            else:
+                out = reference.causal_conv_prefill(x, weight, None, int32([0, end - start]),
+                                                    pool, slot, flags([start > 0]))
+            assert_close(out, recorded[-1][0, :, start - end:].T)
+    assert len(recorded) == 5
+    assert_close(pool[1], cache.layers[0].conv_states[0][0])
+
+
 @pytest.mark.parametrize("split", [1, 2, 5, 38, 39])
 def test_prefill_split_over_two_calls(split):
     # The second call continues from the state the first left, as one call does, and as
@@ -112,8 +149,7 @@ def test_prefill_split_over_two_calls(split):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
-@pytest.mark.parametrize("state_len", [WIDTH - 1, WIDTH])
-@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("state_len, bias", [(WIDTH - 1, False), (WIDTH, True)])
 def test_triton_matches_reference(dtype, state_len, bias):
     channels = 200  # two channel blocks, the second partial
     weight, b = rand(channels, WIDTH, dtype=dtype), rand(channels, dtype=dtype) if bias else None
@@ -135,6 +171,24 @@ def test_triton_matches_reference(dtype, state_len, bias):
         expected = reference.causal_conv_decode(step, weight, b, expected_pool, slots)
         assert_close(causal_conv_decode(step, weight, b, pool, slots), expected)
         assert torch.equal(pool, expected_pool)
+
+
+def test_triton_inputs_wider_than_the_weight():
+    # transformers casts the inputs to the weight's dtype for the convolution, the result back.
+    weight, bias = rand(CHANNELS, WIDTH, dtype=HALF), rand(CHANNELS, dtype=HALF)
+    x, step = rand(9, CHANNELS) * 3, rand(2, CHANNELS) * 3
+    cu, slots, has_initial = int32([0, 4, 9]), int32([2, 0]), flags([False, True])
+    pool = rand(3, CHANNELS, WIDTH)
+    expected_pool = pool.clone()
+    expected = reference.causal_conv_prefill(x, weight, bias, cu, expected_pool, slots,
+                                             has_initial)
+    out = causal_conv_prefill(x, weight, bias, cu, pool, slots, has_initial)
+    assert out.dtype == torch.float32
+    assert_close(out.to(HALF), expected.to(HALF))  # computed in the weight's precision
+    assert torch.equal(pool, expected_pool)
+    expected = reference.causal_conv_decode(step, weight, bias, expected_pool, slots)
+    assert_close(causal_conv_decode(step, weight, bias, pool, slots).to(HALF), expected.to(HALF))
+    assert torch.equal(pool, expected_pool)
 
 
 def test_triton_no_activation_and_one_sequence_of_one_row():
