@@ -18,11 +18,7 @@ from hf_paged.kernels.launch import launch
 from hf_paged.kernels.reference_conv import check_conv
 
 _BLOCK_T = 16
-# The state kernels hold one channel a thread (a [BLOCK_C] vector over 4 warps replicates
-# nothing): a thread reads a channel's state positions before it overwrites them, so the
-# in-place shift needs no barrier.
 _BLOCK_C = 128
-_STATE_WARPS = 4
 
 
 @triton.jit
@@ -88,27 +84,26 @@ def _conv_rows_kernel(
 @triton.jit
 def _conv_states_kernel(
     x_ptr, pool_ptr, cu_ptr, slots_ptr, init_ptr, channels, x_s0, x_s1, p_s0, p_s1, p_s2,
-    STATE_LEN: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
+    STATE_LEN: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
     seq = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    # The sequence's scalars as vectors over the channels (masks mix them with the columns).
-    zero = tl.zeros([BLOCK_C], dtype=tl.int32)
+    j = tl.arange(0, BLOCK_S)[:, None]
+    # The sequence's scalars as tiles (masks mix them with the columns).
+    zero = tl.zeros([BLOCK_S, BLOCK_C], dtype=tl.int32)
     slot = zero + tl.load(slots_ptr + seq)
-    keep = (cols < channels) & (slot >= 0)
+    keep = (cols[None, :] < channels) & (j < STATE_LEN) & (slot >= 0)
     initial = keep & ((zero + tl.load(init_ptr + seq).to(tl.int32)) != 0)
-    start = zero + tl.load(cu_ptr + seq)
-    length = zero + tl.load(cu_ptr + seq + 1) - start
-    state = pool_ptr + slot.to(tl.int64) * p_s0 + cols * p_s1
-    # Entry j of the new state is entry length + j of (old state, the sequence's rows). In
-    # ascending j, what a step reads (entry length + j of the old state) is not yet written.
-    for j in tl.static_range(STATE_LEN):
-        pos = length + j
-        old = tl.load(state + pos * p_s2, mask=initial & (pos < STATE_LEN), other=0.0)
-        new = tl.load(x_ptr + (start + pos - STATE_LEN).to(tl.int64) * x_s0 + cols * x_s1,
-                      mask=keep & (pos >= STATE_LEN), other=0.0)
-        tl.store(state + j * p_s2, tl.where(pos < STATE_LEN, old, new), mask=keep)
+    start = tl.load(cu_ptr + seq)
+    # Entry j of the new state is entry length + j of (old state, the sequence's rows).
+    pos = zero + tl.load(cu_ptr + seq + 1) - start + j
+    state = pool_ptr + slot.to(tl.int64) * p_s0 + cols[None, :] * p_s1
+    old = tl.load(state + pos * p_s2, mask=initial & (pos < STATE_LEN), other=0.0)
+    new = tl.load(x_ptr + (start + pos - STATE_LEN).to(tl.int64) * x_s0 + cols[None, :] * x_s1,
+                  mask=keep & (pos >= STATE_LEN), other=0.0)
+    tl.debug_barrier()  # every thread's reads of the old state before any write
+    tl.store(state + j * p_s2, tl.where(pos < STATE_LEN, old, new), mask=keep)
 
 
 @triton.jit
@@ -116,33 +111,35 @@ def _conv_decode_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, pool_ptr, slots_ptr,
     channels, x_s0, x_s1, w_s0, w_s1, o_s0, p_s0, p_s1, p_s2,
     STATE_LEN: tl.constexpr, WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    BLOCK_C: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
     seq = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < channels
+    j = tl.arange(0, BLOCK_S)[:, None]
+    # The slot as a vector (masks mix it with the columns).
     slot = tl.zeros([BLOCK_C], dtype=tl.int32) + tl.load(slots_ptr + seq)
-    keep = cmask & (slot >= 0)
+    live = cmask & (slot >= 0)
     state = pool_ptr + slot.to(tl.int64) * p_s0 + cols * p_s1
+    keep = live[None, :] & (j < STATE_LEN)
+    old = tl.load(state[None, :] + j * p_s2, mask=keep, other=0.0)
     x = tl.load(x_ptr + seq.to(tl.int64) * x_s0 + cols * x_s1, mask=cmask, other=0.0)
-    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-    # The window is (state, x); the state rolls one entry left as it is read.
-    for j in tl.static_range(STATE_LEN):
-        old = tl.load(state + j * p_s2, mask=keep, other=0.0)
-        if j >= STATE_LEN + 1 - WIDTH:
-            k = j - (STATE_LEN + 1 - WIDTH)
-            w = tl.load(w_ptr + cols * w_s0 + k * w_s1, mask=cmask, other=0.0)
-            acc += _in_weight_dtype(old, w_ptr) * w.to(tl.float32)
-        if j >= 1:
-            tl.store(state + (j - 1) * p_s2, old, mask=keep)
-    tl.store(state + (STATE_LEN - 1) * p_s2, x, mask=keep)
+    # The window is (state, x): state entry j meets tap j - (STATE_LEN + 1 - WIDTH).
+    tap = j - (STATE_LEN + 1 - WIDTH)
+    w = tl.load(w_ptr + cols[None, :] * w_s0 + tap * w_s1,
+                mask=cmask[None, :] & (tap >= 0) & (j < STATE_LEN), other=0.0)
+    acc = tl.sum(_in_weight_dtype(old, w_ptr) * w.to(tl.float32), axis=0)
     w = tl.load(w_ptr + cols * w_s0 + (WIDTH - 1) * w_s1, mask=cmask, other=0.0)
     acc += _in_weight_dtype(x, w_ptr) * w.to(tl.float32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
     tl.store(out_ptr + seq.to(tl.int64) * o_s0 + cols,
              _activate(acc, w_ptr.dtype.element_ty, SILU), mask=cmask)
+    tl.debug_barrier()  # every thread's reads of the old state before any write
+    # The state rolls one entry left, x last.
+    tl.store(state[None, :] + (j - 1) * p_s2, old, mask=keep & (j >= 1))
+    tl.store(state + (STATE_LEN - 1) * p_s2, x, mask=live)
 
 
 def causal_conv_prefill(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -170,8 +167,8 @@ def causal_conv_prefill(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     if batch:
         launch(_conv_states_kernel, (batch, blocks),
                x, conv_pool, cu_seqlens, slots, has_initial, channels, x.stride(0), x.stride(1),
-               *pools, STATE_LEN=state_len, BLOCK_C=_BLOCK_C, num_warps=_STATE_WARPS,
-               **pdl_options(x))
+               *pools, STATE_LEN=state_len, BLOCK_S=triton.next_power_of_2(state_len),
+               BLOCK_C=_BLOCK_C, num_warps=4, **pdl_options(x))
     return out
 
 
@@ -190,6 +187,6 @@ def causal_conv_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
            channels, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
            out.stride(0), conv_pool.stride(0), conv_pool.stride(1), conv_pool.stride(2),
            STATE_LEN=conv_pool.shape[2], WIDTH=weight.shape[1], HAS_BIAS=bias is not None,
-           SILU=activation is not None, BLOCK_C=_BLOCK_C, num_warps=_STATE_WARPS,
-           **pdl_options(x))
+           SILU=activation is not None, BLOCK_S=triton.next_power_of_2(conv_pool.shape[2]),
+           BLOCK_C=_BLOCK_C, num_warps=4, **pdl_options(x))
     return out
