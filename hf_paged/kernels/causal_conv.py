@@ -152,8 +152,6 @@ def causal_conv_prefill(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     (tokens, channels), width = x.shape, weight.shape[1]
     batch, state_len = slots.shape[0], conv_pool.shape[2]
     out = torch.empty(tokens, channels, dtype=x.dtype, device=x.device)
-    if tokens == 0 and batch == 0:
-        return out
     pools = (conv_pool.stride(0), conv_pool.stride(1), conv_pool.stride(2))
     blocks = triton.cdiv(channels, _BLOCK_C)
     if tokens:

@@ -191,7 +191,7 @@ def test_triton_inputs_wider_than_the_weight():
     assert torch.equal(pool, expected_pool)
 
 
-def test_triton_no_activation_and_one_sequence_of_one_row():
+def test_triton_no_activation_one_row_and_no_rows():
     weight, x = rand(CHANNELS, WIDTH), rand(1, CHANNELS)
     pool, expected_pool = (torch.zeros(2, CHANNELS, WIDTH, device=DEVICE) for _ in "ab")
     args = int32([0, 1]), int32([1]), flags([False])
@@ -200,6 +200,14 @@ def test_triton_no_activation_and_one_sequence_of_one_row():
     assert_close(causal_conv_prefill(x, weight, None, args[0], pool, *args[1:], activation=None),
                  expected)
     assert torch.equal(pool, expected_pool)
+    # No rows: a new sequence's slot is cleared all the same.
+    pool.fill_(1.0)
+    expected_pool.fill_(1.0)
+    for twin, target in ((reference.causal_conv_prefill, expected_pool),
+                         (causal_conv_prefill, pool)):
+        assert twin(x[:0], weight, None, int32([0, 0]), target, *args[1:]).shape == (0, CHANNELS)
+    assert torch.equal(pool, expected_pool)
+    assert not pool[1].any() and pool[0].eq(1).all()
 
 
 @pytest.mark.parametrize("change, message", [
