@@ -133,15 +133,18 @@ copy_blocks = _dispatch("block_copy", "copy_blocks")
 norm_rope_store = _dispatch("attention_inputs", "norm_rope_store")
 rms_norm = _dispatch("rmsnorm", "rms_norm")
 add_rms_norm = _dispatch("rmsnorm", "add_rms_norm")
+gated_rms_norm = _dispatch("gated_norm", "gated_rms_norm")
 silu_and_mul = _dispatch("activation", "silu_and_mul")
 embed = _dispatch("embedding", "embed")
 sample = _dispatch("sampling", "sample")
 moe_route = _dispatch("moe_routing", "moe_route")
 moe_experts = _dispatch("moe_gemm", "moe_experts")
 add_lora = _dispatch("lora", "add_lora")
+causal_conv_prefill = _dispatch("causal_conv", "causal_conv_prefill")
+causal_conv_decode = _dispatch("causal_conv", "causal_conv_decode")
 
 __all__ = [
-    "BlockScales", "add_lora", "add_rms_norm", "copy_blocks", "gated_linear", "linear",
-    "moe_experts", "moe_route", "norm_rope_store", "normed_linear", "rms_norm", "sample",
-    "silu_and_mul",
+    "BlockScales", "add_lora", "add_rms_norm", "causal_conv_decode", "causal_conv_prefill",
+    "copy_blocks", "gated_linear", "gated_rms_norm", "linear", "moe_experts", "moe_route",
+    "norm_rope_store", "normed_linear", "rms_norm", "sample", "silu_and_mul",
 ]

@@ -11,6 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from hf_paged.kernels.block_scales import FP8, BlockScales, dequantize
+from hf_paged.kernels.reference_conv import (  # noqa: F401  (twins of the convolution kernels)
+    causal_conv_decode,
+    causal_conv_prefill,
+)
 from hf_paged.kernels.reference_fp8 import (  # noqa: F401  (twins of the FP8 kernels)
     act_quant,
     dequant_linear,
@@ -124,6 +128,16 @@ def add_rms_norm(
     """
     residual = x + residual
     return rms_norm(residual, weight, eps), residual
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+                   ) -> torch.Tensor:
+    """transformers' Qwen3NextRMSNormGated (Qwen3.5's is the same) over the last dimension of
+    ``x`` and the gate ``z`` ``[..., D]``: ``rms_norm(x)`` (its casts), times ``silu(z)`` in
+    float32, cast to ``x``'s dtype."""
+    if z.shape != x.shape:
+        raise ValueError(f"gated_rms_norm: z {tuple(z.shape)} is not x's {tuple(x.shape)}")
+    return (rms_norm(x, weight, eps) * F.silu(z.float())).to(x.dtype)
 
 
 def rope(

@@ -39,7 +39,7 @@ def _rms_norm_kernel(
     tl.store(out_ptr + i * o_s0 + j * o_s1 + cols, normed * weight, mask=mask)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
+def row_view(x: torch.Tensor) -> torch.Tensor:
     """``[..., D]`` as a ``[rows, heads, D]`` view (leading dims beyond two are flattened)."""
     if x.dim() == 1:
         return x[None, None]
@@ -48,8 +48,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
             out: torch.Tensor, eps: float) -> None:
-    x3, o3 = _rows(x), _rows(out)
-    r3 = x3 if residual is None else _rows(residual)
+    x3, o3 = row_view(x), row_view(out)
+    r3 = x3 if residual is None else row_view(residual)
     assert x3.stride(-1) == r3.stride(-1) == o3.stride(-1) == weight.stride(-1) == 1
     rows, heads, dim = x3.shape
     if rows * heads == 0:

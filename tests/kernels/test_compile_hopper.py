@@ -1,7 +1,8 @@
 """The kernels' GPU variants compile for an H100 (sm_90) on this machine: the FP8 paths (FP8
 weights in the small-M kernel, both block-scaled GEMMs, FP8 experts; an FP8 KV cache in the
 store and in decode, split decode, cascade and prefill attention) and their 16-bit twins; the
-LoRA kernels at decode and prefill.
+LoRA kernels at decode and prefill; the Gated DeltaNet layers' convolution (prefill, decode)
+and gated RMSNorm.
 The interpreter runs their arithmetic in the other tests; this catches what only the compiler
 refuses. (``hopper_target`` says how.)"""
 
@@ -105,10 +106,28 @@ def lora() -> None:
                              row_part, cu, torch.tensor(slots).int(), max(lens))
 
 
+def conv_and_gated_norm() -> None:
+    # Qwen3-Next's mixed q/k/v channels; transformers' state width (kernel_size) and the
+    # smallest (kernel_size - 1); new and continued sequences, a padding slot.
+    channels, width, lens = 8192, 4, [300, 20, 1]
+    weight = torch.randn(channels, width, dtype=BF16)
+    cu = torch.tensor([0, *lens]).cumsum(0).int()
+    slots = torch.tensor([3, -1, 0], dtype=torch.int32)
+    for state_len in (width, width - 1):
+        pool = torch.zeros(4, channels, state_len, dtype=BF16)
+        x = torch.randn(sum(lens), channels, dtype=BF16)
+        kernels.causal_conv_prefill(x, weight, None, cu, pool, slots,
+                                    torch.tensor([True, False, True]))
+        kernels.causal_conv_decode(x[:3], weight, weight[:, 0], pool, slots)
+    x, z = torch.randn(2, 5, 16, 128, dtype=BF16)  # the attention output, its gate, per head
+    for weight in (torch.ones(128, dtype=BF16), torch.ones(128)):
+        kernels.gated_rms_norm(x, z, weight, 1e-6)
+
+
 def compile_all() -> None:
     from tests.kernels.hopper_target import compile_for_hopper
 
-    compile_for_hopper([projections, experts, attention, lora])
+    compile_for_hopper([projections, experts, attention, lora, conv_and_gated_norm])
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="the GPU compiles and runs the kernels itself")
