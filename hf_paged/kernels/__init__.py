@@ -139,9 +139,12 @@ sample = _dispatch("sampling", "sample")
 moe_route = _dispatch("moe_routing", "moe_route")
 moe_experts = _dispatch("moe_gemm", "moe_experts")
 add_lora = _dispatch("lora", "add_lora")
+gated_delta_prefill = _dispatch("gated_delta", "gated_delta_prefill")
+gated_delta_decode = _dispatch("gated_delta", "gated_delta_decode")
 
 __all__ = [
-    "BlockScales", "add_lora", "add_rms_norm", "copy_blocks", "gated_linear", "linear",
+    "BlockScales", "add_lora", "add_rms_norm", "copy_blocks", "gated_delta_decode",
+    "gated_delta_prefill", "gated_linear", "linear",
     "moe_experts", "moe_route", "norm_rope_store", "normed_linear", "rms_norm", "sample",
     "silu_and_mul",
 ]
