@@ -15,7 +15,8 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 )
 
 from hf_paged.kernels import reference
-from tests.kernels.conftest import DEVICE
+from hf_paged.kernels.gated_delta import gated_delta_decode, gated_delta_prefill
+from tests.kernels.conftest import DEVICE, HALF
 
 LENS = [1, 5, 64, 130]
 SLOTS = [4, 0, 2, 5]  # out of 7: slots 1, 3 and 6 belong to sequences not in the batch
@@ -124,3 +125,33 @@ def test_decode_twin_after_prefill_matches_transformers():
         assert torch.equal(out[1], torch.zeros_like(out[1]))
     assert_close(state_pool[slots], states, 1e-5)
     assert torch.equal(state_pool[[0, 1, 3, 4, 5]], before[[0, 1, 3, 4, 5]])
+
+
+def kernel_and_twin(kernel, twin, args: dict) -> None:
+    """Run both on copies of the pool; outputs and every slot within the dtype's tolerance
+    (float32: products summed in another order; half inputs: the TF32 products of a GPU)."""
+    pools = args["state_pool"], args["state_pool"].clone()
+    out = kernel(**args)
+    expected = twin(**dict(args, state_pool=pools[1]))
+    tol = 1e-4 if args["q"].dtype == torch.float32 else 2e-3
+    assert_close(out, expected, tol)
+    assert_close(pools[0], pools[1], tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_prefill_kernel_matches_twin(dtype):
+    args = prefill_args(inputs(LENS, dtype), pool(), SLOTS, INITIAL)
+    before = args["state_pool"].clone()
+    kernel_and_twin(gated_delta_prefill, reference.gated_delta_prefill, args)
+    assert torch.equal(args["state_pool"][[1, 3, 6]], before[[1, 3, 6]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_decode_kernel_matches_twin(dtype):
+    step = inputs([1] * 4, dtype)
+    step.pop("cu_seqlens")
+    slots = torch.tensor([5, -1, 0, 3], dtype=torch.int32, device=DEVICE)
+    args = dict(step, state_pool=pool(), slots=slots)
+    before = args["state_pool"].clone()
+    kernel_and_twin(gated_delta_decode, reference.gated_delta_decode, args)
+    assert torch.equal(args["state_pool"][[1, 2, 4, 6]], before[[1, 2, 4, 6]])
