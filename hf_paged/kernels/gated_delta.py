@@ -104,8 +104,11 @@ def _prefill_kernel(
         first = start.to(tl.int64) + c * C  # 64-bit bases, 32-bit offsets within the chunk
         r_ok = rows < end - first
         qk_mask = r_ok[:, None] & k_ok[None, :]
-        # In the order that keeps the fewest chunk-sized values alive (the compiler keeps
-        # program order): the inverse from k, g and beta alone; v, then q, loaded after it.
+        # Registers: q and k ([64, K] float32, the largest values) are the only chunk-by-K
+        # values. The diagonal scalings (beta, exp(gc)) go on the [64, 64] and [64, BV]
+        # operands instead of the [64, K] ones: (beta k) k^T = beta * (k k^T),
+        # T (beta exp(gc) k) = (T beta exp(gc)) k, and so on. The inverse needs k, g and beta
+        # alone; v, then q, are loaded after it (the compiler keeps program order).
         k = tl.load(k_ptr + first * k_s0 + kv_head * k_s1 + (rows[:, None] * k_s0 + ks[None, :]),
                     mask=qk_mask, other=0.0)
         g = tl.load(g_ptr + first * g_s0 + head + rows * g_s0, mask=r_ok, other=0.0)
@@ -115,27 +118,26 @@ def _prefill_kernel(
         gc = tl.cumsum(g, axis=0)
         # exp of the masked difference, as transformers: above the diagonal it would overflow
         decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))
-        k_beta = k * beta[:, None]
-        a = tl.dot(k_beta, tl.trans(k), input_precision=PRECISION) * decay
+        a = tl.dot(k, tl.trans(k), input_precision=PRECISION) * (beta[:, None] * decay)
         t = _unit_lower_inverse(tl.where(rows[:, None] > rows[None, :], a, 0.0), C)
-        w = tl.dot(t, k_beta * tl.exp(gc)[:, None], input_precision=PRECISION)
+        t_beta = t * beta[None, :]
+        w = tl.dot(t_beta * tl.exp(gc)[None, :], k, input_precision=PRECISION)
         v = tl.load(v_ptr + first * v_s0 + head * v_s1 + (rows[:, None] * v_s0 + vs[None, :]),
                     mask=r_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
-        u = tl.dot(t, v * beta[:, None], input_precision=PRECISION)
-        v_new = u - tl.dot(w, state, input_precision=PRECISION)
+        v_new = tl.dot(t_beta, v, input_precision=PRECISION)
+        v_new -= tl.dot(w, state, input_precision=PRECISION)
         q = tl.load(q_ptr + first * q_s0 + kv_head * q_s1 + (rows[:, None] * q_s0 + ks[None, :]),
                     mask=qk_mask, other=0.0)
         q = _l2norm(q.to(tl.float32), L2NORM) * scale
         attn = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
-        out = tl.dot(q * tl.exp(gc)[:, None], state, input_precision=PRECISION)
+        out = tl.dot(q, state, input_precision=PRECISION) * tl.exp(gc)[:, None]
         out = tl.dot(attn, v_new, out, input_precision=PRECISION)
         o_ptrs = out_ptr + first * o_s0 + head * o_s1 + (rows[:, None] * o_s0 + vs[None, :])
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & v_ok[None, :])
         # the last row's cumulative decay (padding rows repeat the last real one's)
         g_last = tl.sum(tl.where(rows == C - 1, gc, 0.0), axis=0)
-        k_decayed = k * tl.exp(g_last - gc)[:, None]
-        state = tl.dot(tl.trans(k_decayed), v_new, state * tl.exp(g_last),
-                       input_precision=PRECISION)
+        v_decayed = v_new * tl.exp(g_last - gc)[:, None]
+        state = tl.dot(tl.trans(k), v_decayed, state * tl.exp(g_last), input_precision=PRECISION)
     tl.store(s_ptrs, state, mask=s_mask)
 
 
@@ -205,15 +207,19 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         has_initial = has_initial.view(torch.uint8)  # a view: no launch, no copy
     shapes = _heads(q, v, _PREFILL_BV)
     # float32 products in full precision, as torch's; from 16-bit inputs the TF32 tensor cores
-    # (rounding to 11 bits, below the 16-bit output's rounding)
+    # (operands rounded to 11 bits, below the 16-bit output's 8; the inverse's entries and the
+    # state are float32 either way, and the delta rule's update does not grow them)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     launch(_prefill_kernel, (slots.numel(), v.shape[1], triton.cdiv(v.shape[2], shapes["BV"])),
            q, k, v, g, beta, out, cu_seqlens, state_pool, slots, has_initial,
            q.shape[2] ** -0.5 if scale is None else scale,
            *_strides(q, k, v, g, beta, out, state_pool), L2NORM=use_qk_l2norm, C=CHUNK,
            PRECISION=precision, num_warps=8, num_stages=1, **pdl_options(q), **shapes)
-    # (eight warps: the chunk's q, k and the 64x64 matrices take about 200 registers a
-    # thread at four; one stage: the chunk loop carries the state, nothing to prefetch into)
+    # (Compiled for sm_90 from bf16 inputs, Qwen3-Next's K = V = 128: eight warps take 255
+    # registers a thread and spill 620 bytes, four spill 1,028, sixteen 1,696 at 128; the
+    # loads, not the 63-step inverse, hold the registers (without its steps: the same). One
+    # stage: the chunk loop carries the state, there is nothing to prefetch. float32 inputs,
+    # on the FMA units in full precision, spill about 30 KB: a parity path, not a fast one.)
     return out
 
 
