@@ -1,8 +1,10 @@
 """Gated DeltaNet (Qwen3-Next, Qwen3.5): the twins against transformers' own torch functions on
 a padded batch (sequences of 1, 5, 64 and 130 tokens packed by ``cu_seqlens``, two value heads
-a key head, states from and to pool slots), a prefill continued across calls (split inside a
-chunk and at a chunk's end), decode steps after a prefill; the Triton kernels against the twins
-(float32, and half inputs with float32 states); slots of sequences not in the batch untouched."""
+a key head, q/k/v strided views of one projection, states from and to pool slots), a prefill
+continued across calls (split inside a chunk and at a chunk's end), decode steps after a
+prefill; the Triton kernels against the twins (float32, and half inputs with float32 states;
+without the L2 norm, with a scale) and, alone, a continued prefill then decode against
+transformers; slots of sequences not in the batch, and of padding rows, untouched."""
 
 from __future__ import annotations
 
@@ -25,15 +27,17 @@ KV_HEADS, HEADS, K_DIM, V_DIM = 2, 4, 32, 16
 
 
 def inputs(lens: list[int], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """q, k, v, g, beta for ``lens`` packed (as the model makes them: ``g`` a negative log
-    decay in float32, ``beta`` a sigmoid), and their ``cu_seqlens``."""
+    """q, k, v, g, beta for ``lens`` packed, as the model makes them: q, k, v views of one
+    projection's rows (strided), ``g`` a negative log decay in float32, ``beta`` a sigmoid;
+    and their ``cu_seqlens``."""
     tokens = sum(lens)
-    args = dict(q=torch.randn(tokens, KV_HEADS, K_DIM), k=torch.randn(tokens, KV_HEADS, K_DIM),
-                v=torch.randn(tokens, HEADS, V_DIM), beta=torch.rand(tokens, HEADS).sigmoid())
-    args = {name: x.to(dtype) for name, x in args.items()}
-    args["g"] = F.logsigmoid(torch.randn(tokens, HEADS) + 2)  # decays of 0.5 to 1 mostly
-    args["cu_seqlens"] = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
-    return {name: x.to(DEVICE) for name, x in args.items()}
+    sizes = [KV_HEADS * K_DIM, KV_HEADS * K_DIM, HEADS * V_DIM]
+    q, k, v = torch.randn(tokens, sum(sizes)).to(DEVICE, dtype).split(sizes, dim=1)
+    return dict(q=q.view(tokens, KV_HEADS, K_DIM), k=k.view(tokens, KV_HEADS, K_DIM),
+                v=v.view(tokens, HEADS, V_DIM),
+                g=F.logsigmoid(torch.randn(tokens, HEADS) + 2).to(DEVICE),  # decays 0.5-1 mostly
+                beta=torch.randn(tokens, HEADS).sigmoid().to(DEVICE, dtype),
+                cu_seqlens=torch.tensor([0, *lens]).cumsum(0).to(DEVICE, torch.int32))
 
 
 def pool(num_slots: int = 7) -> torch.Tensor:
@@ -45,6 +49,12 @@ def prefill_args(args: dict, state_pool: torch.Tensor, slots: list[int], initial
     return dict(args, state_pool=state_pool, slots=torch.tensor(slots, dtype=torch.int32,
                                                                   device=DEVICE),
                 has_initial=torch.tensor(initial, device=DEVICE))
+
+
+def decode_args(args: dict, slots: list[int], state_pool: torch.Tensor | None = None) -> dict:
+    args = {name: x for name, x in args.items() if name != "cu_seqlens"}
+    return dict(args, state_pool=pool() if state_pool is None else state_pool,
+                slots=torch.tensor(slots, dtype=torch.int32, device=DEVICE))
 
 
 def transformers_prefill(args: dict, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,12 +122,9 @@ def test_decode_twin_after_prefill_matches_transformers():
     _, states = transformers_prefill(args, torch.zeros(2, HEADS, K_DIM, V_DIM, device=DEVICE))
     before = state_pool.clone()
     for _ in range(3):
-        step = inputs([1, 1, 1])
-        step.pop("cu_seqlens")
-        out = reference.gated_delta_decode(
-            **step, state_pool=state_pool,
-            slots=torch.tensor([slots[0], -1, slots[1]], dtype=torch.int32, device=DEVICE))
-        rows = {name: x[[0, 2], None] for name, x in step.items()}  # [B, 1, ...]
+        step = decode_args(inputs([1, 1, 1]), [slots[0], -1, slots[1]], state_pool)
+        out = reference.gated_delta_decode(**step)
+        rows = {name: step[name][[0, 2], None] for name in ("q", "k", "v", "g", "beta")}
         expected, states = torch_recurrent_gated_delta_rule(
             rows["q"], rows["k"], rows["v"], g=rows["g"], beta=rows["beta"],
             initial_state=states, output_final_state=True, use_qk_l2norm_in_kernel=True)
@@ -148,10 +155,50 @@ def test_prefill_kernel_matches_twin(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
 def test_decode_kernel_matches_twin(dtype):
-    step = inputs([1] * 4, dtype)
-    step.pop("cu_seqlens")
-    slots = torch.tensor([5, -1, 0, 3], dtype=torch.int32, device=DEVICE)
-    args = dict(step, state_pool=pool(), slots=slots)
+    args = decode_args(inputs([1] * 4, dtype), [5, -1, 0, 3])
     before = args["state_pool"].clone()
     kernel_and_twin(gated_delta_decode, reference.gated_delta_decode, args)
     assert torch.equal(args["state_pool"][[1, 2, 4, 6]], before[[1, 2, 4, 6]])
+
+
+def test_kernels_continue_a_prefill_then_decode():
+    """The Triton kernels alone: a 100-token prefill in two calls (split inside a chunk),
+    then two decode steps, against transformers' rules over the whole sequence."""
+    whole, state_pool = inputs([100]), pool()
+    expected, states = transformers_prefill(whole, torch.zeros(1, HEADS, K_DIM, V_DIM,
+                                                               device=DEVICE))
+    for rows, initial in ((slice(0, 37), False), (slice(37, 100), True)):
+        part = {name: whole[name][rows] for name in ("q", "k", "v", "g", "beta")}
+        part["cu_seqlens"] = torch.tensor([0, rows.stop - rows.start], dtype=torch.int32,
+                                          device=DEVICE)
+        out = gated_delta_prefill(**prefill_args(part, state_pool, [2], [initial]))
+        assert_close(out, expected[rows], 1e-4)
+    for _ in range(2):
+        step = decode_args(inputs([1]), [2], state_pool)
+        out = gated_delta_decode(**step)
+        expected, states = torch_recurrent_gated_delta_rule(
+            *(step[name][:, None] for name in ("q", "k", "v")), g=step["g"][:, None],
+            beta=step["beta"][:, None], initial_state=states, output_final_state=True,
+            use_qk_l2norm_in_kernel=True)
+        assert_close(out, expected[:, 0], 1e-4)
+    assert_close(state_pool[2], states[0], 1e-4)
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+def test_kernels_without_l2norm_and_with_a_scale(decode):
+    """Keys of norm below one (the delta rule's condition without the normalisation)."""
+    args = inputs([1] * 3 if decode else [70, 3])
+    args["k"] = args["k"] / K_DIM ** 0.5
+    args = (decode_args(args, [1, 4, 0]) if decode
+            else prefill_args(args, pool(), [1, 4], [True, False]))
+    kernel, twin = ((gated_delta_decode, reference.gated_delta_decode) if decode
+                    else (gated_delta_prefill, reference.gated_delta_prefill))
+    kernel_and_twin(kernel, twin, dict(args, use_qk_l2norm=False, scale=0.3))
+
+
+def test_bad_arguments_are_named():
+    args = prefill_args(inputs([3]), pool(), [0], [False])
+    with pytest.raises(ValueError, match="gated_delta_prefill: g .* float32"):
+        reference.gated_delta_prefill(**dict(args, g=args["g"].half()))
+    with pytest.raises(ValueError, match="gated_delta_decode: state_pool"):
+        gated_delta_decode(**decode_args(inputs([1] * 3), [0, 1, 2], pool()[:, :, :8]))
