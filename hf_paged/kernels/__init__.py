@@ -142,9 +142,12 @@ moe_experts = _dispatch("moe_gemm", "moe_experts")
 add_lora = _dispatch("lora", "add_lora")
 causal_conv_prefill = _dispatch("causal_conv", "causal_conv_prefill")
 causal_conv_decode = _dispatch("causal_conv", "causal_conv_decode")
+gated_delta_prefill = _dispatch("gated_delta", "gated_delta_prefill")
+gated_delta_decode = _dispatch("gated_delta", "gated_delta_decode")
 
 __all__ = [
     "BlockScales", "add_lora", "add_rms_norm", "causal_conv_decode", "causal_conv_prefill",
-    "copy_blocks", "gated_linear", "gated_rms_norm", "linear", "moe_experts", "moe_route",
-    "norm_rope_store", "normed_linear", "rms_norm", "sample", "silu_and_mul",
+    "copy_blocks", "gated_delta_decode", "gated_delta_prefill", "gated_linear",
+    "gated_rms_norm", "linear", "moe_experts", "moe_route", "norm_rope_store", "normed_linear",
+    "rms_norm", "sample", "silu_and_mul",
 ]

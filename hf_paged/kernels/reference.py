@@ -22,6 +22,10 @@ from hf_paged.kernels.reference_fp8 import (  # noqa: F401  (twins of the FP8 ke
     quantize_kv,
     w8a8_linear,
 )
+from hf_paged.kernels.reference_gated_delta import (  # noqa: F401  (twins of Gated DeltaNet)
+    gated_delta_decode,
+    gated_delta_prefill,
+)
 from hf_paged.kernels.reference_lora import add_lora  # noqa: F401  (twin of the LoRA kernels)
 
 

@@ -1,8 +1,8 @@
 """The kernels' GPU variants compile for an H100 (sm_90) on this machine: the FP8 paths (FP8
 weights in the small-M kernel, both block-scaled GEMMs, FP8 experts; an FP8 KV cache in the
 store and in decode, split decode, cascade and prefill attention) and their 16-bit twins; the
-LoRA kernels at decode and prefill; the Gated DeltaNet layers' convolution (prefill, decode)
-and gated RMSNorm.
+LoRA kernels at decode and prefill; the Gated DeltaNet layers' convolution (prefill, decode),
+gated RMSNorm, and chunked prefill and decode (Qwen3-Next's heads).
 The interpreter runs their arithmetic in the other tests; this catches what only the compiler
 refuses. (``hopper_target`` says how.)"""
 
@@ -124,10 +124,26 @@ def conv_and_gated_norm() -> None:
         kernels.gated_rms_norm(x, z, weight, 1e-6)
 
 
+def gated_delta() -> None:
+    kv_heads, heads, dim, slots = 16, 32, 128, 4
+    state_pool = torch.zeros(slots, heads, dim, dim)
+    cu = torch.tensor([0, 70, 71, 200], dtype=torch.int32)
+    for tokens in (200, 3):  # prefill, decode
+        q, k = (torch.randn(tokens, kv_heads, dim, dtype=BF16) for _ in "qk")
+        v = torch.randn(tokens, heads, dim, dtype=BF16)
+        g, beta = -torch.rand(tokens, heads), torch.rand(tokens, heads, dtype=BF16)
+        slot_ids = torch.tensor([2, 0, 3], dtype=torch.int32)
+        if tokens == 3:
+            kernels.gated_delta_decode(q, k, v, g, beta, state_pool, slot_ids)
+        else:
+            kernels.gated_delta_prefill(q, k, v, g, beta, cu, state_pool, slot_ids,
+                                        torch.tensor([True, False, True]))
+
+
 def compile_all() -> None:
     from tests.kernels.hopper_target import compile_for_hopper
 
-    compile_for_hopper([projections, experts, attention, lora, conv_and_gated_norm])
+    compile_for_hopper([projections, experts, attention, lora, conv_and_gated_norm, gated_delta])
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="the GPU compiles and runs the kernels itself")
