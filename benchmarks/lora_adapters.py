@@ -1,13 +1,9 @@
 """LoRA adapters for the benchmarks and GPU tests: random ones saved by peft itself in its
 layout, and the systems that serve them: hf_paged's engine with requests spread over several
-adapters, and stock transformers + peft on one.
-
-    python -m benchmarks.lora_adapters --model /tmp/ckpt/0.6b --out /tmp/lora --count 16
-"""
+adapters, and stock transformers + peft on one."""
 
 from __future__ import annotations
 
-import argparse
 import math
 from pathlib import Path
 from typing import Any
@@ -108,16 +104,3 @@ class PeftGenerateSystem(GenerateSystem):
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "peft_merged": False}
 
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="random LoRA adapters saved by peft")
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--count", type=int, default=16)
-    parser.add_argument("--rank", type=int, default=16)
-    args = parser.parse_args(argv)
-    print("\n".join(make_adapters(args.model, args.out, args.count, args.rank)))
-
-
-if __name__ == "__main__":
-    main()
