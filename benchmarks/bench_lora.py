@@ -4,8 +4,8 @@ adapters, served unmerged in the same batches, in one run.
     python -m benchmarks.bench_lora --model /tmp/ckpt/0.6b --tag 0.6b
 
 Made first: ``max(--adapters)`` distinct random adapters of rank ``--rank`` on all seven
-projections, saved by peft (``benchmarks.lora_adapters``; lora_B about 5% of a projection's
-output) into ``--adapters-dir`` (default: a temporary folder). Then:
+projections, saved by peft (``benchmarks.lora_adapters``; each changes a projection's
+output by about 3%) into ``--adapters-dir`` (default: a temporary folder). Then:
 
 - ``w1``: W1 (``--num-requests`` etc., W1's defaults) at temperature 0.6 on the base model,
   then with 1, 4 and 16 adapters (``--adapters``), request ``i`` on adapter ``i mod N``, each
@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(args: argparse.Namespace, folder: str) -> None:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    adapters = make_adapters(args.model, folder, max(args.adapters), args.rank)
+    adapters = make_adapters(args.model, folder, max(args.adapters), args.rank, dtype=dtype,
+                             device=device)
     top = common.max_token_id(args.model)
     workload = w1(args.num_requests, args.max_input_len, args.max_output_len, top)
     few = workload.head(args.baseline_requests)

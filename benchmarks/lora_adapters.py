@@ -21,19 +21,20 @@ from hf_paged.lora.reading import read_adapter
 
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # lora_B's spread. lora_A is drawn as peft's default initialisation draws it (kaiming-uniform:
-# ``A x`` about as large as ``x``), and with alpha = 2r the delta is then about 5% of a
-# random checkpoint's projection output (its weights have std 1.5/sqrt(in): 8 * 0.01 / 1.5),
-# the size of a trained adapter's change, where peft's init_lora_weights=False (lora_B drawn
-# as lora_A) would make it larger than the output itself.
+# ``A x`` about 0.58 times as large as ``x``), so with alpha = 2r an adapter changes a random
+# checkpoint's projection output (its weights have std 1.5/sqrt(in)) by about 3%
+# (2 * sqrt(16) * 0.01 * 0.58 / 1.5), as a trained adapter might; peft's
+# init_lora_weights=False (lora_B drawn as lora_A is, U(+-1/sqrt(r))) would change it by 45%.
 B_STD = 0.01
 
 
 def make_adapters(model: str, out: str, count: int, rank: int = 16, seed: int = 0,
-                  b_std: float = B_STD, dtype: torch.dtype = torch.bfloat16) -> list[str]:
+                  b_std: float = B_STD, dtype: torch.dtype = torch.bfloat16,
+                  device: str | torch.device = "cpu") -> list[str]:
     """``count`` distinct rank-``rank`` adapters on all seven projections of checkpoint
-    ``model``, saved by peft's ``save_pretrained`` in folders ``out/adapter<i>``, in
-    ``dtype``. peft wraps a model built on the meta device: only the adapters' weights are
-    ever allocated, so the 8B shape takes seconds too."""
+    ``model``, drawn on ``device`` and saved by peft's ``save_pretrained`` in folders
+    ``out/adapter<i>``, in ``dtype``. peft wraps a model built on the meta device: only the
+    adapters' weights are ever allocated."""
     folders = [Path(out) / f"adapter{i}" for i in range(count)]
     config = AutoConfig.from_pretrained(model)
     config._name_or_path = model  # adapter_config.json's base_model_name_or_path
@@ -43,15 +44,20 @@ def make_adapters(model: str, out: str, count: int, rank: int = 16, seed: int = 
                                                   target_modules=PROJECTIONS,
                                                   task_type="CAUSAL_LM"))
     layers = [m for m in peft_model.modules() if isinstance(m, LoraLayer)]
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device).manual_seed(seed)
+
+    def draw(shape: torch.Size, fill: str, *params: float) -> torch.nn.Parameter:
+        """A tensor of ``shape`` filled in place by ``fill`` (``uniform_``, ``normal_``)."""
+        values = torch.empty(shape, device=device)
+        getattr(values, fill)(*params, generator=gen)
+        return torch.nn.Parameter(values.to(dtype))
+
     for folder in folders:
         for layer in layers:
             a, b = layer.lora_A["default"], layer.lora_B["default"]
             bound = 1 / math.sqrt(a.in_features)  # kaiming_uniform_(a=sqrt(5)), peft's default
-            a.weight = torch.nn.Parameter(
-                (torch.rand(a.weight.shape, generator=gen) * 2 - 1).mul_(bound).to(dtype))
-            b.weight = torch.nn.Parameter(
-                torch.randn(b.weight.shape, generator=gen).mul_(b_std).to(dtype))
+            a.weight = draw(a.weight.shape, "uniform_", -bound, bound)
+            b.weight = draw(b.weight.shape, "normal_", 0.0, b_std)
         peft_model.save_pretrained(str(folder))
     return [str(f) for f in folders]
 

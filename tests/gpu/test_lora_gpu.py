@@ -62,7 +62,8 @@ def count_replays(engine) -> dict[tuple, CountedGraph]:
 
 @pytest.fixture(scope="module")
 def adapters(checkpoint, tmp_path_factory) -> dict[str, str]:
-    folders = make_adapters(checkpoint, str(tmp_path_factory.mktemp("lora")), 3)
+    folders = make_adapters(checkpoint, str(tmp_path_factory.mktemp("lora")), 3,
+                            device="cuda")
     return {f"a{i}": folder for i, folder in enumerate(folders)}
 
 
