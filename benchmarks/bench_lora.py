@@ -90,8 +90,13 @@ def run(args: argparse.Namespace, folder: str) -> None:
     one_adapter = adapter_bytes(adapters[0], dtype)
     cost = {n: AdapterCost(base, one_adapter, n) for n in {0, 1, *args.adapters}}
 
+    options = {"max_loras": max(args.adapters), "max_lora_rank": args.rank,
+               **common.engine_options(args.engine_option)}
     result = common.ResultFile("lora", args, device, summary)
-    result["device"]["peft"] = peft.__version__
+    # the devices one engine runs on (tensor parallelism with adapters is refused), and peft's
+    # version beside the others
+    result["device"].update(count=options.get("tensor_parallel_size", 1),
+                            peft=peft.__version__)
     result["workload_description"] = {
         "description": "W9: LoRA adapters served unmerged, W1 and batch 1 against the base",
         "parts": args.parts, "w1": workload.describe(), "temperature": args.temperature,
@@ -108,8 +113,6 @@ def run(args: argparse.Namespace, folder: str) -> None:
     result["baseline_requests"] = len(few.prompts) if with_baselines else None
     common.reuse_baselines(result, args)
     bandwidth = floor["bandwidth_bytes_per_s"]
-    options = {"max_loras": max(args.adapters), "max_lora_rank": args.rank,
-               **common.engine_options(args.engine_option)}
     sampling = {"temperature": args.temperature}
 
     def paged(n: int, **more: Any) -> partial:
@@ -149,15 +152,9 @@ def run(args: argparse.Namespace, folder: str) -> None:
             short = w2_decode(args.repeats, args.prompt_len, args.baseline_new_tokens, top)
             measured["batch1"] = common.guarded("transformers + peft batch 1", partial(
                 bench_latency.measure, partial(stock, batch_size=1), short, None, device))
-        # One baseline entry: each part's headline figure on top (what the summary reads),
-        # its full figures under the part's name.
-        figures: dict[str, Any] = {"baseline_path": "transformers + peft, adapter unmerged"}
-        for fig in measured.values():
-            figures.update({key: fig[key] for key in ("output_tokens_per_s",
-                                                      "decode_ms_per_token") if key in fig})
-        errors = [fig["error"] for fig in measured.values() if "error" in fig]
-        result["baselines"]["transformers_generate"] = (
-            {**figures, **measured} if len(figures) > 1 or not errors else {"error": errors[0]})
+        result["baselines"]["transformers_generate"] = common.parts_baseline(
+            measured, ("output_tokens_per_s", "decode_ms_per_token"),
+            baseline_path="transformers + peft, adapter unmerged")
     common.finish(result)
 
 

@@ -252,7 +252,8 @@ def test_lora_adapters_against_the_base(tiny, tmp_path):
         "W1 tok/s with 2 adapters over the base model's",
         "decode ms/token, batch 1, base model", "decode ms/token, batch 1, 1 adapter"]
     data = json.loads(path.read_text())
-    assert data["device"]["peft"] and (tmp_path / "adapters" / "adapter1").is_dir()
+    assert data["device"]["peft"] and data["device"]["count"] == 1
+    assert (tmp_path / "adapters" / "adapter1").is_dir()
     paged, each = data["hf_paged"], data["floor"]["adapter_bytes"]
     assert [paged[f"w1_{n}"]["stats"]["num_loras"] for n in (0, 1, 2)] == [0, 1, 2]
     # 4 requests of 8 new tokens (W1's lengths clipped to 8): every adapter read at 8 steps
