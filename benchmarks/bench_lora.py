@@ -21,8 +21,9 @@ output by about 3%) into ``--adapters-dir`` (default: a temporary folder). Then:
 Every hf_paged line runs with ``max_loras`` the largest count and ``max_lora_rank`` the
 adapters' rank (the stacks' rank: a larger one would read zero padding), unless ``-E`` says
 otherwise. Time on an H100, estimated from W1's and W8's figures at the 0.6B shape: five W1
-lines of 10-25 s start-up and 7-10 s each, the batch-1 lines and the baselines about a minute:
-about 4 minutes. Writes ``lora-<tag>-<device>.json``.
+lines of 10-25 s start-up and 7-10 s each, the batch-1 lines about 40 s, the baselines about a
+minute (peft's layers slow stock decoding further): 4 to 5 minutes. Writes
+``lora-<tag>-<device>.json``.
 """
 
 from __future__ import annotations
