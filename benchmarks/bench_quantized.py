@@ -227,15 +227,8 @@ def main(argv: list[str] | None = None) -> None:
                 args.fp8_model, dtype, device,
                 lambda build: bench_latency.measure(build, short, None, device), result,
                 batch_size=1)
-        # One baseline entry: each part's headline figure on top (what the summary reads),
-        # its full figures under the part's name.
-        figures: dict[str, Any] = {}
-        for fig in measured.values():
-            figures.update({key: fig[key] for key in ("output_tokens_per_s",
-                                                      "decode_ms_per_token") if key in fig})
-        errors = [fig["error"] for fig in measured.values() if "error" in fig]
-        result["baselines"]["transformers_generate"] = (
-            {**figures, **measured} if figures or not errors else {"error": errors[0]})
+        result["baselines"]["transformers_generate"] = common.parts_baseline(
+            measured, ("output_tokens_per_s", "decode_ms_per_token"))
     common.finish(result)
 
 

@@ -272,6 +272,17 @@ def run_baselines(
         result.save()
 
 
+def parts_baseline(measured: dict[str, dict], keys: tuple[str, ...], **facts: Any) -> dict:
+    """One baseline entry for a benchmark of several parts: each part's headline figure
+    (``keys``) on top, what the summary reads, and its full figures under the part's name;
+    the first error where no part has a figure."""
+    figures = {key: fig[key] for fig in measured.values() for key in keys if key in fig}
+    errors = [fig["error"] for fig in measured.values() if "error" in fig]
+    if errors and not figures:
+        return {"error": errors[0]}
+    return {**facts, **figures, **measured}
+
+
 def finish(result: ResultFile) -> None:
     result["complete"] = True
     result.save()

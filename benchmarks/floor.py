@@ -46,6 +46,14 @@ MOE_FLOOR_MODEL = (
     "router routes near-uniformly; a trained one's skew touches fewer, so for it this is an "
     "estimate rather than a bound."
 )
+# Appended to FLOOR_MODEL for requests on LoRA adapters.
+LORA_FLOOR_MODEL = (
+    "LoRA adapters: a decode step also reads, once, each distinct adapter among the requests "
+    "still generating (its lora_A and lora_B of every adapted projection, in the served dtype): "
+    "S*W grows by sum_s A * n_s, A = one adapter's bytes, n_s = #{adapter(i): o_i >= s}, with "
+    "request i on adapter i mod N when N adapters serve a workload round-robin. The adapters' "
+    "products (computed unmerged) are left out, as prefill is."
+)
 # Every tensor of one sparse layer's experts, whichever layout (per expert or fused [E, ...]).
 _EXPERT_TENSOR = re.compile(r"layers\.(\d+)\.mlp\.experts\.")
 # The scale grids of block-quantized weights (``weight_scale_inv``, fused experts'
@@ -139,6 +147,32 @@ class MemoryCost:
         if prefix_caching:
             kv_tokens -= workload.common_prefix_len() * (sum(outputs) - steps)
         return weights + kv_tokens * self.kv_bytes_per_token
+
+
+@dataclass(frozen=True)
+class AdapterCost:
+    """``cost`` plus ``num_adapters`` LoRA adapters of ``adapter_bytes`` each, request ``i``
+    of a workload on adapter ``i % num_adapters`` (``LORA_FLOOR_MODEL``; none: the base
+    model's cost)."""
+
+    cost: MemoryCost
+    adapter_bytes: int
+    num_adapters: int
+
+    def adapter_floor_bytes(self, workload: Workload) -> int:
+        """The adapters' bytes over the workload's decode steps: at step ``s``, each distinct
+        adapter of the requests still generating, once; so each adapter at steps 1 to its
+        longest request's length."""
+        if self.num_adapters == 0:
+            return 0
+        longest = [0] * self.num_adapters
+        for i, o in enumerate(workload.max_new_tokens):
+            longest[i % self.num_adapters] = max(longest[i % self.num_adapters], o)
+        return sum(longest) * self.adapter_bytes
+
+    def floor_bytes(self, workload: Workload, prefix_caching: bool = False) -> float:
+        return (self.cost.floor_bytes(workload, prefix_caching)
+                + self.adapter_floor_bytes(workload))
 
 
 def _experts(config: PretrainedConfig, nbytes: dict[str, int], path: str) -> Experts | None:

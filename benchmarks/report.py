@@ -25,8 +25,9 @@ Baseline cells read `figure (×speedup)`, the speedup being hf_paged's over that
 same requests; the throughput baselines run on the first {requests} of the workload.
 Fraction of floor: the time of the memory-traffic floor (weights and KV cache read once per decode
 step at the device's bandwidth, a cached prefix common to all prompts once for all of them; of a
-mixture of experts, the experts a step's batch is expected to route to; `floor_model` in each
-JSON) over hf_paged's measured time. A workload's tag in parentheses names the checkpoint's shape.
+mixture of experts, the experts a step's batch is expected to route to; with LoRA adapters, each
+distinct adapter of a step's requests once; `floor_model` in each JSON) over hf_paged's measured
+time. A workload's tag in parentheses names the checkpoint's shape.
 """
 
 

@@ -3,8 +3,8 @@
 #
 #   scripts/gpu_run.sh [STEP...]      STEP: tests w1 w2 w3 preempt profile w1-split dropin w4
 #                                     beam tp-tests startup lm-eval serving moe moe-w1 moe-w2
-#                                     moe-prof moe-kernels speculation quantized (default: the
-#                                     first four)
+#                                     moe-prof moe-kernels speculation quantized lora (default:
+#                                     the first four)
 #
 # Everything printed also goes to $OUT/run.log, and this run's result JSONs, README-table.md and
 # throughput.png are copied into $OUT, when OUT is set. Each step runs under a time limit (a
@@ -82,6 +82,14 @@
 #       decoding is slow), and W1 on $CKPT with and without speculative_method="ngram": an
 #       estimated 4 to 5 minutes with the build, 3 to 4 without; T_SPEC=480, SPEC_ARGS (e.g.
 #       "--skip-w1 --skip-self-draft")
+#   lora: the LoRA GPU tests (tests/gpu/test_lora_gpu.py, not in the tests step: bf16 parity
+#       with transformers + peft on a mixed-adapter batch, the kernels at real shapes;
+#       T_LORA_TESTS=240), then W9 (benchmarks.bench_lora) on $CKPT: 16 random rank-16
+#       adapters saved by peft, W1 on the base model and with 1, 4 and 16 adapters against the
+#       base and their floors, batch-1 decode without and with one, transformers + peft
+#       generate as the baseline per BASELINES (T_LORA=480; LORA_ARGS). On an H100 an
+#       estimated 1-2 minutes for the tests and 4-5 for the benchmark with its baselines
+#       (about 3 with BASELINES=reuse); results tagged with $SHAPE (lora-0.6b-<device>.json)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
@@ -190,7 +198,8 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
   for s in "${STEPS[@]}"; do
     case $s in
       tests) step tests "${T_TESTS:-420}" python -m pytest tests/gpu tests/kernels -m gpu -q \
-            --ignore tests/gpu/test_dropin_gpu.py --durations=12 "${EACH_TEST[@]}" ;;
+            --ignore tests/gpu/test_dropin_gpu.py --ignore tests/gpu/test_lora_gpu.py \
+            --durations=12 "${EACH_TEST[@]}" ;;
       w1) bench w1 "${T_W1:-270}" bench_throughput "${W1_ARGS:-}" "${BASELINE_ARGS[@]}" ;;
       w2) bench w2 "${T_W2:-150}" bench_latency "${W2_ARGS:-}" "${BASELINE_ARGS[@]}" \
             --repeats "${REPEATS:-3}" ;;
@@ -237,9 +246,14 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
       speculation) bench speculation "${T_SPEC:-480}" bench_speculation "${SPEC_ARGS:-}" \
             --checkpoints "${SPEC_CKPTS:-/tmp/ckpt/speculation}" "${BASELINE_ARGS[@]}" ;;
       quantized) quantized ;;
+      lora)
+        step lora-tests "${T_LORA_TESTS:-240}" python -m pytest tests/gpu/test_lora_gpu.py -q \
+            --durations=5 "${EACH_TEST[@]}"
+        bench lora "${T_LORA:-480}" bench_lora "${LORA_ARGS:-}" --tag "$SHAPE" \
+            "${BASELINE_ARGS[@]}" ;;
       *) echo "unknown step $s (steps: tests w1 w2 w3 preempt profile w1-split dropin w4 beam tp-tests" \
               "startup lm-eval serving moe moe-w1 moe-w2 moe-prof moe-kernels fp8-kernels speculation"\
-              "quantized)"
+              "quantized lora)"
          STATUS+=("$s unknown") ;;
     esac
   done

@@ -11,6 +11,7 @@ import torch
 import hf_paged
 from benchmarks import (
     bench_latency,
+    bench_lora,
     bench_quantized,
     bench_speculation,
     bench_startup,
@@ -233,3 +234,36 @@ def test_cache_agreement_forces_the_second_run_onto_the_first(tiny, monkeypatch)
                           logits_processor=[bench_quantized.ForceTokens(forced, 5)])
     engine.close()
     assert torch.equal(out[:, 5:], forced)
+
+
+def test_lora_adapters_against_the_base(tiny, tmp_path):
+    """W1 on the base model and on 1 and 2 peft-saved adapters, batch 1 without and with one,
+    transformers + peft beside the one-adapter lines; each line's floor counts its adapters."""
+    bench_lora.main([
+        *tiny, "--adapters", "1", "2", "--adapters-dir", str(tmp_path / "adapters"),
+        "--num-requests", "4", "--max-input-len", "32", "--max-output-len", "8",
+        "--baseline-requests", "2", "--batch-size", "2", "--repeats", "1", "--prompt-len", "16",
+        "--new-tokens", "4", "--baseline-new-tokens", "2", "--bandwidth", "1e9",
+        "--tag", "tiny", "--results-dir", str(tmp_path)])
+    path = tmp_path / "lora-tiny-cpu.json"
+    assert metrics(path) == [
+        "W1 output tok/s, base model", "W1 output tok/s, 1 adapter", "W1 output tok/s, 2 adapters",
+        "W1 tok/s with 1 adapter over the base model's",
+        "W1 tok/s with 2 adapters over the base model's",
+        "decode ms/token, batch 1, base model", "decode ms/token, batch 1, 1 adapter"]
+    data = json.loads(path.read_text())
+    assert data["device"]["peft"] and data["device"]["count"] == 1
+    assert (tmp_path / "adapters" / "adapter1").is_dir()
+    paged, each = data["hf_paged"], data["floor"]["adapter_bytes"]
+    assert [paged[f"w1_{n}"]["stats"]["num_loras"] for n in (0, 1, 2)] == [0, 1, 2]
+    # 4 requests of 8 new tokens (W1's lengths clipped to 8): every adapter read at 8 steps
+    for n in (1, 2):
+        floor = paged[f"w1_{n}"]["floor_s"] - paged["w1_0"]["floor_s"]
+        assert floor == pytest.approx(8 * n * each / 1e9)
+    batch1 = [paged[f"batch1_{n}"]["floor_ms_per_token"] for n in (0, 1)]
+    assert batch1[1] - batch1[0] == pytest.approx(each / 1e9 * 1e3)
+    baseline = data["baselines"]["transformers_generate"]
+    assert baseline["output_tokens_per_s"] and baseline["decode_ms_per_token"]
+    assert data["summary"][1]["speedup"]["transformers_generate"] > 0
+    assert "| lora (tiny) | cpu | W1 output tok/s, 2 adapters |" in report.table(
+        report.load(tmp_path))

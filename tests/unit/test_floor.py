@@ -10,7 +10,14 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from benchmarks.floor import FLOOR_MODEL, MOE_FLOOR_MODEL, Experts, MemoryCost, floor_settings
+from benchmarks.floor import (
+    FLOOR_MODEL,
+    MOE_FLOOR_MODEL,
+    AdapterCost,
+    Experts,
+    MemoryCost,
+    floor_settings,
+)
 from benchmarks.fp8_checkpoint import quantize_checkpoint
 from benchmarks.workloads import Workload
 from hf_paged.random_checkpoint import make_checkpoint, random_qwen3, shape_config
@@ -53,6 +60,16 @@ def test_dense_steps_read_every_weight(tiny):
     settings = floor_settings(CPU, 1e9, cost)
     assert settings["floor_model"] == FLOOR_MODEL
     assert settings["weight_bytes_per_step"] == cost.dense_bytes
+
+
+def test_each_distinct_adapter_is_read_once_a_step():
+    """Requests of 1, 3, 2 and 5 steps: on one adapter it is read at all 5 steps; on two
+    (requests 0 and 2 on the first, 1 and 3 on the second) the first at steps 1-2 and the
+    second at 1-5; on four, each for its request's steps."""
+    work = Workload([[1]] * 4, [1, 3, 2, 5])
+    base = MemoryCost(dense_bytes=1000, kv_bytes_per_token=0)
+    reads = {n: AdapterCost(base, 10, n).floor_bytes(work) - 5 * 1000 for n in (0, 1, 2, 4)}
+    assert reads == {0: 0, 1: 5 * 10, 2: (2 + 5) * 10, 4: (1 + 3 + 2 + 5) * 10}
 
 
 def test_moe_splits_dense_and_expert_bytes(tiny_moe):
