@@ -54,7 +54,7 @@ class ProjectionPart(nn.Linear):
 def install(model: nn.Module) -> None:
     """A ``ProjectionPart`` under each merged part's checkpoint name (``q_proj`` beside
     ``qkv_proj``, ...), in every module that holds a merged projection."""
-    packed = families.family_for(model.config).PACKED_MODULES
+    packed = getattr(families.family_for(model.config), "PACKED_MODULES", {})  # none: no parts
     for module in list(model.modules()):
         for name, (merged_name, shard) in packed.items():
             merged = module._modules.get(merged_name)
