@@ -163,6 +163,17 @@ class ColumnParallelLinear(_ParallelLinear):
         size = self.weight.shape[0]
         self._copy(param, loaded, 0, 0, self.tp.rank * size, size)
 
+    def lora_shard(self, part: int, a: torch.Tensor, b: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of part ``part``'s whole ``lora_A`` / ``lora_B``: B's rows of
+        the part's rows the weight loader gives the rank, A whole."""
+        rows = self.parts[part]
+        return a, narrow(b, 0, self._part_shard(part) * rows, rows)
+
+    def _part_shard(self, part: int) -> int:
+        """Which of its slices of part ``part``'s rows the rank holds."""
+        return self.tp.rank
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs stored side by side (gate and up projections)."""
@@ -209,6 +220,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         }[shard_id]
         self._copy(param, loaded, 0, offset, index * size, size)
 
+    def _part_shard(self, part: int) -> int:
+        return self.tp.rank if part == 0 else self.kv_shard  # replicated KV heads
+
 
 class RowParallelLinear(_ParallelLinear):
     """Input features split across ranks; partial products are summed by an all-reduce."""
@@ -224,6 +238,13 @@ class RowParallelLinear(_ParallelLinear):
             return
         size = self.weight.shape[1]
         self._copy(param, loaded, 1, 0, self.tp.rank * size, size)
+
+    def lora_shard(self, part: int, a: torch.Tensor, b: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's share of the whole ``lora_A`` / ``lora_B``: A's columns of the rank's
+        input columns, B whole (the rank's partial delta is summed by the all-reduce)."""
+        size = self.weight.shape[1]
+        return narrow(a, 1, self.tp.rank * size, size), b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp.rank == 0 else None

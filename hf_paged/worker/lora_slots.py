@@ -64,8 +64,9 @@ class LoraSlots:
         return module, part_index(module, shard)
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
-        """Put ``adapter`` in ``slot`` (every target checked first: a refused adapter leaves
-        the slots as they were)."""
+        """Put ``adapter`` (its whole tensors) in ``slot``, each tensor sliced to this rank's
+        share as the projection's weight loader slices the base weight (every target checked
+        first: a refused adapter leaves the slots as they were)."""
         if adapter.max_rank > self.rank:
             raise ValueError(f"adapter {adapter.name!r} has rank {adapter.max_rank}, above "
                              f"max_lora_rank={self.rank}")
@@ -75,7 +76,8 @@ class LoraSlots:
         self.unload(slot)
         for key, weight in adapter.weights.items():
             module, part = targets[key]
-            module.lora.load(slot, part, weight.a, weight.b, weight.scaling)
+            a, b = module.lora_shard(part, weight.a, weight.b)
+            module.lora.load(slot, part, a, b, weight.scaling)
 
     def unload(self, slot: int) -> None:
         for stack in self.stacks:
