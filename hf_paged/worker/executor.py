@@ -9,6 +9,7 @@ until rank 0 sends the results, so that every rank returns the same outputs.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from typing import TYPE_CHECKING
@@ -22,7 +23,7 @@ from hf_paged.modeling.tp import SINGLE
 from hf_paged.quantization import fp8
 from hf_paged.step import StepPlan, StepResult, WorkerSpec
 from hf_paged.worker.backend import resolve_backend
-from hf_paged.worker.channel import RESULTS, STEP
+from hf_paged.worker.channel import LORA, RESULTS, STEP
 from hf_paged.worker.follower import serve
 from hf_paged.worker.launched_step import LaunchedStep
 from hf_paged.worker.ranks import Ranks, join_launched_ranks, launched_world, spawn_ranks
@@ -118,7 +119,25 @@ class ParallelExecutor(Executor):
         self._finalizer = weakref.finalize(self, _teardown, runner, ranks)
 
     def load_lora(self, slot: int, adapter: LoraAdapter) -> None:
-        raise ValueError("LoRA adapters are not supported with tensor_parallel_size > 1 yet")
+        """Every rank loads its shard of ``adapter``: spawned ranks from a LORA message (the
+        whole adapter, on the host), launched ones from their own ``add_lora`` call."""
+        self.runner.lora.check(adapter)  # a refused adapter reaches no rank
+        self._send_lora(slot, _on_host(adapter))
+        super().load_lora(slot, adapter)
+
+    def unload_lora(self, slot: int) -> None:
+        self._send_lora(slot, None)
+        super().unload_lora(slot)
+
+    def _send_lora(self, slot: int, adapter: LoraAdapter | None) -> None:
+        self._check()
+        if self.ranks.launched:
+            return
+        try:
+            self.ranks.channel.send(LORA)
+            self.ranks.channel.send_object((slot, adapter))
+        except BaseException as e:
+            raise self._failure(e) from e
 
     def launch(self, plan: StepPlan) -> LaunchedStep:
         self._check()
@@ -191,6 +210,13 @@ class ParallelExecutor(Executor):
     def _break(self, reason: str) -> None:
         self.broken = reason
         self.ranks.broken = True
+
+
+def _on_host(adapter: LoraAdapter) -> LoraAdapter:
+    """``adapter`` with its tensors in host memory, to pickle for the other ranks."""
+    weights = {key: dataclasses.replace(w, a=w.a.cpu(), b=w.b.cpu())
+               for key, w in adapter.weights.items()}
+    return dataclasses.replace(adapter, weights=weights)
 
 
 def _teardown(runner: ModelRunner, ranks: Ranks) -> None:

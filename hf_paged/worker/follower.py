@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hf_paged.modeling.tp import TensorParallel
-from hf_paged.worker.channel import STEP, StepChannel
+from hf_paged.worker.channel import LORA, STEP, StepChannel
 from hf_paged.worker.ranks import connect_to_store, init_spawned_groups, stage_key
 from hf_paged.worker.runner import ModelRunner
 from hf_paged.worker.shard import build_shard, device_of
@@ -31,12 +31,20 @@ logger = logging.getLogger(__name__)
 
 
 def serve(runner: ModelRunner, channel: StepChannel) -> int:
-    """Run rank 0's steps until it sends anything else; return that message's kind."""
+    """Run rank 0's steps and load or unload its adapters (each rank its shard) until it sends
+    anything else; return that message's kind."""
     while True:
         kind, inputs = channel.recv()
-        if kind != STEP:
+        if kind == STEP:
+            runner.follow(inputs)
+        elif kind == LORA:
+            slot, adapter = channel.recv_object()
+            if adapter is None:
+                runner.lora.unload(slot)
+            else:
+                runner.load_lora(slot, adapter)
+        else:
             return kind
-        runner.follow(inputs)
 
 
 def main() -> None:

@@ -67,10 +67,7 @@ class LoraSlots:
         """Put ``adapter`` (its whole tensors) in ``slot``, each tensor sliced to this rank's
         share as the projection's weight loader slices the base weight (every target checked
         first: a refused adapter leaves the slots as they were)."""
-        if adapter.max_rank > self.rank:
-            raise ValueError(f"adapter {adapter.name!r} has rank {adapter.max_rank}, above "
-                             f"max_lora_rank={self.rank}")
-        targets = {key: self.target(*key) for key in adapter.weights}
+        targets = self.check(adapter)
         if not self.stacks:
             self.allocate()
         self.unload(slot)
@@ -78,6 +75,14 @@ class LoraSlots:
             module, part = targets[key]
             a, b = module.lora_shard(part, weight.a, weight.b)
             module.lora.load(slot, part, a, b, weight.scaling)
+
+    def check(self, adapter: LoraAdapter) -> dict[tuple[int, str], tuple[_ParallelLinear, int]]:
+        """The module and part each of ``adapter``'s tensors goes to; a ValueError naming what
+        is refused (a rank above ``max_lora_rank``, a projection the model lacks)."""
+        if adapter.max_rank > self.rank:
+            raise ValueError(f"adapter {adapter.name!r} has rank {adapter.max_rank}, above "
+                             f"max_lora_rank={self.rank}")
+        return {key: self.target(*key) for key in adapter.weights}
 
     def unload(self, slot: int) -> None:
         for stack in self.stacks:
