@@ -4,15 +4,17 @@ with a timeout, so that a hang fails the test instead of stalling the run.
 
 A job: {"checkpoint": path, "engine": {engine options}, "adapters": {name: folder} (all
 loaded first), "mixed": {"lengths", "seed", "names"} (one greedy call, a name per row,
-"__base__" for the base model), "late": {"prompts", "first", "second"}: a request on adapter
-"first" runs three steps, adapter "second" is removed and loaded again (a free slot, while
-the first runs), then a request on it is added; both run to the end}. The written result:
-the mixed call's new tokens, then each late request's.
+"__base__" for the base model), and optionally "late": {"prompts", "first", "second"}: a
+request on adapter "first" runs three steps, adapter "second" is removed and loaded again (a
+free slot, while the first runs), then a request on it is added; both run to the end (by
+hand: rank 0 only, so not under torchrun)}. The written result: the mixed call's new tokens,
+then each late request's. Under torchrun every rank writes its own (argv[2] + ".rank<N>").
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -39,7 +41,10 @@ def run(job: dict) -> dict:
                                 seed=mixed["seed"])
         out = engine.generate(ids, attention_mask=mask, adapter_names=mixed["names"],
                               max_new_tokens=NEW, do_sample=False)
-        late = job["late"]
+        result = dict(mixed=out[:, ids.shape[1]:].tolist())
+        late = job.get("late")
+        if late is None:
+            return result
         first = engine.add_request(late["prompts"][0],
                                    SamplingParams(max_new_tokens=NEW, adapter=late["first"]))
         for _ in range(3):
@@ -55,7 +60,7 @@ def run(job: dict) -> dict:
         second = engine.add_request(late["prompts"][1],
                                     SamplingParams(max_new_tokens=NEW, adapter=late["second"]))
         engine.run([first, second])
-        return dict(mixed=out[:, ids.shape[1]:].tolist(), removed_error=removed_error,
+        return dict(result, removed_error=removed_error,
                     late=[first.output_token_ids, second.output_token_ids],
                     num_loras=engine.stats()["num_loras"])
 
@@ -63,6 +68,8 @@ def run(job: dict) -> dict:
 def main() -> None:
     jobs, out = json.loads(sys.argv[1]), sys.argv[2]
     results = [run(job) for job in jobs]
+    if "RANK" in os.environ:
+        out += f".rank{os.environ['RANK']}"
     with open(out, "w") as f:
         json.dump(results, f)
 

@@ -1,8 +1,9 @@
-"""LoRA adapters under tensor parallelism (two ranks spawned on CPU over gloo, float32), against
-the same engine at TP=1 and stock transformers + peft: a mixed batch of adapters (all seven
+"""LoRA adapters under tensor parallelism (two ranks on CPU over gloo, float32), against the
+same engine at TP=1 and stock transformers + peft: a mixed batch of adapters (all seven
 projections, q/v only, attention only, each of another rank) and the base model, with chunked
 prefill; an adapter removed and loaded again while a request on another runs. One shape splits
-its KV heads between the ranks, the other replicates its only KV head on both."""
+its KV heads between the ranks, the other replicates its only KV head on both. Spawned ranks
+get the adapters from rank 0; under torchrun every rank loads them itself."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +29,15 @@ LATE = dict(prompts=[[7, 3, 91, 12, 44, 8, 19, 300, 5], [17, 2, 5, 88, 61, 9, 14
 # A 16-token budget splits the mixed call's prompts (chunked prefill with adapter rows).
 ENGINE = dict(device="cpu", dtype="float32", block_size=8, max_num_batched_tokens=16,
               max_loras=3)
+TORCHRUN = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+def run_jobs(jobs: list[dict], out: Path, launcher: list[str] = ()) -> None:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, *launcher, "-m", "tests.parallel.run_lora",
+                           json.dumps(jobs), str(out)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
 @pytest.fixture(scope="module")
@@ -45,21 +56,23 @@ def tp2(checkpoints, adapters, tmp_path_factory) -> list[dict]:
     jobs = [dict(checkpoint=checkpoints[shape], adapters=adapters[shape], mixed=MIXED,
                  late=LATE, engine=dict(ENGINE, tensor_parallel_size=2)) for shape in SHAPES]
     out = tmp_path_factory.mktemp("lora_tp") / "results.json"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "tests.parallel.run_lora", json.dumps(jobs),
-                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT_S)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    run_jobs(jobs, out)
     return json.loads(out.read_text())
+
+
+def stock_mixed(checkpoint: str, adapters: dict[str, str]) -> tuple[torch.Tensor, dict,
+                                                                     torch.Tensor]:
+    """The mixed call's prompts and generate arguments, and stock + peft's output."""
+    ids, mask = left_padded(MIXED["lengths"], 1024, seed=MIXED["seed"])
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                  adapter_names=MIXED["names"])
+    return ids, kwargs, stock_peft(checkpoint, adapters).generate(input_ids=ids, **kwargs)
 
 
 @pytest.mark.parametrize("index", range(len(SHAPES)), ids=SHAPES)
 def test_tp2_mixed_adapters_match_tp1_and_peft(checkpoints, adapters, tp2, index):
     shape = SHAPES[index]
-    ids, mask = left_padded(MIXED["lengths"], 1024, seed=MIXED["seed"])
-    kwargs = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False,
-                  adapter_names=MIXED["names"])
-    stock = stock_peft(checkpoints[shape], adapters[shape]).generate(input_ids=ids, **kwargs)
+    ids, kwargs, stock = stock_mixed(checkpoints[shape], adapters[shape])
     with engine_with(checkpoints[shape], adapters[shape], block_size=8,
                      max_num_batched_tokens=16) as engine:
         tp1 = engine.generate(ids, **kwargs)
@@ -78,3 +91,15 @@ def test_tp2_adapter_removed_and_loaded_while_a_request_runs(checkpoints, adapte
     assert result["late"] == expected
     assert "adapter 'attn' is not loaded" in result["removed_error"]
     assert result["num_loras"] == len(ADAPTERS)
+
+
+def test_torchrun_ranks_load_their_own_shards(checkpoints, adapters, tmp_path):
+    shape = SHAPES[1]
+    job = dict(checkpoint=checkpoints[shape], adapters=adapters[shape], mixed=MIXED,
+               engine=dict(ENGINE, tensor_parallel_size=2))
+    out = tmp_path / "results.json"
+    run_jobs([job], out, TORCHRUN)
+    ids, _, stock = stock_mixed(checkpoints[shape], adapters[shape])
+    for rank in (0, 1):
+        [result] = json.loads(Path(f"{out}.rank{rank}").read_text())
+        assert result["mixed"] == stock[:, ids.shape[1]:].tolist(), rank
