@@ -5,10 +5,11 @@ with a timeout, so that a hang fails the test instead of stalling the run.
 A job: {"checkpoint": path, "engine": {engine options}, "adapters": {name: folder} (all
 loaded first), "mixed": {"lengths", "seed", "names"} (one greedy call, a name per row,
 "__base__" for the base model), and optionally "late": {"prompts", "first", "second"}: a
-request on adapter "first" runs three steps, adapter "second" is removed and loaded again (a
-free slot, while the first runs), then a request on it is added; both run to the end (by
-hand: rank 0 only, so not under torchrun)}. The written result: the mixed call's new tokens,
-then each late request's. Under torchrun every rank writes its own (argv[2] + ".rank<N>").
+request on adapter "first" runs three steps, adapter "second" is removed, an adapter of a
+rank above ``max_lora_rank`` is refused, "second" is loaded again (a free slot, while the
+first runs), then a request on it is added; both run to the end (by hand: rank 0 only, so not
+under torchrun)}. The written result: the mixed call's new tokens, the errors, then each late
+request's. Under torchrun every rank writes its own (argv[2] + ".rank<N>").
 """
 
 from __future__ import annotations
@@ -20,11 +21,19 @@ import sys
 import torch
 
 import hf_paged
+from hf_paged.lora.adapter import LoraAdapter, LoraWeight
 from hf_paged.lora.reading import read_adapter
 from hf_paged.sampling_params import SamplingParams
 from tests.conftest import left_padded
 
 NEW = 8
+
+
+def too_big(engine) -> LoraAdapter:
+    """An adapter on layer 0's q_proj of rank one above ``max_lora_rank``."""
+    rank, hidden = engine.config.max_lora_rank + 1, engine.hf_config.hidden_size
+    return LoraAdapter("too_big", {(0, "q_proj"): LoraWeight(
+        torch.zeros(rank, hidden), torch.zeros(hidden, rank), 1.0)})
 
 
 def run(job: dict) -> dict:
@@ -56,11 +65,16 @@ def run(job: dict) -> dict:
             removed_error = None
         except ValueError as e:
             removed_error = str(e)
+        try:
+            engine.add_lora("too_big", too_big(engine))
+            refused_error = None
+        except ValueError as e:
+            refused_error = str(e)
         add(late["second"])
         second = engine.add_request(late["prompts"][1],
                                     SamplingParams(max_new_tokens=NEW, adapter=late["second"]))
         engine.run([first, second])
-        return dict(result, removed_error=removed_error,
+        return dict(result, removed_error=removed_error, refused_error=refused_error,
                     late=[first.output_token_ids, second.output_token_ids],
                     num_loras=engine.stats()["num_loras"])
 

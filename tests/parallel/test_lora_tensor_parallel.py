@@ -1,9 +1,10 @@
 """LoRA adapters under tensor parallelism (two ranks on CPU over gloo, float32), against the
 same engine at TP=1 and stock transformers + peft: a mixed batch of adapters (all seven
 projections, q/v only, attention only, each of another rank) and the base model, with chunked
-prefill; an adapter removed and loaded again while a request on another runs. One shape splits
-its KV heads between the ranks, the other replicates its only KV head on both. Spawned ranks
-get the adapters from rank 0; under torchrun every rank loads them itself."""
+prefill; an adapter removed and loaded again while a request on another runs, and one of too
+high a rank refused meanwhile. One shape splits its KV heads between the ranks, the other
+replicates its only KV head on both. Spawned ranks get the adapters from rank 0; under
+torchrun every rank loads them itself."""
 
 from __future__ import annotations
 
@@ -90,6 +91,8 @@ def test_tp2_adapter_removed_and_loaded_while_a_request_runs(checkpoints, adapte
                 for prompt, name in zip(LATE["prompts"], [LATE["first"], LATE["second"]])]
     assert result["late"] == expected
     assert "adapter 'attn' is not loaded" in result["removed_error"]
+    # checked on rank 0 before it reaches the other: the ranks stay in step
+    assert "above max_lora_rank=64" in result["refused_error"]
     assert result["num_loras"] == len(ADAPTERS)
 
 
