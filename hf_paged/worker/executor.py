@@ -122,7 +122,7 @@ class ParallelExecutor(Executor):
         """Every rank loads its shard of ``adapter``: spawned ranks from a LORA message (the
         whole adapter, on the host), launched ones from their own ``add_lora`` call."""
         self.runner.lora.check(adapter)  # a refused adapter reaches no rank
-        self._send_lora(slot, _on_host(adapter))
+        self._send_lora(slot, adapter)
         super().load_lora(slot, adapter)
 
     def unload_lora(self, slot: int) -> None:
@@ -135,7 +135,7 @@ class ParallelExecutor(Executor):
             return
         try:
             self.ranks.channel.send(LORA)
-            self.ranks.channel.send_object((slot, adapter))
+            self.ranks.channel.send_object((slot, adapter and _on_host(adapter)))
         except BaseException as e:
             raise self._failure(e) from e
 
