@@ -44,7 +44,7 @@ from benchmarks.lora_adapters import (
     adapter_bytes,
     make_adapters,
 )
-from benchmarks.workloads import w1, w2_decode
+from benchmarks.workloads import add_w1_and_batch1_args, w1, w2_decode
 
 PARTS = ("w1", "batch1")
 TARGET = 0.85  # W1 with 16 adapters over the base model's W1
@@ -59,15 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--adapters-dir", help="where the adapters are saved (default: a "
                                                "temporary folder)")
-    parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--max-input-len", type=int, default=1024)
-    parser.add_argument("--max-output-len", type=int, default=1024)
-    parser.add_argument("--temperature", type=float, default=0.6)
-    parser.add_argument("--baseline-requests", type=int, default=16)
-    parser.add_argument("--batch-size", type=int, default=16, help="generate baseline's batch")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=256)
+    add_w1_and_batch1_args(parser)
     parser.add_argument("--baseline-new-tokens", type=int, default=64)
     args = parser.parse_args(argv)
     if min(args.adapters) < 1:

@@ -52,7 +52,7 @@ import hf_paged
 from benchmarks import bench_latency, bench_throughput, common, stock_fp8_kernel
 from benchmarks.floor import MemoryCost, floor_settings
 from benchmarks.systems import GenerateSystem, PagedSystem, free_memory
-from benchmarks.workloads import w1, w2_decode, w2_ttft
+from benchmarks.workloads import add_w1_and_batch1_args, w1, w2_decode, w2_ttft
 
 PARTS = ("w1", "batch1", "kv")
 KV_FP8 = {"kv_cache_dtype": "fp8"}
@@ -130,15 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     common.add_common_args(parser, ("generate",))
     parser.add_argument("--fp8-model", help="the FP8 copy of --model (parts w1 and batch1)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
-    parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--max-input-len", type=int, default=1024)
-    parser.add_argument("--max-output-len", type=int, default=1024)
-    parser.add_argument("--temperature", type=float, default=0.6)
-    parser.add_argument("--baseline-requests", type=int, default=16)
-    parser.add_argument("--batch-size", type=int, default=16, help="generate baseline's batch")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=256)
+    add_w1_and_batch1_args(parser)
     parser.add_argument("--ttft-prompt-len", type=int, default=1024)
     parser.add_argument("--baseline-new-tokens", type=int, default=64)
     parser.add_argument("--agreement-prompts", type=int, default=8)

@@ -121,3 +121,17 @@ def warmup_requests(like: Workload, new_tokens: int = 16, seed: int = 1) -> Work
     prefix = [rng.randint(0, top) for _ in range(shared)]
     prompts = [prefix + [rng.randint(0, top) for _ in p[shared:]] for p in like.prompts]
     return Workload(prompts, [new_tokens] * len(prompts))
+
+
+def add_w1_and_batch1_args(parser) -> None:
+    """The arguments of a benchmark that runs W1 (its requests, lengths and temperature, a
+    baseline over its first requests in batches) and W2's batch-1 decode request."""
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--max-input-len", type=int, default=1024)
+    parser.add_argument("--max-output-len", type=int, default=1024)
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--baseline-requests", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=16, help="generate baseline's batch")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
