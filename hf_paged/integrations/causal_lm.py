@@ -201,9 +201,13 @@ class PagedCausalLM:
         """transformers' ``init_continuous_batching``: its ``ContinuousBatchingManager``
         interface, the requests served by the engine (``integrations/continuous_batching.py``).
         ``generate_batch`` and ``continuous_batching_context_manager``, transformers' own,
-        go through it."""
-        return continuous_batching.init_continuous_batching(
+        go through it. A request runs on the adapter it names (``add_request(...,
+        adapter=NAME)``), else on peft's active adapter when the manager was made."""
+        manager = continuous_batching.init_continuous_batching(
             self, generation_config, continuous_batching_config, workload_hints)
+        active = peft_sync.sync(self, self.engine)
+        manager.settings.default_adapter = active[0] if active else None
+        return manager
 
     def forward(
         self,

@@ -116,6 +116,7 @@ class RequestSettings:
         )
         self.processors = _kept(classic, list(self.cb_processors.logits_processor))
         self.do_sample = bool(getattr(generation_config, "do_sample", True))  # as transformers
+        self.default_adapter: str | None = None  # a request naming none runs on it
         self.logprobs = bool(cb_config.return_logprobs)
         self.max_total_tokens = max_total_tokens
         rest = procs.split(LogitsProcessorList(self.processors), padded=False, keep_all=False).rest
@@ -127,7 +128,7 @@ class RequestSettings:
         (empty: none). Raises naming what is wrong with the request."""
         overrides = dict(state.logit_processor_kwargs)
         # hf_paged's own keyword: the LoRA adapter the request runs with (its name)
-        adapter = overrides.pop("adapter", None)
+        adapter = overrides.pop("adapter", None) or self.default_adapter
         self.cb_processors.check_kwargs(overrides)  # transformers' own check of the keywords
         chain = LogitsProcessorList(_override(p, overrides) for p in self.processors)
         split = procs.split(chain, padded=False, keep_all=False)

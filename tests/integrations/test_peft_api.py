@@ -10,7 +10,7 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 import hf_paged
 from tests.conftest import FLOAT32_RTOL, left_padded
@@ -141,3 +141,21 @@ def test_several_active_adapters_refused(checkpoints, adapters, batch):
         tokens(model, batch)
     model.set_adapter("attn")  # one again: served
     tokens(model, batch)
+
+
+def test_generate_batch_runs_on_the_active_adapter(checkpoints, adapters):
+    """transformers' continuous batching on the drop-in model under peft: each request runs
+    on the adapter active when the manager is made, as generate() would run it."""
+    stock, ours = (PeftModel.from_pretrained(m, adapters["all"], adapter_name="all")
+                   for m in models(checkpoints[BASE]))
+    prompts = [[5, 9, 300, 41], [7, 77, 777, 12, 600, 3]]
+    greedy = GenerationConfig(do_sample=False, max_new_tokens=6, eos_token_id=None)
+    out = ours.generate_batch(prompts, generation_config=greedy)
+    moved = False
+    for prompt, result in zip(prompts, out.values()):
+        want = stock.generate(input_ids=torch.tensor([prompt]), generation_config=greedy)
+        assert result.generated_tokens == want[0, len(prompt):].tolist()
+        with stock.disable_adapter():
+            base = stock.generate(input_ids=torch.tensor([prompt]), generation_config=greedy)
+        moved |= not torch.equal(base, want)
+    assert moved  # the adapter changes the tokens: the base model's would not pass
