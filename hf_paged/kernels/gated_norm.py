@@ -9,7 +9,7 @@ import triton.language as tl
 
 from hf_paged.kernels.gdc import pdl_options, wait_for_previous
 from hf_paged.kernels.launch import launch
-from hf_paged.kernels.rmsnorm import row_view
+from hf_paged.kernels.rmsnorm import norm_row, normed, row_view
 
 
 @triton.jit
@@ -19,20 +19,13 @@ def _gated_rms_norm_kernel(
     ROUND_SCALED: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
-    # One program per row; a row is (i, j) of a [rows, heads, D] view (per-head norms over
-    # strided views of a fused projection, without a copy).
-    row = tl.program_id(0)
-    i, j = (row // heads).to(tl.int64), row % heads
-    cols = tl.arange(0, BLOCK_D)
-    mask = cols < dim
+    i, j, cols, mask = norm_row(heads, dim, BLOCK_D)
     x = tl.load(x_ptr + i * x_s0 + j * x_s1 + cols, mask=mask, other=0.0)
     z = tl.load(z_ptr + i * z_s0 + j * z_s1 + cols, mask=mask, other=0.0).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    xf = x.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / dim + eps)
     # transformers' casts: the normed row back to x's dtype, the weight's product in the two
     # dtypes' promotion (rounded unless that is float32), the gate's product in float32.
-    scaled = (xf * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32) * weight
+    scaled = normed(x, dim, eps) * weight
     if ROUND_SCALED:
         scaled = scaled.to(x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(out_ptr + i * o_s0 + j * o_s1 + cols, scaled * (z / (1.0 + tl.exp(-z))), mask=mask)

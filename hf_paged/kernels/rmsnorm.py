@@ -11,18 +11,31 @@ from hf_paged.kernels.launch import launch
 
 
 @triton.jit
+def norm_row(heads, dim, BLOCK_D: tl.constexpr):
+    """This program's row of a ``[rows, heads, D]`` view, one program a row (per-head norms
+    read strided views of a fused projection without a copy): ``(i, j, columns, mask)``."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    return (row // heads).to(tl.int64), row % heads, cols, cols < dim
+
+
+@triton.jit
+def normed(x, dim, eps):
+    """``x`` (a row) times its inverse RMS in float32, cast back to ``x``'s dtype as
+    transformers does before scaling (the product is rounded once more), as float32."""
+    xf = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / dim + eps)
+    return (xf * inv_rms).to(x.dtype).to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr,
     heads, x_s0, x_s1, r_s0, r_s1, o_s0, o_s1, dim, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
-    # One program per row; a row is (i, j) of a [rows, heads, D] view, so per-head norms can
-    # read strided views of a fused projection without a copy.
-    row = tl.program_id(0)
-    i, j = (row // heads).to(tl.int64), row % heads
-    cols = tl.arange(0, BLOCK_D)
-    mask = cols < dim
+    i, j, cols, mask = norm_row(heads, dim, BLOCK_D)
     x = tl.load(x_ptr + i * x_s0 + j * x_s1 + cols, mask=mask, other=0.0)
     # Loaded before the reduction, not after: its latency overlaps instead of adding up.
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -32,11 +45,7 @@ def _rms_norm_kernel(
         # The sum is rounded to the model dtype, as the reference's plain ``x + residual``.
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(residual_ptrs, x, mask=mask)
-    xf = x.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / dim + eps)
-    # Cast back before scaling, as transformers does: the product is rounded once more.
-    normed = (xf * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + i * o_s0 + j * o_s1 + cols, normed * weight, mask=mask)
+    tl.store(out_ptr + i * o_s0 + j * o_s1 + cols, normed(x, dim, eps) * weight, mask=mask)
 
 
 def row_view(x: torch.Tensor) -> torch.Tensor:
