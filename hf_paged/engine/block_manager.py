@@ -11,6 +11,10 @@ Forked sequences (beams, several samples of one prompt) share their blocks by re
 A write into a shared, partly filled last block first copies it (copy-on-write): ``allocate``
 gives the writer a private block and records ``(source, destination)`` in ``copies``, which
 the scheduler hands to the model runner to copy on the device before the step's forward.
+
+A hybrid model's sequences also hold a state slot (``state_slots``): taken with their first
+blocks, forked with them, given back with them. Its prefix cache serves no hits: cached blocks
+hold the full-attention layers' K/V of a prefix, but not the linear layers' state after it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 import xxhash
 
 from hf_paged.engine.sequence import Sequence
+from hf_paged.engine.state_slots import StateSlots
 
 
 def block_hash(parent_hash: int, token_ids: list[int] | tuple[int, ...]) -> int:
@@ -40,9 +45,11 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 state_slots: StateSlots | None = None):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.state_slots = state_slots  # a hybrid model's (None: no linear-attention layers)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_uncached: deque[int] = deque(range(num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
@@ -70,9 +77,9 @@ class BlockManager:
         """Cached blocks holding the longest prefix of ``seq``'s full blocks.
 
         The last token is never served from the cache: its logits are needed. The blocks are
-        not taken yet; ``allocate`` takes them.
+        not taken yet; ``allocate`` takes them. None for a hybrid model (see the module).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or self.state_slots is not None:
             return []
         self._hash_full_blocks(seq, len(seq) - 1)
         hits = []
@@ -87,8 +94,12 @@ class BlockManager:
         """Give ``seq`` room for ``num_new_tokens`` more tokens after taking ``cached_blocks``.
 
         ``cached_blocks`` (from ``match_prefix``, admission only) join the block table and
-        count as computed. Returns False, changing nothing, when the free blocks do not suffice.
+        count as computed. A hybrid model's sequence also takes a state slot. Returns False,
+        changing nothing, when the free blocks (or state slots) do not suffice.
         """
+        slots = self.state_slots
+        if slots is not None and seq.state_slot < 0 and not slots.num_free:
+            return False
         bs = self.block_size
         total = seq.num_computed_tokens + len(cached_blocks) * bs + num_new_tokens
         needed = -(-total // bs) - len(seq.block_table) - len(cached_blocks)
@@ -126,10 +137,15 @@ class BlockManager:
         known = min(total, len(seq.token_ids))  # a pending token's value is not known yet
         if self.enable_prefix_caching and known // bs > seq.num_published_blocks:
             self._cache_full_blocks(seq, known)
+        if slots is not None:
+            slots.take(seq)
         return True
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Give ``child`` (a copy of ``parent``'s tokens) ``parent``'s blocks, shared."""
+        """Give ``child`` (a copy of ``parent``'s tokens) ``parent``'s blocks, shared, and a
+        state slot that a copy fills with ``parent``'s state."""
+        if self.state_slots is not None:
+            self.state_slots.fork(parent, child)
         for block_id in parent.block_table:
             self._hold(self.blocks[block_id])
         child.block_table = list(parent.block_table)
@@ -142,7 +158,9 @@ class BlockManager:
         return copies
 
     def free(self, seq: Sequence) -> None:
-        """Release ``seq``'s blocks."""
+        """Release ``seq``'s blocks and state slot."""
+        if self.state_slots is not None:
+            self.state_slots.free(seq)
         self._let_go(seq.block_table)
         seq.block_table = []
         seq.num_published_blocks = 0

@@ -53,24 +53,26 @@ class RequestQueues:
             root.status, root.finish_reason = Status.FINISHED, root.finish_reason or "stop"
             finished.append(root)
             return
-        chosen: set[int] = set()
+        # The members not chosen leave first: no more than ``width`` members ever hold blocks
+        # and state slots at once (a fork may take the slot one left).
+        chosen = {parent.seq_id for parent, _ in choices}
+        for seq in group.members:
+            if seq.seq_id not in chosen:
+                self._drop(seq)
+        continuing: set[int] = set()
         members = []
         for parent, token in choices:  # forks first: they copy the parent's tokens
-            if parent.seq_id in chosen:
+            if parent.seq_id in continuing:
                 child = self.fork(parent)
                 child.token_ids.append(token)
                 members.append(child)
             else:
-                chosen.add(parent.seq_id)
+                continuing.add(parent.seq_id)
                 members.append(parent)
         for parent, token in choices:  # a parent continues with its first choice
-            if parent.seq_id in chosen:
-                chosen.discard(parent.seq_id)
+            if parent.seq_id in continuing:
+                continuing.discard(parent.seq_id)
                 parent.token_ids.append(token)
-        kept = {s.seq_id for s in members}
-        for seq in group.members:
-            if seq.seq_id not in kept:
-                self._drop(seq)
         group.members = members
         for seq in reversed(members):
             if seq in self.parked:

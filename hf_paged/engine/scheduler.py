@@ -83,6 +83,10 @@ class Scheduler(RequestQueues):
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        # A hybrid model's fork copies recorded so far run before this step's forward; those
+        # recorded while scheduling it need its states, and wait for the next step.
+        state_slots = self.block_manager.state_slots
+        ready = len(state_slots.copies) if state_slots is not None else 0
         budget, preempted = self._schedule_running(batch, respect_holds=True)
         # Admitting right after a preemption would only take the blocks back.
         while self.waiting and budget and not preempted:
@@ -115,6 +119,8 @@ class Scheduler(RequestQueues):
         # Followers forked by this step run from the next one (their tokens are being sampled).
         self.running.extend(follower for _, follower in batch.sample_copies)
         batch.block_copies = self.block_manager.take_copies()
+        if ready and batch.seqs:  # with no step, no state changes: they wait for the next one
+            batch.state_copies = state_slots.take_copies(ready)
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, respect_holds: bool) -> tuple[int, bool]:

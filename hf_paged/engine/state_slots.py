@@ -1,0 +1,73 @@
+"""State slots of a hybrid model: each running sequence's place in its linear-attention layers'
+state pools (the Gated DeltaNet layers of Qwen3-Next / Qwen3.5 keep a convolution state and a
+recurrent state per sequence instead of paged K/V).
+
+A sequence takes a slot when it is first scheduled (``BlockManager.allocate``) and gives it
+back whenever it gives back its blocks: finished, aborted, dropped from a beam group, or
+preempted (it is then recomputed from scratch, its first chunk starting from a zero state). A
+fork (a follower of a prompt, a beam chosen twice) takes a slot of its own and records a copy
+``(source, destination)``. The device makes a step's copies before its forward; the copies a
+step takes are those recorded before it was scheduled (``take_copies``): a follower forked
+while its leader's last prompt chunk is being scheduled needs the state that chunk leaves, so
+its copy runs one step later, before anything else writes either slot.
+
+There are ``max_num_seqs`` slots: admission reserves that many sequences for a request's
+possible forks (``Sequence.num_seq_slots``), and a beam group drops the members it leaves
+before it forks the ones it keeps, so no more sequences than that ever hold a slot.
+"""
+
+from __future__ import annotations
+
+from hf_paged.engine.sequence import Sequence
+
+
+class StateSlots:
+    """A free list of ``num_slots`` slot numbers and the fork copies not yet taken.
+    ``slot_bytes``: device memory one slot takes over every linear layer (for ``stats``)."""
+
+    def __init__(self, num_slots: int, slot_bytes: int = 0):
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be positive, got {num_slots!r}")
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self.free_slots = list(range(num_slots - 1, -1, -1))  # pop() takes the lowest first
+        self.copies: list[tuple[int, int]] = []  # fork copies (source, destination), in order
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_slots)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - len(self.free_slots)
+
+    def take(self, seq: Sequence) -> bool:
+        """Give ``seq`` a slot unless it holds one; False when none is free."""
+        if seq.state_slot >= 0:
+            return True
+        if not self.free_slots:
+            return False
+        seq.state_slot = self.free_slots.pop()
+        return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give ``child`` a slot holding a copy of ``parent``'s state (once the copy runs)."""
+        if parent.state_slot < 0:
+            raise RuntimeError(f"sequence {parent.seq_id} is forked without a state slot")
+        if not self.take(child):
+            raise RuntimeError(f"no free state slot for a fork of sequence {parent.seq_id}: "
+                               f"more than {self.num_slots} sequences would hold one")
+        self.copies.append((parent.state_slot, child.state_slot))
+
+    def free(self, seq: Sequence) -> None:
+        """Give back ``seq``'s slot, if it holds one. A copy into it still to come is harmless:
+        the slot's next sequence starts from zero, or is a fork whose own copy comes later."""
+        if seq.state_slot >= 0:
+            self.free_slots.append(seq.state_slot)
+            seq.state_slot = -1
+
+    def take_copies(self, count: int) -> list[tuple[int, int]]:
+        """The first ``count`` copies recorded (those before the step being scheduled)."""
+        copies = self.copies[:count]
+        del self.copies[:count]
+        return copies
