@@ -111,7 +111,8 @@ class StepPreparer:
         return StepInputs(
             input_ids, src, positions, slots, cu_seqlens, seq_lens, tables, logits_rows,
             max(plan.num_tokens), graph_bs, self._shared_prefix_len(plan, tables),
-            plan.block_copies, pending, plan.lora_slots,
+            plan.block_copies, pending, plan.lora_slots, plan.state_slots,
+            plan.has_initial_state, plan.state_copies,
         )
 
     def sampled(self, seq_ids: list[int]) -> None:

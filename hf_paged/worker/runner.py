@@ -11,7 +11,8 @@ replay included), rank 0 alone receives the gathered logits and samples, and the
 tokens are broadcast back so that every rank reads the same pending tokens next step.
 
 The parts, one job each: ``inputs.StepPreparer`` (plan -> inputs), ``kv_cache.KVCache``,
-``sampler.Sampler``, the graphs (``decode_graphs``, ``prefill_graphs``) and ``startup``.
+a hybrid model's ``state_cache.StateCache``, ``sampler.Sampler``, the graphs
+(``decode_graphs``, ``prefill_graphs``) and ``startup``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from hf_paged.worker.prefill_graphs import PrefillGraphs
 from hf_paged.worker.sampler import Sampler, draw_counts, kernel_settings, per_draw
 from hf_paged.worker.shard import SYMMETRIC_ALL_REDUCE_TOKENS
 from hf_paged.worker.startup import Startup
+from hf_paged.worker.state_cache import state_cache_for
 
 # Prefill steps of up to this many tokens and sequences replay a graph (a full step budget:
 # launching an 8,192-token step eagerly takes the host longer than the device's 18 ms), and
@@ -54,6 +56,9 @@ class ModelRunner:
         self.width = -(-max_model_len // config.block_size)  # blocks of the longest sequence
         self.kv = KVCache(model.attention_layers, config.block_size,
                           cache_dtype(config.kv_cache_dtype, self.dtype), self.device)
+        # A hybrid model's linear-attention states: a slot per sequence that may run.
+        self.states = state_cache_for(model, tp.size, self.dtype, self.device)
+        self.num_state_slots = config.max_num_seqs if self.states else 0
         self.preparer = StepPreparer(config.block_size, self.width,
                                      cascade=config.attention_backend == "triton")
         self.sampler = Sampler(model.config.vocab_size, self.device)
@@ -77,7 +82,8 @@ class ModelRunner:
                 and not config.enforce_eager):
             self.decode_graphs, self.prefill_graphs = self.new_graphs()
         startup = Startup(model, self.kv, self.sampler, config, max_model_len, tp,
-                          [g for g in (self.decode_graphs, self.prefill_graphs) if g])
+                          [g for g in (self.decode_graphs, self.prefill_graphs) if g],
+                          self.states, self.num_state_slots)
         startup.run()
         if self.lora.stacks and self.decode_graphs is not None:
             self.decode_graphs.capture_adapters()
@@ -88,23 +94,32 @@ class ModelRunner:
     def num_blocks(self) -> int:
         return self.kv.num_blocks
 
+    @property
+    def state_slot_bytes(self) -> int:
+        """Device bytes of one state slot over every linear layer (0: not a hybrid model)."""
+        return self.states.slot_bytes() if self.states else 0
+
     # ---- the graphs and the steps they capture -----------------------------------------------
 
-    def new_graphs(self) -> tuple[DecodeGraphs, PrefillGraphs]:
-        """The decode and prefill graphs the engine's settings call for (not captured yet)."""
+    def new_graphs(self) -> tuple[DecodeGraphs, PrefillGraphs | None]:
+        """The decode and prefill graphs the engine's settings call for (not captured yet).
+        A hybrid model has no prefill graphs: their padding sequences would need state slots
+        that the prefill kernels skip, as the decode kernels skip a padding row's -1."""
         config = self.config
         max_tokens = min(_PREFILL_GRAPH_TOKENS, config.max_num_batched_tokens)
         if self.tp.size > 1:  # a larger step's all-reduces leave symmetric memory for NCCL
             max_tokens = min(max_tokens, SYMMETRIC_ALL_REDUCE_TOKENS)
         return (self.new_decode_graphs(config.max_graph_batch_size
                                        or min(config.max_num_seqs, 512)),
+                None if self.states else
                 self.new_prefill_graphs(max_tokens, min(_PREFILL_GRAPH_SEQS,
                                                         config.max_num_seqs)))
 
     def new_decode_graphs(self, max_bs: int) -> DecodeGraphs:
         """Decode graphs up to ``max_bs`` rows over this runner's steps (not captured yet)."""
         return DecodeGraphs(self._decode_step, self._decode_outputs, self.tp.size == 1, max_bs,
-                            self.width, self.device, CASCADE_MIN_SEQS, self.lora.rows)
+                            self.width, self.device, CASCADE_MIN_SEQS, self.lora.rows,
+                            states=self.states is not None)
 
     def new_prefill_graphs(self, max_tokens: int, max_seqs: int) -> PrefillGraphs:
         """Prefill graphs up to ``max_tokens`` tokens of ``max_seqs`` sequences (not captured
@@ -206,6 +221,8 @@ class ModelRunner:
         and the tokens a decode graph drew from them with ``settings`` (rank 0's)."""
         if inputs.block_copies:
             self.kv.copy_blocks(inputs.block_copies)
+        if inputs.state_copies:
+            self.states.copy_slots(inputs.state_copies)
         self.flip ^= 1
         if inputs.graph_bs:
             return self.decode_graphs.run(inputs, settings, self.flip)
@@ -226,6 +243,10 @@ class ModelRunner:
             shared_prefix=to_device([inputs.shared], dev, torch.int32) if inputs.shared else None,
             decode_order=to_device(decode_order(inputs.seq_lens), dev, torch.int32)
             if inputs.max_query_len == 1 else None,
+            state_slots=to_device(inputs.state_slots, dev, torch.int32)
+            if inputs.state_slots else None,
+            has_initial_state=to_device(inputs.has_initial_state, dev, torch.bool)
+            if inputs.state_slots else None,
         )
         input_ids = to_device(inputs.ids, dev)
         positions = to_device(inputs.positions, dev)
@@ -294,3 +315,5 @@ class ModelRunner:
         self.last_tokens = None
         self.sampler.close()
         self.kv.close()
+        if self.states:
+            self.states.close()

@@ -1,0 +1,113 @@
+"""The engine over a model flagged hybrid (a Qwen3 checkpoint whose family is given
+``linear_layer_ids`` and one stand-in linear-attention module): every step's metadata carries
+each sequence's state slot, and a stand-in linear layer that counts the tokens each slot has
+seen checks, step by step, that slots, ``has_initial_state`` and fork copies reach the device
+right, through asynchronous scheduling, forks, beams and preemption. The tokens equal the
+plain model's; no slot leaks; nothing is served from the prefix cache."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+import hf_paged
+from hf_paged.modeling.paged_model import PagedModel
+from hf_paged.sampling_params import SamplingParams
+from hf_paged.worker import state_cache
+from tests.conftest import SMALL
+
+FAMILY = SimpleNamespace(linear_layer_ids=lambda config: (0,),
+                         state_shapes=lambda config, tp_size: {"conv_state": ((1,), None)})
+
+
+class CountingLayer:
+    """What a linear layer does with its slots, in miniature: a sequence's slot holds how many
+    of its tokens it has seen; a continued chunk must find exactly its start there."""
+
+    def __init__(self, model: PagedModel):
+        self.model, self.forward = model, model.forward
+        self.steps = 0
+
+    def __call__(self, input_ids, positions, meta, pending=None):
+        pool = self.model.state_modules[0].conv_state
+        cu = meta.cu_seqlens_q.tolist()
+        for i, (slot, initial) in enumerate(zip(meta.state_slots.tolist(),
+                                                meta.has_initial_state.tolist())):
+            start, n = int(positions[cu[i]]), cu[i + 1] - cu[i]
+            assert initial == (start > 0)
+            if initial:
+                assert pool[slot, 0] == start, (slot, start)
+            pool[slot, 0] = start + n
+        self.steps += 1
+        return self.forward(input_ids, positions, meta, pending)
+
+
+@pytest.fixture
+def hybrid_flag(monkeypatch):
+    """Every model loaded meanwhile is hybrid, with one stand-in linear-attention module."""
+    monkeypatch.setattr(state_cache, "family_for", lambda config: FAMILY)
+    monkeypatch.setattr(PagedModel, "state_modules", property(
+        lambda self: self.__dict__.setdefault("_linear", [nn.Module()])))
+
+
+def load(path: str, **options):
+    engine = hf_paged.from_pretrained(path, dtype=torch.float32, **{**SMALL, **options})
+    model = engine.executor.runner.model
+    if engine.block_manager.state_slots is not None:
+        model.forward = CountingLayer(model)
+    return engine
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[(7 * i + 3 * t) % 90 + 1 for t in range(5 + 6 * i)] for i in range(n)]
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    # Six blocks of eight tokens: preemptions recompute from a zero state.
+    dict(num_kv_blocks=6, max_num_batched_tokens=16),
+])
+def test_steps_carry_slots_and_the_tokens_are_the_plain_models(tiny_checkpoint, hybrid_flag,
+                                                                monkeypatch, options):
+    params = SamplingParams(max_new_tokens=8)
+    hybrid = load(tiny_checkpoint, **options)
+    got = hybrid.generate_tokens(prompts(4), params)
+    stats = hybrid.stats()
+    assert stats["num_state_slots"] == hybrid.config.max_num_seqs
+    assert stats["num_used_state_slots"] == 0 and stats["state_slot_bytes"] == \
+        hybrid.config.max_num_seqs * 4
+    assert hybrid.executor.runner.model.forward.steps > 0
+    if options:
+        assert stats["num_preemptions"] > 0
+    hybrid.close()
+    monkeypatch.undo()  # the plain model, for reference
+    plain = load(tiny_checkpoint, **options)
+    assert plain.block_manager.state_slots is None and "num_state_slots" not in plain.stats()
+    assert got == plain.generate_tokens(prompts(4), params)
+    plain.close()
+
+
+def test_forks_and_beams_copy_their_parents_state(tiny_checkpoint, hybrid_flag):
+    engine = load(tiny_checkpoint)
+    ids = torch.tensor(prompts(2)[1:])
+    sampled = engine.generate(ids, max_new_tokens=6, do_sample=True, num_return_sequences=3)
+    beams = engine.generate(ids, max_new_tokens=6, num_beams=3, num_return_sequences=2)
+    assert sampled.shape[0] == 3 and beams.shape[0] == 2
+    assert engine.stats()["num_used_state_slots"] == 0
+    engine.close()
+
+
+def test_no_prefix_cache_hits_and_no_speculation(tiny_checkpoint, hybrid_flag):
+    engine = load(tiny_checkpoint)
+    prompt = list(range(1, 40))
+    engine.generate_tokens([prompt], SamplingParams(max_new_tokens=2))
+    engine.generate_tokens([prompt], SamplingParams(max_new_tokens=2))
+    assert engine.stats()["prefix_cache_hits"] == 0
+    with pytest.raises(ValueError, match="^speculation .*not supported"):
+        engine.generate(torch.tensor([prompt]), max_new_tokens=2, prompt_lookup_num_tokens=3)
+    engine.close()
+    with pytest.raises(ValueError, match="^speculative_method: .*not supported"):
+        load(tiny_checkpoint, speculative_method="ngram")
