@@ -100,7 +100,8 @@ def test_forks_and_beams_copy_their_parents_state(tiny_checkpoint, hybrid_flag):
     engine.close()
 
 
-def test_no_prefix_cache_hits_and_no_speculation(tiny_checkpoint, hybrid_flag):
+def test_no_prefix_cache_hits_no_speculation_no_padded_model_call(tiny_checkpoint,
+                                                                   hybrid_flag):
     engine = load(tiny_checkpoint)
     prompt = list(range(1, 40))
     engine.generate_tokens([prompt], SamplingParams(max_new_tokens=2))
@@ -108,6 +109,9 @@ def test_no_prefix_cache_hits_and_no_speculation(tiny_checkpoint, hybrid_flag):
     assert engine.stats()["prefix_cache_hits"] == 0
     with pytest.raises(ValueError, match="^speculation .*not supported"):
         engine.generate(torch.tensor([prompt]), max_new_tokens=2, prompt_lookup_num_tokens=3)
+    ids = torch.tensor([prompt])
+    with pytest.raises(NotImplementedError, match="model call over padded rows"):
+        engine.hidden_states(ids, torch.ones_like(ids), torch.arange(len(prompt))[None])
     engine.close()
     with pytest.raises(ValueError, match="^speculative_method: .*not supported"):
         load(tiny_checkpoint, speculative_method="ngram")
