@@ -13,8 +13,10 @@ gives the writer a private block and records ``(source, destination)`` in ``copi
 the scheduler hands to the model runner to copy on the device before the step's forward.
 
 A hybrid model's sequences also hold a state slot (``state_slots``): taken with their first
-blocks, forked with them, given back with them. Its prefix cache serves no hits: cached blocks
-hold the full-attention layers' K/V of a prefix, but not the linear layers' state after it.
+blocks, forked with them, given back with them. Cached blocks hold the full-attention layers'
+K/V of a prefix, but not the linear layers' state after it: a hit resumes after the last
+cached block whose state a snapshot kept (``engine.state_snapshots``), and without snapshots
+the prefix cache serves such a model no hits.
 """
 
 from __future__ import annotations
@@ -77,9 +79,11 @@ class BlockManager:
         """Cached blocks holding the longest prefix of ``seq``'s full blocks.
 
         The last token is never served from the cache: its logits are needed. The blocks are
-        not taken yet; ``allocate`` takes them. None for a hybrid model (see the module).
+        not taken yet; ``allocate`` takes them. A hybrid model's end at the last block with a
+        state snapshot (see the module).
         """
-        if not self.enable_prefix_caching or self.state_slots is not None:
+        slots = self.state_slots
+        if not self.enable_prefix_caching or (slots is not None and slots.snapshots is None):
             return []
         self._hash_full_blocks(seq, len(seq) - 1)
         hits = []
@@ -88,6 +92,9 @@ class BlockManager:
             if block_id is None or self.blocks[block_id].key != self._key(seq, i):
                 break
             hits.append(block_id)
+        if slots is not None:
+            while hits and not slots.snapshots.has(seq.block_hashes[len(hits) - 1]):
+                hits.pop()
         return hits
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
@@ -111,8 +118,7 @@ class BlockManager:
             if not copy and block.hash is not None:
                 # Published under tokens the sequence dropped (``truncate``): a write would
                 # change what the hash names, so it stops being published.
-                del self.hash_to_block[block.hash]
-                block.hash = block.key = None
+                self._unpublish(block)
         if copy:
             if needed + 1 > self.num_free_blocks:
                 return False
@@ -139,6 +145,8 @@ class BlockManager:
             self._cache_full_blocks(seq, known)
         if slots is not None:
             slots.take(seq)
+            if cached_blocks:  # resume from the state after the last cached block
+                slots.restore(seq, seq.block_hashes[len(cached_blocks) - 1])
         return True
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -151,6 +159,22 @@ class BlockManager:
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
         child.num_published_blocks = parent.num_published_blocks
+
+    def snapshot_boundary(self, seq: Sequence) -> int:
+        """Where a hybrid model's prefill of ``seq`` leaves a state snapshot: the end of the
+        last full block before its last prompt token (0: none)."""
+        slots = self.state_slots
+        if slots is None or slots.snapshots is None:
+            return 0
+        return (seq.num_prompt_tokens - 1) // self.block_size * self.block_size
+
+    def save_state(self, seq: Sequence, num_tokens: int) -> None:
+        """Snapshot ``seq``'s state after its first ``num_tokens`` tokens (a block boundary,
+        computed by the step being scheduled), under the hash of the block they end, while
+        the prefix cache names that block."""
+        block_hash = seq.block_hashes[num_tokens // self.block_size - 1]
+        if block_hash in self.hash_to_block:
+            self.state_slots.save(seq, block_hash)
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write copies recorded since the last call, in order."""
@@ -218,10 +242,15 @@ class BlockManager:
         if self.free_uncached:
             return self.free_uncached.popleft()
         block_id, _ = self.evictable.popitem(last=False)
-        block = self.blocks[block_id]
-        del self.hash_to_block[block.hash]
-        block.hash = block.key = None
+        self._unpublish(self.blocks[block_id])
         return block_id
+
+    def _unpublish(self, block: Block) -> None:
+        """Take ``block`` out of the prefix cache (a hybrid model's state snapshot with it)."""
+        del self.hash_to_block[block.hash]
+        if self.state_slots is not None and self.state_slots.snapshots is not None:
+            self.state_slots.snapshots.drop(block.hash)
+        block.hash = block.key = None
 
     def _key(self, seq: Sequence, i: int) -> tuple[int, tuple[int, ...]]:
         # A chain starts from the sequence's salt: its LoRA adapter's id (0: the base model).

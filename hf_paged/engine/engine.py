@@ -25,6 +25,7 @@ from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.sequence import Sequence
 from hf_paged.engine.speculation.speculator import Speculator, default_speculation
 from hf_paged.engine.state_slots import StateSlots
+from hf_paged.engine.state_snapshots import StateSnapshots
 from hf_paged.sampling_params import SamplingParams
 from hf_paged.worker.executor import Executor
 
@@ -57,8 +58,12 @@ class EngineCore(Admission, PaddedForward):
         self.tokenizer = tokenizer
         # Start-up phases: weights loaded, KV cache sized and allocated, decode graphs captured.
         self.startup_seconds = dict(executor.startup_seconds)
-        # A hybrid model's linear-attention layers keep a state slot per running sequence.
-        state_slots = StateSlots(executor.num_state_slots, executor.state_slot_bytes) \
+        # A hybrid model's linear-attention layers keep a state slot per running sequence
+        # (and, for prefix caching, snapshots in the slots after those).
+        state_slots = StateSlots(executor.num_state_slots, executor.state_slot_bytes,
+                                 StateSnapshots(executor.num_state_slots,
+                                                executor.num_state_snapshots)
+                                 if executor.num_state_snapshots else None) \
             if executor.num_state_slots else None
         if state_slots is not None and config.speculative_method is not None:
             executor.close()
@@ -261,8 +266,13 @@ class EngineCore(Admission, PaddedForward):
 
 
 def _state_slot_stats(slots: StateSlots | None) -> dict[str, int]:
-    """A hybrid model's state slots in use, of how many, and the device bytes of them all."""
+    """A hybrid model's state slots and snapshots in use, of how many, and the device bytes
+    of them all."""
     if slots is None:
         return {}
+    snapshots = slots.snapshots
+    num_snapshots = snapshots.num_snapshots if snapshots else 0
     return {"num_state_slots": slots.num_slots, "num_used_state_slots": slots.num_used,
-            "state_slot_bytes": slots.num_slots * slots.slot_bytes}
+            "num_state_snapshots": num_snapshots,
+            "num_used_state_snapshots": snapshots.num_used if snapshots else 0,
+            "state_slot_bytes": (slots.num_slots + num_snapshots) * slots.slot_bytes}

@@ -164,3 +164,23 @@ class RequestQueues:
         self.num_preemptions += 1
         if seq.group is None:  # a group keeps its slots for its members
             self.num_seq_slots -= 1 + len(seq.followers)
+
+    def _preempt_idle_member(self) -> bool:
+        """Preempt the latest group member that waits for its group's choice (it is parked),
+        when nothing else can run: the request at the queue's head (maybe the member the group
+        waits for) needs its blocks."""
+        i = self._idle_member_index()
+        if i is not None:
+            self._preempt(self.running.pop(i), park=True)
+        return i is not None
+
+    def _idle_member_index(self, besides: set[int] = frozenset()) -> int | None:
+        """Where the latest running group member waiting for its group's choice is, other than
+        the sequence ids ``besides`` (those of the batch being built look idle: their chunk
+        counts as done)."""
+        for i in range(len(self.running) - 1, -1, -1):
+            seq = self.running[i]
+            if (seq.group is not None and seq.num_computed_tokens == seq.num_tokens
+                    and seq.seq_id not in besides):
+                return i
+        return None

@@ -14,24 +14,35 @@ its copy runs one step later, before anything else writes either slot.
 There are ``max_num_seqs`` slots: admission reserves that many sequences for a request's
 possible forks (``Sequence.num_seq_slots``), and a beam group drops the members it leaves
 before it forks the ones it keeps, so no more sequences than that ever hold a slot.
+
+With ``snapshots`` (prefix caching, ``engine.state_snapshots``) a sequence's slot is also
+copied into a snapshot at a cached block boundary (``save``, a copy one step later like a
+fork's), and a sequence resuming after a prefix-cache hit gets the snapshot copied into its
+slot (``restore``) before the step that computes its first chunk: restores follow the copies
+that step takes.
 """
 
 from __future__ import annotations
 
 from hf_paged.engine.sequence import Sequence
+from hf_paged.engine.state_snapshots import StateSnapshots
 
 
 class StateSlots:
     """A free list of ``num_slots`` slot numbers and the fork copies not yet taken.
-    ``slot_bytes``: device memory one slot takes over every linear layer (for ``stats``)."""
+    ``slot_bytes``: device memory one slot takes over every linear layer (for ``stats``);
+    ``snapshots``: the snapshot slots, numbered after these (None: no prefix caching)."""
 
-    def __init__(self, num_slots: int, slot_bytes: int = 0):
+    def __init__(self, num_slots: int, slot_bytes: int = 0,
+                 snapshots: StateSnapshots | None = None):
         if num_slots < 1:
             raise ValueError(f"num_slots must be positive, got {num_slots!r}")
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self.free_slots = list(range(num_slots - 1, -1, -1))  # pop() takes the lowest first
         self.copies: list[tuple[int, int]] = []  # fork copies (source, destination), in order
+        self.snapshots = snapshots
+        self.restores: list[tuple[int, int]] = []  # snapshot -> slot, for the step scheduled
 
     @property
     def num_free(self) -> int:
@@ -66,8 +77,21 @@ class StateSlots:
             self.free_slots.append(seq.state_slot)
             seq.state_slot = -1
 
+    def save(self, seq: Sequence, block_hash: int) -> None:
+        """Snapshot ``seq``'s state, after the block named ``block_hash`` once the step being
+        scheduled has run (unless a snapshot of it exists, or no slot can be had)."""
+        slot = self.snapshots.take(block_hash)
+        if slot is not None:
+            self.copies.append((seq.state_slot, slot))
+
+    def restore(self, seq: Sequence, block_hash: int) -> None:
+        """Start ``seq`` from the snapshot after the block named ``block_hash``."""
+        self.restores.append((self.snapshots.use(block_hash), seq.state_slot))
+
     def take_copies(self, count: int) -> list[tuple[int, int]]:
-        """The first ``count`` copies recorded (those before the step being scheduled)."""
-        copies = self.copies[:count]
+        """The first ``count`` copies recorded (those before the step being scheduled), then
+        the restores of the sequences it resumes."""
+        copies = self.copies[:count] + self.restores
         del self.copies[:count]
+        self.restores = []
         return copies

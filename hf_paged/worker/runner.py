@@ -56,9 +56,12 @@ class ModelRunner:
         self.width = -(-max_model_len // config.block_size)  # blocks of the longest sequence
         self.kv = KVCache(model.attention_layers, config.block_size,
                           cache_dtype(config.kv_cache_dtype, self.dtype), self.device)
-        # A hybrid model's linear-attention states: a slot per sequence that may run.
+        # A hybrid model's linear-attention states: a slot per sequence that may run, then
+        # the prefix cache's snapshots.
         self.states = state_cache_for(model, tp.size, self.dtype, self.device)
         self.num_state_slots = config.max_num_seqs if self.states else 0
+        self.num_state_snapshots = config.num_state_snapshots \
+            if self.states and config.enable_prefix_caching else 0
         self.preparer = StepPreparer(config.block_size, self.width,
                                      cascade=config.attention_backend == "triton")
         self.sampler = Sampler(model.config.vocab_size, self.device)
@@ -83,7 +86,7 @@ class ModelRunner:
             self.decode_graphs, self.prefill_graphs = self.new_graphs()
         startup = Startup(model, self.kv, self.sampler, config, max_model_len, tp,
                           [g for g in (self.decode_graphs, self.prefill_graphs) if g],
-                          self.states, self.num_state_slots)
+                          self.states, self.num_state_slots + self.num_state_snapshots)
         startup.run()
         if self.lora.stacks and self.decode_graphs is not None:
             self.decode_graphs.capture_adapters()

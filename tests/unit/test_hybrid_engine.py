@@ -115,3 +115,20 @@ def test_no_prefix_cache_hits_no_speculation_no_padded_model_call(tiny_checkpoin
     engine.close()
     with pytest.raises(ValueError, match="^speculative_method: .*not supported"):
         load(tiny_checkpoint, speculative_method="ngram")
+
+
+def test_prefix_hits_resume_from_state_snapshots(tiny_checkpoint, hybrid_flag):
+    engine = load(tiny_checkpoint, num_state_snapshots=4)
+    stem = list(range(1, 30))
+    params = SamplingParams(max_new_tokens=4)
+    first = engine.generate_tokens([stem + [40, 41]], params)
+    again = engine.generate_tokens([stem + [40, 41], stem + [50]], params)
+    stats = engine.stats()
+    # A snapshot after 24 tokens (three 8-token blocks): both resume there.
+    assert stats["prefix_cache_hits"] == 48 and again[0] == first[0]
+    assert stats["num_state_snapshots"] == 4 and stats["num_used_state_snapshots"] >= 1
+    assert stats["state_slot_bytes"] == (engine.config.max_num_seqs + 4) * 4
+    assert stats["num_used_state_slots"] == 0
+    engine.close()
+    with pytest.raises(ValueError, match="^num_state_snapshots must be a non-negative"):
+        hf_paged.EngineConfig(num_state_snapshots=-1)

@@ -1,7 +1,8 @@
 """A hybrid model's state slots on the host: the allocator, the block manager taking, forking and
 freeing them with blocks, and the scheduler's steps (admission bound, fork copies a step
 later, zero states after preemption, no leaks), checked against a fake device whose slots
-record which tokens of which prompt they hold."""
+record which tokens they hold. Prefix caching over state snapshots: chunks end at the
+snapshot boundary, hits resume from the last snapshot, snapshots leave with their blocks."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from hf_paged.engine.block_manager import BlockManager
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.sequence import Sequence
 from hf_paged.engine.state_slots import StateSlots
+from hf_paged.engine.state_snapshots import StateSnapshots
 from hf_paged.sampling_params import SamplingParams
 from hf_paged.step import StepPlan
 from tests.unit.test_scheduler import ToyGroup, run_to_end, run_with_groups
@@ -22,20 +24,21 @@ def seq(tokens=(1, 2, 3, 4, 5), new=4) -> Sequence:
     return Sequence(list(tokens), SamplingParams(max_new_tokens=new))
 
 
-def hybrid(num_blocks=64, block_size=4, max_seqs=8, budget=32, caching=True) -> Scheduler:
-    bm = BlockManager(num_blocks, block_size, caching, StateSlots(max_seqs, slot_bytes=10))
-    return Scheduler(bm, max_seqs, budget, 512)
+def hybrid(num_blocks=64, block_size=4, max_seqs=8, budget=32, caching=True,
+           snapshots=0) -> Scheduler:
+    slots = StateSlots(max_seqs, 10, StateSnapshots(max_seqs, snapshots) if snapshots else None)
+    return Scheduler(BlockManager(num_blocks, block_size, caching, slots), max_seqs, budget, 512)
 
 
 class FakeDevice:
-    """Slot -> (prompt, tokens computed): what a linear layer's state summarises. Each step
-    copies first, then checks that every continued chunk finds its own sequence's state
-    after exactly the tokens before it, and records the state the chunk leaves."""
+    """Slot -> (prompt tokens, tokens computed): what a linear layer's state summarises. Each
+    step copies first, then checks that every continued chunk finds a state after exactly the
+    tokens before it, of its own prompt, and records the state the chunk leaves."""
 
     def __init__(self, sched: Scheduler):
         self.sched = sched
         self.states: dict[int, tuple] = {}
-        self.num_copies = 0
+        self.num_copies = self.num_resumed = 0
 
     def __call__(self, plan: StepPlan) -> None:
         slots = plan.state_slots
@@ -47,14 +50,23 @@ class FakeDevice:
         for slot, initial, start, n, row in zip(slots, plan.has_initial_state, plan.starts,
                                                 plan.num_tokens, plan.sampling):
             s = row.request
-            prompt = tuple(s.token_ids[: s.num_prompt_tokens])
             assert initial == (start > 0)
             if initial:
-                assert self.states[slot] == (prompt, start)
-            self.states[slot] = (prompt, start + n)
+                assert self.states[slot] == self.state(s, start)
+                self.num_resumed += start == s.num_cached_tokens
+            self.states[slot] = self.state(s, start + n)
         held = [s for s in self.sched.running if s.state_slot >= 0]
+        snapshots = self.sched.block_manager.state_slots.snapshots
+        if snapshots is not None:
+            assert set(snapshots.by_hash) | set(snapshots.pending) <= set(
+                self.sched.block_manager.hash_to_block)
         assert len({s.state_slot for s in held}) == len(held)
         assert self.sched.block_manager.state_slots.num_used <= self.sched.max_num_seqs
+
+
+    @staticmethod
+    def state(s: Sequence, count: int) -> tuple:
+        return tuple(s.token_ids[: min(count, s.num_prompt_tokens)]), count
 
 
 def test_allocator_takes_frees_and_forks():
