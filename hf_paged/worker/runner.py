@@ -23,12 +23,12 @@ from hf_paged import kernels
 from hf_paged.config import EngineConfig
 from hf_paged.device_copy import to_device
 from hf_paged.families import family_for
-from hf_paged.modeling.attention import AttentionMetadata, decode_order
+from hf_paged.modeling.attention import AttentionMetadata
 from hf_paged.modeling.paged_model import PagedModel
 from hf_paged.modeling.tp import SINGLE, TensorParallel
 from hf_paged.step import StepInputs, StepPlan
 from hf_paged.worker.decode_graphs import DecodeGraphs, on_adapters
-from hf_paged.worker.inputs import CASCADE_MIN_SEQS, StepPreparer
+from hf_paged.worker.inputs import CASCADE_MIN_SEQS, StepPreparer, device_metadata
 from hf_paged.worker.kv_cache import KVCache, cache_dtype
 from hf_paged.worker.launched_step import LaunchedStep, collect, pinned_copy, to_host
 from hf_paged.worker.lora_slots import LoraSlots
@@ -237,20 +237,7 @@ class ModelRunner:
         if bucket:
             return self.prefill_graphs.run(inputs, bucket, self.flip), None
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=to_device(inputs.slots, dev),
-            cu_seqlens_q=to_device(inputs.cu_seqlens, dev, torch.int32),
-            seq_lens=to_device(inputs.seq_lens, dev, torch.int32),
-            block_tables=torch.from_numpy(inputs.tables).to(dev, non_blocking=True),
-            max_query_len=inputs.max_query_len,
-            shared_prefix=to_device([inputs.shared], dev, torch.int32) if inputs.shared else None,
-            decode_order=to_device(decode_order(inputs.seq_lens), dev, torch.int32)
-            if inputs.max_query_len == 1 else None,
-            state_slots=to_device(inputs.state_slots, dev, torch.int32)
-            if inputs.state_slots else None,
-            has_initial_state=to_device(inputs.has_initial_state, dev, torch.bool)
-            if inputs.state_slots else None,
-        )
+        meta = device_metadata(inputs, dev)
         input_ids = to_device(inputs.ids, dev)
         positions = to_device(inputs.positions, dev)
         self.lora.set_rows(meta.cu_seqlens_q, inputs.lora_slots if adapters else [],

@@ -18,7 +18,7 @@ from hf_paged.step import StepInputs
 from hf_paged.worker import state_cache
 from hf_paged.worker.channel import STEP, StepChannel
 from hf_paged.worker.decode_graphs import DecodeGraphs
-from hf_paged.worker.inputs import StepPreparer
+from hf_paged.worker.inputs import StepPreparer, device_metadata
 from hf_paged.worker.startup import Startup
 from hf_paged.worker.state_cache import StateCache, _waves
 from tests.unit.test_step_inputs import plan
@@ -116,10 +116,17 @@ def hybrid_inputs() -> StepInputs:
     return StepPreparer(4, 8, cascade=False).prepare(step, graph_bs=0)
 
 
-def test_the_preparer_passes_the_slots_on():
+def test_the_preparer_passes_the_slots_on_and_an_eager_step_reads_them_on_the_device():
     inputs = hybrid_inputs()
     assert inputs.state_slots == [2, 0] and inputs.has_initial_state == [False, True]
     assert inputs.state_copies == [(1, 2), (0, 3)]
+    meta = device_metadata(inputs, torch.device("cpu"))
+    assert meta.state_slots.dtype == torch.int32 and meta.state_slots.tolist() == [2, 0]
+    assert meta.has_initial_state.dtype == torch.bool
+    assert meta.has_initial_state.tolist() == [False, True]
+    inputs.state_slots = inputs.has_initial_state = []
+    meta = device_metadata(inputs, torch.device("cpu"))
+    assert meta.state_slots is None and meta.has_initial_state is None
 
 
 class Wire:
