@@ -197,6 +197,9 @@ class BlockManager:
         so the prefix cache never names changed contents. ``seq.token_ids`` is the caller's
         to shorten first; the table becomes a new list, so that views of the old one (the
         runner's mirror) see the change."""
+        if self.state_slots is not None:
+            raise NotImplementedError("a hybrid model's linear-attention state cannot be cut "
+                                      "back to fewer tokens (speculative decoding, drafting)")
         keep = self.blocks_needed(num_tokens)
         full = num_tokens // self.block_size
         self._let_go(seq.block_table[keep:])

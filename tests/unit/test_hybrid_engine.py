@@ -132,3 +132,13 @@ def test_prefix_hits_resume_from_state_snapshots(tiny_checkpoint, hybrid_flag):
     engine.close()
     with pytest.raises(ValueError, match="^num_state_snapshots must be a non-negative"):
         hf_paged.EngineConfig(num_state_snapshots=-1)
+
+
+def test_a_hybrid_model_cannot_draft(tiny_checkpoint, hybrid_flag, monkeypatch):
+    hybrid = load(tiny_checkpoint)
+    monkeypatch.undo()
+    plain = load(tiny_checkpoint)
+    with pytest.raises(ValueError, match="^assistant_model: the model has linear-attention"):
+        plain.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, assistant_model=hybrid)
+    plain.close()
+    hybrid.close()

@@ -100,6 +100,14 @@ def test_block_manager_takes_slots_with_blocks_and_changes_nothing_when_short():
     assert not big.allocate(b, 5) and b.state_slot == -1  # no blocks: no slot taken
 
 
+def test_a_state_is_never_cut_back():
+    bm = BlockManager(8, 4, True, StateSlots(1))
+    a = seq()
+    bm.allocate(a, 5)
+    with pytest.raises(NotImplementedError, match="cannot be cut back"):
+        bm.truncate(a, 2)
+
+
 def test_hybrid_models_never_hit_the_prefix_cache():
     sched = hybrid()
     first = seq(range(12), new=1)
