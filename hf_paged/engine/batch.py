@@ -22,7 +22,8 @@ class ScheduledBatch:
     sample_copies: list[tuple[int, Sequence]] = field(default_factory=list)
     # Copy-on-write block copies (source, destination) to make before the forward, in order.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
-    # A hybrid model's state-slot copies (source, destination) of forks, before the forward.
+    # A hybrid model's state-slot copies (source, destination) before the forward, in order:
+    # forks' and snapshots' recorded before this step, then restores of prefix-cache hits.
     state_copies: list[tuple[int, int]] = field(default_factory=list)
     # Speculative decoding: the draft tokens ending each sequence's chunk (0: none), and
     # whether a request of the batch may draft next step (it needs this step's tokens first).

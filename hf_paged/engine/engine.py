@@ -275,4 +275,4 @@ def _state_slot_stats(slots: StateSlots | None) -> dict[str, int]:
     return {"num_state_slots": slots.num_slots, "num_used_state_slots": slots.num_used,
             "num_state_snapshots": num_snapshots,
             "num_used_state_snapshots": snapshots.num_used if snapshots else 0,
-            "state_slot_bytes": (slots.num_slots + num_snapshots) * slots.slot_bytes}
+            "state_bytes": (slots.num_slots + num_snapshots) * slots.slot_bytes}

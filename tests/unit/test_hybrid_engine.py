@@ -77,7 +77,7 @@ def test_steps_carry_slots_and_the_tokens_are_the_plain_models(tiny_checkpoint, 
     got = hybrid.generate_tokens(prompts(4), params)
     stats = hybrid.stats()
     assert stats["num_state_slots"] == hybrid.config.max_num_seqs
-    assert stats["num_used_state_slots"] == 0 and stats["state_slot_bytes"] == \
+    assert stats["num_used_state_slots"] == 0 and stats["state_bytes"] == \
         hybrid.config.max_num_seqs * 4
     assert hybrid.executor.runner.model.forward.steps > 0
     if options:
@@ -127,7 +127,7 @@ def test_prefix_hits_resume_from_state_snapshots(tiny_checkpoint, hybrid_flag):
     # A snapshot after 24 tokens (three 8-token blocks): both resume there.
     assert stats["prefix_cache_hits"] == 48 and again[0] == first[0]
     assert stats["num_state_snapshots"] == 4 and stats["num_used_state_snapshots"] >= 1
-    assert stats["state_slot_bytes"] == (engine.config.max_num_seqs + 4) * 4
+    assert stats["state_bytes"] == (engine.config.max_num_seqs + 4) * 4
     assert stats["num_used_state_slots"] == 0
     engine.close()
     with pytest.raises(ValueError, match="^num_state_snapshots must be a non-negative"):
