@@ -71,11 +71,16 @@ class StateSlots:
         self.copies.append((parent.state_slot, child.state_slot))
 
     def free(self, seq: Sequence) -> None:
-        """Give back ``seq``'s slot, if it holds one. A copy into it still to come is harmless:
-        the slot's next sequence starts from zero, or is a fork whose own copy comes later."""
-        if seq.state_slot >= 0:
-            self.free_slots.append(seq.state_slot)
+        """Give back ``seq``'s slot, if it holds one. A fork's copy into it still to come is
+        harmless: the slot's next sequence starts from zero, or restores a snapshot or is a
+        fork, whose copy comes later. A restore into it (a step that failed to launch) goes:
+        it would follow a later fork's copy."""
+        slot = seq.state_slot
+        if slot >= 0:
+            self.free_slots.append(slot)
             seq.state_slot = -1
+            if self.restores:
+                self.restores = [r for r in self.restores if r[1] != slot]
 
     def save(self, seq: Sequence, block_hash: int) -> None:
         """Snapshot ``seq``'s state, after the block named ``block_hash`` once the step being

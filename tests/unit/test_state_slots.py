@@ -83,6 +83,9 @@ def test_allocator_takes_frees_and_forks():
     with pytest.raises(RuntimeError, match="without a state slot"):
         slots.fork(a, c)
     assert slots.take_copies(0) == [] and slots.take_copies(5) == [(0, 1)] and not slots.copies
+    slots.restores = [(7, b.state_slot)]  # a step that failed to launch: b's restore goes too
+    slots.free(b)
+    assert slots.restores == []
     with pytest.raises(ValueError, match="num_slots"):
         StateSlots(0)
 
