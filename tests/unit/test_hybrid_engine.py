@@ -18,6 +18,7 @@ from hf_paged.modeling.paged_model import PagedModel
 from hf_paged.sampling_params import SamplingParams
 from hf_paged.worker import state_cache
 from tests.conftest import SMALL
+from tests.parity.test_graph_inputs import with_eager_decode_graphs
 
 FAMILY = SimpleNamespace(linear_layer_ids=lambda config: (0,),
                          state_shapes=lambda config, tp_size: {"conv_state": ((1,), None)})
@@ -29,18 +30,21 @@ class CountingLayer:
 
     def __init__(self, model: PagedModel):
         self.model, self.forward = model, model.forward
-        self.steps = 0
+        self.steps = self.rows = 0
 
     def __call__(self, input_ids, positions, meta, pending=None):
         pool = self.model.state_modules[0].conv_state
         cu = meta.cu_seqlens_q.tolist()
         for i, (slot, initial) in enumerate(zip(meta.state_slots.tolist(),
                                                 meta.has_initial_state.tolist())):
+            if slot < 0:  # a decode graph's padding row
+                continue
             start, n = int(positions[cu[i]]), cu[i + 1] - cu[i]
             assert initial == (start > 0)
             if initial:
                 assert pool[slot, 0] == start, (slot, start)
             pool[slot, 0] = start + n
+            self.rows += 1
         self.steps += 1
         return self.forward(input_ids, positions, meta, pending)
 
@@ -142,3 +146,17 @@ def test_a_hybrid_model_cannot_draft(tiny_checkpoint, hybrid_flag, monkeypatch):
         plain.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, assistant_model=hybrid)
     plain.close()
     hybrid.close()
+
+
+def test_decode_graphs_address_the_slots_through_their_inputs(tiny_checkpoint, hybrid_flag,
+                                                              monkeypatch):
+    engine = load(tiny_checkpoint)
+    replays = with_eager_decode_graphs(engine, max_bs=4)
+    got = engine.generate_tokens(prompts(3), SamplingParams(max_new_tokens=6))
+    assert sum(r.replays for r in replays) == 5  # the decode steps, padded to 4 rows
+    assert engine.executor.runner.model.forward.rows == 3 + 5 * 3  # prefill rows, then graphs'
+    engine.close()
+    monkeypatch.undo()
+    plain = hf_paged.from_pretrained(tiny_checkpoint, dtype=torch.float32, **SMALL)
+    assert got == plain.generate_tokens(prompts(3), SamplingParams(max_new_tokens=6))
+    plain.close()
