@@ -104,17 +104,14 @@ class ModelRunner:
 
     # ---- the graphs and the steps they capture -----------------------------------------------
 
-    def new_graphs(self) -> tuple[DecodeGraphs, PrefillGraphs | None]:
-        """The decode and prefill graphs the engine's settings call for (not captured yet).
-        A hybrid model has no prefill graphs: their padding sequences would need state slots
-        that the prefill kernels skip, as the decode kernels skip a padding row's -1."""
+    def new_graphs(self) -> tuple[DecodeGraphs, PrefillGraphs]:
+        """The decode and prefill graphs the engine's settings call for (not captured yet)."""
         config = self.config
         max_tokens = min(_PREFILL_GRAPH_TOKENS, config.max_num_batched_tokens)
         if self.tp.size > 1:  # a larger step's all-reduces leave symmetric memory for NCCL
             max_tokens = min(max_tokens, SYMMETRIC_ALL_REDUCE_TOKENS)
         return (self.new_decode_graphs(config.max_graph_batch_size
                                        or min(config.max_num_seqs, 512)),
-                None if self.states else
                 self.new_prefill_graphs(max_tokens, min(_PREFILL_GRAPH_SEQS,
                                                         config.max_num_seqs)))
 
@@ -128,7 +125,8 @@ class ModelRunner:
         """Prefill graphs up to ``max_tokens`` tokens of ``max_seqs`` sequences (not captured
         yet)."""
         return PrefillGraphs(self._prefill_step, self.model.gather_logits, max_tokens, max_seqs,
-                             self.width, self.device, min(_PREFILL_GRAPH_ROWS, max_tokens))
+                             self.width, self.device, min(_PREFILL_GRAPH_ROWS, max_tokens),
+                             states=self.states is not None)
 
     def _forward_pending(self, ids, src, positions, meta: AttentionMetadata) -> torch.Tensor:
         """The model's hidden states, each pending token (``src >= 0``) read from the last

@@ -18,7 +18,7 @@ from hf_paged.modeling.paged_model import PagedModel
 from hf_paged.sampling_params import SamplingParams
 from hf_paged.worker import state_cache
 from tests.conftest import SMALL
-from tests.parity.test_graph_inputs import with_eager_decode_graphs
+from tests.parity.test_graph_inputs import with_eager_decode_graphs, with_eager_prefill_graphs
 
 FAMILY = SimpleNamespace(linear_layer_ids=lambda config: (0,),
                          state_shapes=lambda config, tp_size: {"conv_state": ((1,), None)})
@@ -148,13 +148,20 @@ def test_a_hybrid_model_cannot_draft(tiny_checkpoint, hybrid_flag, monkeypatch):
     hybrid.close()
 
 
-def test_decode_graphs_address_the_slots_through_their_inputs(tiny_checkpoint, hybrid_flag,
-                                                              monkeypatch):
-    engine = load(tiny_checkpoint)
-    replays = with_eager_decode_graphs(engine, max_bs=4)
+def test_graphs_address_the_slots_through_their_inputs(tiny_checkpoint, hybrid_flag,
+                                                       monkeypatch):
+    """Decode graphs padded to 4 rows, prefill graphs to 32 or 64 tokens and 8 sequences."""
+    engine = load(tiny_checkpoint, max_num_batched_tokens=16)
+    decode = with_eager_decode_graphs(engine, max_bs=4)
+    prefill = with_eager_prefill_graphs(engine, max_tokens=64, max_seqs=8)
     got = engine.generate_tokens(prompts(3), SamplingParams(max_new_tokens=6))
-    assert sum(r.replays for r in replays) == 5  # the decode steps, padded to 4 rows
-    assert engine.executor.runner.model.forward.rows == 3 + 5 * 3  # prefill rows, then graphs'
+    steps = engine.executor.runner.model.forward
+    replays = [r.replays for r in decode + prefill]
+    # Every step replayed a graph (the stand-ins ran each once as they were made, all padding)
+    assert sum(replays) == steps.steps - len(replays) and sum(r.replays for r in prefill) == 3
+    # and every row of them read its slot: four prefill chunks (budget 16: 5 + 11, then 16 + 1
+    # of the third prompt's 17) and five decode rows each.
+    assert steps.rows == 4 + 3 * 5
     engine.close()
     monkeypatch.undo()
     plain = hf_paged.from_pretrained(tiny_checkpoint, dtype=torch.float32, **SMALL)
