@@ -2,13 +2,14 @@
 ``[num_slots, *shape]`` per state its family names (``state_shapes``: the convolution's last
 inputs and the recurrent state), attached to the layer's ``linear_attn`` module under that
 name, as the KV cache attaches ``k_cache`` / ``v_cache`` to ``self_attn``. A sequence's state
-lives in the same slot of every pool (``engine.state_slots`` hands the slots out); a fork's
-slot copy runs here before the step's forward.
+lives in the same slot of every pool (``engine.state_slots`` hands the slots out); a step's
+slot copies (forks, prefix-cache snapshots and restores) run here before its forward.
 
 A model is hybrid when its family module defines ``linear_layer_ids``. It has ``max_num_seqs``
-slots, one per sequence that may run (forks included: see ``engine.state_slots``). The pools
-are allocated once, before the KV cache is sized from what memory is left, and never move:
-the CUDA graphs read them by address.
+slots, one per sequence that may run (forks included: see ``engine.state_slots``), then
+``num_state_snapshots`` for the prefix cache (``engine.state_snapshots``). The pools are
+allocated once, before the KV cache is sized from what memory is left, and never move: the
+CUDA graphs read them by address.
 """
 
 from __future__ import annotations
