@@ -103,6 +103,17 @@ def test_block_manager_takes_slots_with_blocks_and_changes_nothing_when_short():
     assert not big.allocate(b, 5) and b.state_slot == -1  # no blocks: no slot taken
 
 
+def test_admission_never_runs_more_sequences_than_slots():
+    bm = BlockManager(64, 4, False, StateSlots(2))
+    sched = Scheduler(bm, 4, 64, 512)  # max_num_seqs would allow four
+    seqs = [seq(new=3) for _ in range(4)]
+    for s in seqs:
+        sched.add(s)
+    steps = run_to_end(sched, device=FakeDevice(sched))
+    assert steps[0].seqs == seqs[:2] and all(len(batch.seqs) <= 2 for batch in steps)
+    assert all(s.num_new_tokens == 3 for s in seqs) and bm.state_slots.num_free == 2
+
+
 def test_a_state_is_never_cut_back():
     bm = BlockManager(8, 4, True, StateSlots(1))
     a = seq()
