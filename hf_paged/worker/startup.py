@@ -201,10 +201,12 @@ class Startup:
         compiles inside one: the KV-cache sizing step, the warm-up steps and every graph's
         step run with each launch only compiling its kernel (``compiling_only``), over the
         first two layers (the first norms without a residual, the others with one; every
-        other layer launches the same variants as the second) and a two-block cache. If this
-        fails, kernels compile one at a time as the steps first run them, with a warning."""
+        other layer launches the same variants as the second), plus a hybrid model's first
+        layer of the kind they lack (linear or full attention), and a two-block cache. If
+        this fails, kernels compile one at a time as the steps first run them, with a
+        warning."""
         layers = self.model.layers
-        self.model.layers = layers[:2]
+        self.model.layers = compile_layers(layers)
         self.kv.allocate(2)
         try:
             with torch.inference_mode(), compiling_only(workers):
@@ -237,3 +239,12 @@ class Startup:
         self._warmup(self.config.max_num_seqs, 1, context)
         if self.config.attention_backend == "triton":
             self._warmup(CASCADE_MIN_SEQS, 1, context, shared=True)
+
+
+def compile_layers(layers: list) -> list:
+    """The layers whose steps launch every kernel variant of the model: the first two, and a
+    hybrid model's first layer of the kind they lack (full attention: ``self_attn``, or
+    linear attention)."""
+    kinds = {hasattr(layer, "self_attn") for layer in layers[:2]}
+    other = [layer for layer in layers[2:] if hasattr(layer, "self_attn") not in kinds]
+    return [*layers[:2], *other[:1]]

@@ -19,7 +19,7 @@ from hf_paged.worker import state_cache
 from hf_paged.worker.channel import STEP, StepChannel
 from hf_paged.worker.decode_graphs import DecodeGraphs
 from hf_paged.worker.inputs import StepPreparer, device_metadata
-from hf_paged.worker.startup import Startup
+from hf_paged.worker.startup import Startup, compile_layers
 from hf_paged.worker.state_cache import StateCache, _waves
 from tests.unit.test_step_inputs import plan
 
@@ -107,6 +107,15 @@ def test_cpu_sizing_leaves_the_state_pools_their_memory():
     assert blocks(states, 4) == 1024 - 256  # four 64 KiB slots
     with pytest.raises(ValueError, match="no memory is left for the KV cache"):
         blocks(states, 16)
+
+
+def test_kernels_compile_ahead_over_a_layer_of_each_kind():
+    model = fake_model(["linear_attn", "linear_attn", "linear_attn", "self_attn", "self_attn"])
+    assert compile_layers(model.layers) == [model.layers[i] for i in (0, 1, 3)]
+    plain = fake_model(["self_attn"] * 4)
+    assert compile_layers(plain.layers) == list(plain.layers[:2])
+    mixed = fake_model(["self_attn", "linear_attn", "self_attn"])
+    assert compile_layers(mixed.layers) == list(mixed.layers[:2])
 
 
 def hybrid_inputs() -> StepInputs:
