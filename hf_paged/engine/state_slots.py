@@ -9,7 +9,9 @@ fork (a follower of a prompt, a beam chosen twice) takes a slot of its own and r
 ``(source, destination)``. The device makes a step's copies before its forward; the copies a
 step takes are those recorded before it was scheduled (``take_copies``): a follower forked
 while its leader's last prompt chunk is being scheduled needs the state that chunk leaves, so
-its copy runs one step later, before anything else writes either slot.
+its copy runs before the next step's forward, the first that may write either slot again. A
+beam forks when its group's step is collected, which the engine does before it schedules the
+next (``ScheduledBatch.feeds_next_step``): its copy runs before that next step.
 
 There are ``max_num_seqs`` slots: admission reserves that many sequences for a request's
 possible forks (``Sequence.num_seq_slots``), and a beam group drops the members it leaves
