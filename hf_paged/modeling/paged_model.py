@@ -36,8 +36,15 @@ class PagedModel:
 
     @property
     def attention_layers(self) -> list[nn.Module]:
-        """Each layer's attention module, which holds that layer's ``k_cache``/``v_cache``."""
-        return [layer.self_attn for layer in self.layers]
+        """Each full-attention layer's attention module, which holds that layer's
+        ``k_cache``/``v_cache`` (a hybrid model's linear-attention layers have none)."""
+        return [layer.self_attn for layer in self.layers if hasattr(layer, "self_attn")]
+
+    @property
+    def state_modules(self) -> list[nn.Module]:
+        """A hybrid model's linear-attention modules (``linear_attn``), in layer order, which
+        hold that layer's state pools (``worker.state_cache``); empty for other models."""
+        return [layer.linear_attn for layer in self.layers if hasattr(layer, "linear_attn")]
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
