@@ -104,7 +104,8 @@ class ModelRunner:
     def new_decode_graphs(self, max_bs: int) -> DecodeGraphs:
         """Decode graphs up to ``max_bs`` rows over this runner's steps (not captured yet)."""
         return DecodeGraphs(self._decode_step, self._decode_outputs, self.tp.size == 1, max_bs,
-                            self.width, self.device, CASCADE_MIN_SEQS, self.lora.rows)
+                            self.width, self.device, CASCADE_MIN_SEQS, self.lora.rows,
+                            self.lora.num_slots)
 
     def new_prefill_graphs(self, max_tokens: int, max_seqs: int) -> PrefillGraphs:
         """Prefill graphs up to ``max_tokens`` tokens of ``max_seqs`` sequences (not captured
@@ -229,16 +230,13 @@ class ModelRunner:
         )
         input_ids = to_device(inputs.ids, dev)
         positions = to_device(inputs.positions, dev)
-        self.lora.set_rows(meta.cu_seqlens_q, inputs.lora_slots if adapters else [],
-                           inputs.max_query_len)
-        try:
+        tiles = self.lora.tiles(inputs.cu_seqlens, inputs.lora_slots) if adapters else None
+        with self.lora.rows(tiles):
             if max(inputs.src) >= 0:
                 hidden = self._forward_pending(input_ids, to_device(inputs.src, dev), positions,
                                                meta)
             else:
                 hidden = self.model.forward(input_ids, positions, meta)
-        finally:
-            self.lora.set_rows(None, [], 0)
         rows = inputs.logits_rows
         if not rows:
             return None, None
