@@ -13,11 +13,14 @@ count (a decode graph's bound): padding tiles and tiles on no adapter return at 
 graph replays for any rows and slots. Two variants save the launches around the projection:
 
 - normed (``norm``): ``x`` is the pre-norm hidden state (the residual stream the fused
-  ``normed_linear`` returns) and the shrink normalises it itself: a first pass over the
-  tile's rows sums their squares over the whole of K, the second rounds ``x * inv_rms`` and
-  its product with the norm's weight to ``x``'s dtype as ``rms_norm`` does, so ``h`` is the
-  product of the very values the projection read (no partial sums to combine: each share of
-  a split K reads its rows' whole K for the sum, a ``BLOCK_M x K`` read from L2);
+  ``normed_linear`` returns) and the kernels normalise it themselves, in one pass over ``x``:
+  the shrink multiplies ``(x * weight)`` (rounded to ``x``'s dtype, the tensor cores' input)
+  by ``a`` and sums the squares of ``x`` over its share of K into a scratch of its own, and the
+  expand scales each row's ``h`` by ``rsqrt(mean + eps)`` from the shares' sums. ``rms_norm``
+  rounds ``x * inv_rms`` before the weight's product: the normed input differs from it by a
+  rounding or two of the model's dtype an element (a relative ``2^-8`` at most in bf16),
+  averaging out in ``h``'s sums, below the delta's own rounding (a second pass over ``x``
+  to round as ``rms_norm`` does would double the shrink's reads of ``x``);
 - gated (``gated``, a merged gate/up projection of two equal parts): the expand adds the
   deltas to the gate and up columns of an intermediate index and writes the SwiGLU product
   (``silu_and_mul``'s casts) to a new ``[T, I]`` tensor, every row's (the tiles on no adapter
@@ -68,24 +71,12 @@ def _tile(order_ptr, tiles_ptr, t_s0, BLOCK_M: tl.constexpr):
     return slot.to(tl.int64), rows, row_ok, count <= 0
 
 
-@triton.jit
-def _inv_rms(x_rows, row_ok, K, eps, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The inverse RMS of each of the tile's rows over all of K, in float32 (``rms_norm``)."""
-    ks = tl.arange(0, BLOCK_K)
-    squares = tl.zeros([BLOCK_M], tl.float32)
-    for k in range(0, K, BLOCK_K):
-        x = tl.load(x_rows + k + ks[None, :], mask=row_ok[:, None] & (ks < K - k)[None, :],
-                    other=0.0).to(tl.float32)
-        squares += tl.sum(x * x, axis=1)
-    return tl.rsqrt(squares / K + eps)
-
-
 # Arguments that vary with the batch (the tile count, the split's share) are not specialised
 # on: a new batch size compiles nothing new.
 @triton.jit(do_not_specialize=["num_tiles", "share_steps"])
 def _shrink_kernel(
-    x_ptr, norm_ptr, a_ptr, h_ptr, order_ptr, tiles_ptr, num_tiles, t_s0, K, share_steps, eps,
-    x_s0, a_ss, a_sr, h_s0,
+    x_ptr, norm_ptr, a_ptr, h_ptr, sq_ptr, order_ptr, tiles_ptr, num_tiles, t_s0, K,
+    share_steps, x_s0, a_ss, a_sr, h_s0,
     COL_TILES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, NORMED: tl.constexpr,
     PRECISION: tl.constexpr, PDL: tl.constexpr,
@@ -101,12 +92,10 @@ def _shrink_kernel(
     # width) without specialising on it.
     k_share = share_steps * BLOCK_K
     k_lo = split * k_share
-    x_rows = x_ptr + rows[:, None] * x_s0
-    if NORMED:
-        inv_rms = _inv_rms(x_rows, row_ok, K, eps, BLOCK_M, BLOCK_K)[:, None]
-    x_ptrs = x_rows + k_lo + ks[None, :]
+    x_ptrs = x_ptr + rows[:, None] * x_s0 + k_lo + ks[None, :]
     a_ptrs = a_ptr + slot * a_ss + k_lo + (cols[None, :] * a_sr + ks[:, None])  # [K, R] view
     acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    squares = tl.zeros([BLOCK_M], tl.float32)
     for k in range(0, tl.minimum(k_share, K - k_lo), BLOCK_K):
         k_ok = ks < K - k_lo - k
         if EVEN_K:  # whole steps: no mask along the contiguous K keeps the loads wide
@@ -115,22 +104,27 @@ def _shrink_kernel(
         else:
             x = tl.load(x_ptrs + k, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             a = tl.load(a_ptrs + k, mask=k_ok[:, None], other=0.0)
-        if NORMED:  # rms_norm's casts: normalised, rounded, scaled, rounded
+        if NORMED:  # x * weight, and x's squares for the inverse RMS the expand applies
             w = tl.load(norm_ptr + k_lo + k + ks, mask=k_ok, other=0.0).to(tl.float32)
-            x = ((x.to(tl.float32) * inv_rms).to(x.dtype).to(tl.float32) * w[None, :]
-                 ).to(x.dtype)
+            xf = x.to(tl.float32)
+            squares += tl.sum(xf * xf, axis=1)
+            x = (xf * w[None, :]).to(x.dtype)
         acc = tl.dot(x, a, acc, input_precision=PRECISION)
     # the scratch [splits, G*BLOCK_M, P*R], by tile: its strides multiples of its row's
     lanes = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     h_ptrs = h_ptr + split * num_tiles * BLOCK_M * h_s0 + (lanes[:, None] * h_s0 + cols[None, :])
     tl.store(h_ptrs, acc)
+    if NORMED:
+        if tl.program_id(1) % COL_TILES == 0:  # once a share: every column tile's are equal
+            tl.store(sq_ptr + split * num_tiles * BLOCK_M + lanes, squares)
 
 
 @triton.jit
 def _part_delta(acc, h_ptrs, b_ptrs, scale, rows_ok, cols_ok, splits, split_s,
                 BLOCK_M: tl.constexpr, R: tl.constexpr, PRECISION: tl.constexpr):
-    """``acc`` plus one part's ``scale * h_part @ b_part.T`` over a tile of columns, the
-    shrink's partial sums added up as ``h`` loads; masked rows and columns add zero."""
+    """``acc`` plus one part's ``scale * h_part @ b_part.T`` over a tile of columns (``scale``
+    a row's, ``[BLOCK_M, 1]``), the shrink's partial sums added up as ``h`` loads; masked
+    rows and columns add zero."""
     h = tl.zeros([BLOCK_M, R], tl.float32)
     for split in range(splits):
         h += tl.load(h_ptrs + split * split_s, mask=rows_ok[:, None], other=0.0)
@@ -143,10 +137,10 @@ def _part_delta(acc, h_ptrs, b_ptrs, scale, rows_ok, cols_ok, splits, split_s,
 
 @triton.jit(do_not_specialize=["num_tiles", "splits"])
 def _expand_kernel(
-    h_ptr, b_ptr, scaling_ptr, part_ptr, out_ptr, act_ptr, order_ptr, tiles_ptr, num_tiles,
-    t_s0, N, splits, h_s0, b_ss, b_sn, sc_s0, out_s0, act_s0,
+    h_ptr, sq_ptr, b_ptr, scaling_ptr, part_ptr, out_ptr, act_ptr, order_ptr, tiles_ptr,
+    num_tiles, t_s0, N, K, eps, splits, h_s0, b_ss, b_sn, sc_s0, out_s0, act_s0,
     P: tl.constexpr, R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    GATED: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
+    NORMED: tl.constexpr, GATED: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
     slot, rows, row_ok, empty = _tile(order_ptr, tiles_ptr, t_s0, BLOCK_M)
@@ -168,17 +162,24 @@ def _expand_kernel(
     # int32 of ``&`` between a bool vector and a bool scalar.)
     h_ok = tl.where(on_adapter, row_ok, False)
     b_ok = tl.where(on_adapter, col_ok, False)
+    row_scale = tl.full([BLOCK_M, 1], 1.0, tl.float32)
+    if NORMED:  # the inverse RMS of x's rows, from the shrink's shares' sums of squares
+        squares = tl.zeros([BLOCK_M], tl.float32)
+        for split in range(splits):
+            squares += tl.load(sq_ptr + split * num_tiles * BLOCK_M + lanes, mask=h_ok,
+                               other=0.0)
+        row_scale = tl.rsqrt(squares / K + eps)[:, None]
     dtype = out_ptr.dtype.element_ty
     o_ptrs = out_ptr + rows[:, None] * out_s0 + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if GATED:  # N: the intermediate size; gate's columns, then up's N further
         scales = scaling_ptr + slot * sc_s0
-        acc = _part_delta(acc, h_ptrs, b_ptrs, tl.load(scales), h_ok, b_ok, splits, split_s,
-                          BLOCK_M, R, PRECISION)
+        acc = _part_delta(acc, h_ptrs, b_ptrs, tl.load(scales) * row_scale, h_ok, b_ok,
+                          splits, split_s, BLOCK_M, R, PRECISION)
         up = _part_delta(tl.zeros([BLOCK_M, BLOCK_N], tl.float32), h_ptrs + R,
-                         b_ptrs + N * b_sn, tl.load(scales + 1), h_ok, b_ok, splits, split_s,
-                         BLOCK_M, R, PRECISION)
+                         b_ptrs + N * b_sn, tl.load(scales + 1) * row_scale, h_ok, b_ok,
+                         splits, split_s, BLOCK_M, R, PRECISION)
         # The deltas rounded to the output's dtype, added in it; then silu_and_mul's casts.
         gate = (tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
                 + acc.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
@@ -192,8 +193,9 @@ def _expand_kernel(
         # The parts this tile's columns belong to (one, unless the tile straddles a boundary
         # of a merged projection): a product per part, b's rows of other parts masked out.
         for p in range(tl.min(tl.where(col_ok, part, P), axis=0), tl.max(part, axis=0) + 1):
-            acc = _part_delta(acc, h_ptrs + p * R, b_ptrs, tl.load(scaling_ptr + slot * sc_s0 + p),
-                              h_ok, part == p, splits, split_s, BLOCK_M, R, PRECISION)
+            scale = tl.load(scaling_ptr + slot * sc_s0 + p) * row_scale
+            acc = _part_delta(acc, h_ptrs + p * R, b_ptrs, scale, h_ok, part == p, splits,
+                              split_s, BLOCK_M, R, PRECISION)
         # The delta rounded to the output's dtype, then added in it: the reference's casts.
         base = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
         tl.store(o_ptrs, (base + acc.to(dtype).to(tl.float32)).to(dtype), mask=mask)
@@ -237,11 +239,14 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
                      else _shares(k, num_splits, block_k))
     h = torch.empty((splits, num_tiles * block_m, num_parts * rank), dtype=torch.float32,
                     device=x.device)
+    # the normed variant's sums of squares, a row of a tile a share; else never read
+    squares = torch.empty((splits, num_tiles * block_m) if norm else (1,), dtype=torch.float32,
+                          device=x.device)
     norm_weight, eps = norm if norm is not None else (x, 0.0)  # (x: never read)
     pdl = pdl_options(x)
     launch(_shrink_kernel, (num_tiles, col_tiles * splits),
-           x, norm_weight, a, h, order, tile_data, num_tiles, tile_data.stride(0), k,
-           share // block_k, eps, x.stride(0), a.stride(0), a.stride(1), h.stride(1),
+           x, norm_weight, a, h, squares, order, tile_data, num_tiles, tile_data.stride(0), k,
+           share // block_k, x.stride(0), a.stride(0), a.stride(1), h.stride(1),
            COL_TILES=col_tiles, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
            EVEN_K=k % block_k == 0, NORMED=norm is not None, PRECISION=precision,
            num_warps=4, num_stages=3, **pdl)
@@ -249,11 +254,11 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tenso
     # 96 KB of shared memory, two programs an SM)
     columns = n // 2 if gated else n
     launch(_expand_kernel, (num_tiles, triton.cdiv(columns, _BLOCK_N)),
-           h, b, scaling, row_part, out, result, order, tile_data, num_tiles,
-           tile_data.stride(0), columns, splits, h.stride(1), b.stride(0), b.stride(1),
+           h, squares, b, scaling, row_part, out, result, order, tile_data, num_tiles,
+           tile_data.stride(0), columns, k, eps, splits, h.stride(1), b.stride(0), b.stride(1),
            scaling.stride(0), out.stride(0), result.stride(0),
-           P=num_parts, R=rank, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, GATED=gated,
-           PRECISION=precision, num_warps=8 if block_m * rank >= 64 * 64 else 4,
+           P=num_parts, R=rank, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, NORMED=norm is not None,
+           GATED=gated, PRECISION=precision, num_warps=8 if block_m * rank >= 64 * 64 else 4,
            num_stages=2, **pdl)
     # (eight warps for prefill tiles of rank 64 and more: with four, h and b's float32 tiles
     # took up to 254 registers a thread at rank 128 for sm_90, and 166 at 64; with eight,
