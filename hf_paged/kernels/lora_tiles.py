@@ -42,20 +42,25 @@ def fill_tiles(order: np.ndarray, tiles: np.ndarray, lens: Sequence[int] | np.nd
     ``order [sum(lens)]`` and ``tiles [3, G]`` (views of a graph's host buffer, or new arrays),
     padding tiles past the last; return how many tiles are used. A ValueError when ``tiles``
     has too few columns."""
+    # (a few numpy calls: the host builds a decode graph's tiles every step)
     row_slot = np.repeat(np.asarray(slots, np.int32), lens)
+    rows = len(row_slot)
     order[:] = np.argsort(row_slot, kind="stable")
     grouped = row_slot[order]
     # A tile starts where a slot's group does, then every block_m rows of the group.
-    index = np.arange(len(order))
-    group_start = np.maximum.accumulate(np.where(np.diff(grouped, prepend=-2) != 0, index, 0))
+    new_group = np.ones(rows, bool)
+    np.not_equal(grouped[1:], grouped[:-1], out=new_group[1:])
+    index = np.arange(rows)
+    group_start = np.maximum.accumulate(index * new_group)
     firsts = np.flatnonzero((index - group_start) % block_m == 0)
     used = len(firsts)
     if used > tiles.shape[1]:
         raise ValueError(f"fill_tiles: {used} tiles do not fit tiles' {tiles.shape[1]}")
     tiles[0, :used] = grouped[firsts]
     tiles[1, :used] = firsts
-    tiles[2, :used] = np.diff(firsts, append=len(order))
-    tiles[:, used:] = ((-1,), (0,), (0,))
+    tiles[2, :used] = np.append(firsts[1:], rows) - firsts
+    tiles[0, used:] = -1
+    tiles[1:, used:] = 0
     return used
 
 
