@@ -71,9 +71,11 @@ def _tile(order_ptr, tiles_ptr, t_s0, BLOCK_M: tl.constexpr):
     return slot.to(tl.int64), rows, row_ok, count <= 0
 
 
-# Arguments that vary with the batch (the tile count, the split's share) are not specialised
-# on: a new batch size compiles nothing new.
-@triton.jit(do_not_specialize=["num_tiles", "share_steps"])
+# Arguments that vary with the batch (the tile count and its stride, the split's share; the
+# tiles' addresses, views of a packed buffer at any offset) are not specialised on: a new
+# batch size compiles nothing new.
+@triton.jit(do_not_specialize=["num_tiles", "t_s0", "share_steps"],
+            do_not_specialize_on_alignment=["order_ptr", "tiles_ptr"])
 def _shrink_kernel(
     x_ptr, norm_ptr, a_ptr, h_ptr, sq_ptr, order_ptr, tiles_ptr, num_tiles, t_s0, K,
     share_steps, x_s0, a_ss, a_sr, h_s0,
@@ -135,7 +137,8 @@ def _part_delta(acc, h_ptrs, b_ptrs, scale, rows_ok, cols_ok, splits, split_s,
     return tl.dot(h * scale, b, acc, input_precision=PRECISION)
 
 
-@triton.jit(do_not_specialize=["num_tiles", "splits"])
+@triton.jit(do_not_specialize=["num_tiles", "t_s0", "splits"],
+            do_not_specialize_on_alignment=["order_ptr", "tiles_ptr"])
 def _expand_kernel(
     h_ptr, sq_ptr, b_ptr, scaling_ptr, part_ptr, out_ptr, act_ptr, order_ptr, tiles_ptr,
     num_tiles, t_s0, N, K, eps, splits, h_s0, b_ss, b_sn, sc_s0, out_s0, act_s0,
