@@ -79,8 +79,8 @@ class ModelRunner:
         startup = Startup(model, self.kv, self.sampler, config, max_model_len, tp,
                           [g for g in (self.decode_graphs, self.prefill_graphs) if g])
         startup.run()
-        if self.lora.stacks and self.decode_graphs is not None:
-            self.decode_graphs.capture_adapters()
+        if self.lora.stacks:
+            self._capture_adapter_graphs()
         self.startup_seconds = startup.seconds
         self.projection_timings = startup.projection_timings
 
@@ -111,7 +111,8 @@ class ModelRunner:
         """Prefill graphs up to ``max_tokens`` tokens of ``max_seqs`` sequences (not captured
         yet)."""
         return PrefillGraphs(self._prefill_step, self.model.gather_logits, max_tokens, max_seqs,
-                             self.width, self.device, min(_PREFILL_GRAPH_ROWS, max_tokens))
+                             self.width, self.device, min(_PREFILL_GRAPH_ROWS, max_tokens),
+                             self.lora.rows, self.lora.num_slots)
 
     def _forward_pending(self, ids, src, positions, meta: AttentionMetadata) -> torch.Tensor:
         """The model's hidden states, each pending token (``src >= 0``) read from the last
@@ -210,13 +211,10 @@ class ModelRunner:
         self.flip ^= 1
         if inputs.graph_bs:
             return self.decode_graphs.run(inputs, settings, self.flip)
-        # The prefill graphs are captured without adapters: a prefill with adapter rows runs
-        # eagerly.
         adapters = on_adapters(inputs.lora_slots)
-        bucket = self.prefill_graphs.bucket(inputs) if self.prefill_graphs and not adapters \
-            else 0
+        bucket = self.prefill_graphs.bucket(inputs, adapters) if self.prefill_graphs else 0
         if bucket:
-            return self.prefill_graphs.run(inputs, bucket, self.flip), None
+            return self.prefill_graphs.run(inputs, bucket, self.flip, adapters), None
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=to_device(inputs.slots, dev),
@@ -257,13 +255,21 @@ class ModelRunner:
     collect = staticmethod(collect)
 
     def load_lora(self, slot: int, adapter) -> None:
-        """Put a LoRA adapter in ``slot``; after the first, capture the decode graphs that add
-        adapter deltas. A capture draws into the pending tokens of the steps in flight, which
-        are kept aside meanwhile."""
+        """Put a LoRA adapter in ``slot``; after the first, capture the graphs that add
+        adapter deltas."""
         self.lora.load(slot, adapter)
-        if self.decode_graphs is not None and not self.decode_graphs.with_adapters:
+        self._capture_adapter_graphs()
+
+    def _capture_adapter_graphs(self) -> None:
+        """Capture the decode and prefill graphs that add adapter deltas, where not yet. A
+        capture draws into the pending tokens of the steps in flight, which are kept aside
+        meanwhile."""
+        graphs = [g for g in (self.decode_graphs, self.prefill_graphs)
+                  if g is not None and not g.with_adapters]
+        if graphs:
             pending = self.last_tokens.clone()
-            self.decode_graphs.capture_adapters()
+            for g in graphs:
+                g.capture_adapters()
             self.last_tokens.copy_(pending)
 
     def release(self, seq_ids: list[int]) -> None:
