@@ -77,7 +77,8 @@ class ModelRunner:
                 and not config.enforce_eager):
             self.decode_graphs, self.prefill_graphs = self.new_graphs()
         startup = Startup(model, self.kv, self.sampler, config, max_model_len, tp,
-                          [g for g in (self.decode_graphs, self.prefill_graphs) if g])
+                          [g for g in (self.decode_graphs, self.prefill_graphs) if g],
+                          adapters=bool(self.lora.stacks))
         startup.run()
         if self.lora.stacks:
             self._capture_adapter_graphs()
