@@ -1,9 +1,9 @@
 """On a CUDA GPU, bf16, Qwen3-0.6B shape: LoRA adapters served unmerged against stock
 transformers + peft on the same base and adapters (rank 16 on all seven projections, saved by
 peft: ``benchmarks.lora_adapters``), a batch mixing three adapters and the base model, its
-decode steps replayed from the graphs that add the adapters' deltas; and the LoRA kernels
-against their twin at the 0.6B shape's projections, 16 adapters, decode and prefill batches,
-replayed from a CUDA graph too.
+prefill and decode steps replayed from the graphs that add the adapters' deltas; and the LoRA
+kernels (plain, normed, gated) against their twin at the 0.6B shape's projections, 16
+adapters, decode and prefill batches, replayed from a CUDA graph too.
 
 The parity check is test_gpu_parity's: rows agree with transformers + peft's own generation
 until a near-tie, and fed our tokens transformers + peft ranks each within a near-tie of its
@@ -52,10 +52,9 @@ class CountedGraph:
         return getattr(self.graph, name)
 
 
-def count_replays(engine) -> dict[tuple, CountedGraph]:
-    """The engine's decode graphs, each counting its replays, by key (rows, cascade,
-    adapters)."""
-    graphs = engine.executor.runner.decode_graphs
+def count_replays(graphs) -> dict[tuple, CountedGraph]:
+    """Decode or prefill ``graphs``' captured graphs, each counting its replays, by key
+    (decode: rows, cascade, adapters; prefill: bucket, adapters)."""
     counted = {key: CountedGraph(graph) for key, (graph, *_) in graphs.graphs.items()}
     graphs.graphs = {key: (counted[key], *outputs)
                      for key, (_, *outputs) in graphs.graphs.items()}
@@ -99,17 +98,21 @@ def stock_run(stock, batch) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.fixture(scope="module")
 def engine_runs(checkpoint, adapters, batch):
     """The engine's greedy tokens and logits for ``batch`` with ``ROWS``' adapters, then with
-    every row on the base model, and the replays of each decode graph meanwhile."""
+    every row on the base model, and the replays of the graphs adding adapter deltas and of
+    the plain ones meanwhile."""
     engine = hf_paged.from_pretrained(checkpoint, dtype=torch.bfloat16, max_model_len=4096,
                                       gpu_memory_utilization=0.5, max_num_seqs=16,
                                       max_loras=4, max_lora_rank=16)
     try:
         for name, path in adapters.items():
             engine.add_lora(name, read_adapter(path, name, engine.hf_config, torch.bfloat16))
-        assert engine.executor.runner.decode_graphs.with_adapters
-        counted = count_replays(engine)
+        runner = engine.executor.runner
+        assert runner.decode_graphs.with_adapters and runner.prefill_graphs.with_adapters
+        counted = count_replays(runner.decode_graphs)
+        prefills = count_replays(runner.prefill_graphs)
         mixed = generate(engine, batch, adapter_names=ROWS)
         on_adapters = sum(g.replays for key, g in counted.items() if key[2])
+        prefills_on_adapters = sum(g.replays for key, g in prefills.items() if key[1])
         base = generate(engine, batch)
         plain = sum(g.replays for key, g in counted.items() if not key[2])
     finally:
@@ -118,7 +121,7 @@ def engine_runs(checkpoint, adapters, batch):
         gc.collect()
         torch.cuda.empty_cache()
     return {"mixed": mixed, "base": base, "adapter_replays": on_adapters,
-            "plain_replays": plain}
+            "adapter_prefills": prefills_on_adapters, "plain_replays": plain}
 
 
 def test_adapters_change_the_tokens(stock_run, reference):
@@ -130,7 +133,8 @@ def test_adapters_change_the_tokens(stock_run, reference):
 
 
 def test_mixed_adapters_against_transformers_peft(engine_runs, stock, stock_run, batch):
-    """Three adapters and the base model in one batch, decoded by the adapter graphs."""
+    """Three adapters and the base model in one batch, prefilled and decoded by the graphs
+    adding the adapters' deltas."""
     tokens, logits = engine_runs["mixed"]
     oracle = partial(stock, adapter_names=ROWS)  # the teacher-forced forward, row by row
     check_parity(tokens, stock_run, oracle, batch)
@@ -138,7 +142,7 @@ def test_mixed_adapters_against_transformers_peft(engine_runs, stock, stock_run,
     print(f"mixed adapters: {share:.1%} of steps within a near-tie, mean |logprob gap| "
           f"{logprob_gap:.4f}")
     assert logprob_gap <= LOGPROB_GAP
-    assert engine_runs["adapter_replays"] >= NEW - 1
+    assert engine_runs["adapter_replays"] >= NEW - 1 and engine_runs["adapter_prefills"] >= 1
 
 
 def test_base_batches_keep_the_plain_graphs(engine_runs, reference, hf_model, batch):
