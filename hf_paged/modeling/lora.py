@@ -9,11 +9,11 @@ of P parts (q/k/v: 3, gate/up: 2, o and down: 1) it holds ``a [S, P*R, K]`` (par
 ``lora_B`` row, zero past its part's rank) and ``scaling [S, P]``; the delta
 ``scaling * (x @ A^T) @ B^T`` of each row's slot is added by ``kernels.add_lora``. Every stack
 of a model reads the step's rows, grouped by adapter (``kernels.lora_tiles``), from one
-``LoraBatch``. Zero rows past an adapter's rank
-add exact zeros, so adapters of different ranks share a stack. Under tensor parallelism K and
-N are the rank's (a column-parallel projection's rows of B, a row-parallel one's columns of A,
-``linear.*.lora_shard``): a row-parallel rank's partial delta is linear in its columns, so the
-projection's all-reduce sums it exactly.
+``LoraBatch``. Zero rows past an adapter's rank add exact zeros, so adapters of different
+ranks share a stack. Under tensor parallelism K and N are the rank's (a column-parallel
+projection's rows of B, a row-parallel one's columns of A, ``linear.*.lora_shard``): a
+row-parallel rank's partial delta is linear in its columns, so the projection's all-reduce sums
+it exactly.
 """
 
 from __future__ import annotations
