@@ -74,17 +74,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=None, help="default: this process's CPUs")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="the largest decode graph")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="LoRA stacks allocated: the graphs adding adapter deltas too")
     args = parser.parse_args(argv)
     # The Triton attention on CPU tensors too (the engine refuses it off CUDA).
     executor_module.resolve_backend = lambda backend, device, block_size: "triton"
     engine = hf_paged.from_pretrained(
         args.model, device="cpu", dtype=torch.bfloat16, attention_backend="triton",
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        num_kv_blocks=512)
+        num_kv_blocks=512, enable_lora=args.enable_lora)
     runner = engine.executor.runner
     graphs = list(runner.new_graphs())  # those a GPU's start-up captures
     startup = Startup(runner.model, runner.kv, runner.sampler, runner.config,
-                      runner.max_model_len, runner.tp, graphs)
+                      runner.max_model_len, runner.tp, graphs, adapters=args.enable_lora)
     driver.set_active(AbsentGPU())
     start = time.perf_counter()
     startup._compile_ahead(workers=args.workers)

@@ -93,9 +93,11 @@ class LoraPagedSystem(PagedSystem):
 
     def describe(self) -> dict[str, Any]:
         runner = self.engine.executor.runner
-        graphs = getattr(runner, "decode_graphs", None)
+        decode, prefill = (getattr(runner, name, None)
+                           for name in ("decode_graphs", "prefill_graphs"))
         return {**super().describe(), "adapters": len(self.names),
-                "decode_graphs_with_adapters": bool(getattr(graphs, "with_adapters", None))}
+                "decode_graphs_with_adapters": bool(getattr(decode, "with_adapters", None)),
+                "prefill_graphs_with_adapters": bool(getattr(prefill, "with_adapters", None))}
 
 
 class PeftGenerateSystem(GenerateSystem):

@@ -33,17 +33,17 @@ def capture_graph(step: Callable[[], Any], pool=None,
     return graph, outputs
 
 
-def capture_graphs(steps: Iterable[tuple[Hashable, Callable[[], tuple]]]) -> dict:
-    """``key -> (graph, *outputs)`` for each ``(key, step)``, all in the first one's memory
-    pool (so the first should be the largest). Only the first step runs once before its
-    capture: the others launch kernels that have run already (start-up's warm-up steps run
-    every variant), and their Python launches are most of a capture's time. Each graph is
-    replayed once as captured, over the inputs its step ran on: a graph's first replay also
-    uploads it to the device (about 2 ms for a prefill graph), which would otherwise land on
-    the first request it serves."""
-    graphs, pool = {}, None
+def capture_graphs(steps: Iterable[tuple[Hashable, Callable[[], tuple]]], pool=None) -> dict:
+    """``key -> (graph, *outputs)`` for each ``(key, step)``, all in memory pool ``pool``
+    (None: the first one's, so the first should be the largest). Only the first step runs
+    once before its capture: the others launch kernels that have run already (start-up's
+    warm-up steps run every variant), and their Python launches are most of a capture's time.
+    Each graph is replayed once as captured, over the inputs its step ran on: a graph's first
+    replay also uploads it to the device (about 2 ms for a prefill graph), which would
+    otherwise land on the first request it serves."""
+    graphs: dict = {}
     for key, step in steps:
-        graph, outputs = capture_graph(step, pool, run_first=pool is None)
+        graph, outputs = capture_graph(step, pool, run_first=not graphs)
         graph.replay()
         pool = graph.pool()
         graphs[key] = (graph, *outputs)

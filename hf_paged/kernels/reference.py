@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_paged.kernels.block_scales import FP8, BlockScales, dequantize
+from hf_paged.kernels.lora_tiles import LoraTiles
 from hf_paged.kernels.reference_conv import (  # noqa: F401  (twins of the convolution kernels)
     causal_conv_decode,
     causal_conv_prefill,
@@ -26,7 +27,7 @@ from hf_paged.kernels.reference_gated_delta import (  # noqa: F401  (twins of Ga
     gated_delta_decode,
     gated_delta_prefill,
 )
-from hf_paged.kernels.reference_lora import add_lora  # noqa: F401  (twin of the LoRA kernels)
+from hf_paged.kernels.reference_lora import add_deltas, check_lora
 
 
 def _bytes(cache: torch.Tensor) -> torch.Tensor:
@@ -210,6 +211,24 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[..., :I]) * x[..., I:]`` for the merged gate/up projection output."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def add_lora(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+             scaling: torch.Tensor, row_part: torch.Tensor, tiles: LoraTiles,
+             norm: tuple[torch.Tensor, float] | None = None, gated: bool = False
+             ) -> torch.Tensor:
+    """``out`` (a projection's output ``[T, N]``) plus each row's adapter delta for the
+    projection's input ``x`` (``reference_lora.add_deltas``), in place; returned. ``norm``
+    (the norm's weight and eps): ``x`` is the hidden state before ``rms_norm``, the input is
+    its norm, computed as the projection's was. ``gated`` (a merged gate/up projection): the
+    ``silu_and_mul`` product of the sum is returned, a new tensor; ``out`` is unchanged."""
+    check_lora(out, x, a, b, scaling, row_part, tiles, norm, gated)
+    if gated and int(tiles.tiles[2].sum()) != out.shape[0]:
+        raise ValueError(f"add_lora: gated tiles cover {int(tiles.tiles[2].sum())} rows, "
+                         f"not every one of {out.shape[0]}")
+    total = out.clone() if gated else out
+    add_deltas(total, x if norm is None else rms_norm(x, *norm), a, b, scaling, row_part, tiles)
+    return silu_and_mul(total) if gated else total
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int,

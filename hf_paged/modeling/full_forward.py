@@ -18,6 +18,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from hf_paged.kernels.lora_tiles import LoraTiles
 from hf_paged.modeling.attention import AttentionMetadata
 from hf_paged.modeling.lora import LoraBatch
 from hf_paged.modeling.paged_model import PagedModel
@@ -88,7 +89,7 @@ def _adapter_rows(lora: tuple[LoraBatch, list[int]] | None, meta: AttentionMetad
     batch, row_slots = lora
     row_slots = torch.tensor(row_slots, dtype=torch.int32, device=device)
     slots = torch.cat([row_slots[lengths > 0], row_slots[row_of_dropped]])
-    batch.rows = (meta.cu_seqlens_q, slots, meta.max_query_len)
+    batch.rows = LoraTiles.build(meta.cu_seqlens_q.diff().tolist(), slots.tolist(), device)
     try:
         yield
     finally:

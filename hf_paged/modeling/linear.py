@@ -148,16 +148,17 @@ class ColumnParallelLinear(_ParallelLinear):
                gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(self(norm(x, residual)[0]), x + residual)`` (``gated``: the SwiGLU product of
         the merged gate/up output), in one small-M kernel where it serves (the norm is an
-        ``RMSNorm``, whose launch that saves). In a step with adapter rows the adapters'
-        deltas need the normed input and come before the SwiGLU product: norm, projection and
-        product then run apart."""
-        if self.lora is not None and self.lora.active():
-            normed, residual = norm(x, residual) if residual is not None else (norm(x), x)
-            out = self(normed)
-            return (kernels.silu_and_mul(out) if gated else out), residual
-        return kernels.normed_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias,
-                                     self.small_m_rows, gated, scales=self.scales,
-                                     w8a8_rows=self.w8a8_rows)
+        ``RMSNorm``, whose launch that saves). In a step with adapter rows the projection
+        keeps its fused norm but not its SwiGLU product, which comes after the deltas: the
+        LoRA kernels normalise the residual stream themselves and, for gate/up, take the
+        product in their last launch."""
+        lora = self.lora is not None and self.lora.active()
+        out, residual = kernels.normed_linear(
+            x, residual, norm.weight, norm.eps, self.weight, self.bias, self.small_m_rows,
+            gated and not lora, scales=self.scales, w8a8_rows=self.w8a8_rows)
+        if lora:
+            out = self.lora.add_to(out, residual, (norm.weight, norm.eps), gated)
+        return out, residual
 
     def weight_loader(self, param: nn.Parameter, loaded) -> None:
         size = self.weight.shape[0]

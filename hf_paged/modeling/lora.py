@@ -8,11 +8,12 @@ of P parts (q/k/v: 3, gate/up: 2, o and down: 1) it holds ``a [S, P*R, K]`` (par
 ``lora_A`` in rows ``p*R`` up, zero past its rank), ``b [S, N, R]`` (each output row's
 ``lora_B`` row, zero past its part's rank) and ``scaling [S, P]``; the delta
 ``scaling * (x @ A^T) @ B^T`` of each row's slot is added by ``kernels.add_lora``. Every stack
-of a model reads the step's sequences from one ``LoraBatch``. Zero rows past an adapter's rank
-add exact zeros, so adapters of different ranks share a stack. Under tensor parallelism K and
-N are the rank's (a column-parallel projection's rows of B, a row-parallel one's columns of A,
-``linear.*.lora_shard``): a row-parallel rank's partial delta is linear in its columns, so the
-projection's all-reduce sums it exactly.
+of a model reads the step's rows, grouped by adapter (``kernels.lora_tiles``), from one
+``LoraBatch``. Zero rows past an adapter's rank add exact zeros, so adapters of different
+ranks share a stack. Under tensor parallelism K and N are the rank's (a column-parallel
+projection's rows of B, a row-parallel one's columns of A, ``linear.*.lora_shard``): a
+row-parallel rank's partial delta is linear in its columns, so the projection's all-reduce sums
+it exactly.
 """
 
 from __future__ import annotations
@@ -20,15 +21,16 @@ from __future__ import annotations
 import torch
 
 from hf_paged import kernels
+from hf_paged.kernels.lora_tiles import LoraTiles
 
 
 class LoraBatch:
-    """The current step's adapter rows, read by every stack of a model: ``rows`` is
-    ``(cu_seqlens [B+1] int32, slots [B] int32 (-1: no adapter), max_rows)``, the step's
-    sequences as contiguous runs of rows, or None when no sequence of the step uses one."""
+    """The current step's adapter rows, read by every stack of a model: ``rows`` holds the
+    step's rows grouped by slot (every row, those on no adapter in tiles of slot -1), or None
+    when no sequence of the step uses an adapter."""
 
     def __init__(self) -> None:
-        self.rows: tuple[torch.Tensor, torch.Tensor, int] | None = None
+        self.rows: LoraTiles | None = None
 
 
 class LoraStack:
@@ -75,9 +77,14 @@ class LoraStack:
         """Whether the step has sequences on an adapter."""
         return self.batch.rows is not None
 
-    def add_to(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``out`` (the projection of ``x``) plus each row's adapter delta, in place."""
+    def add_to(self, out: torch.Tensor, x: torch.Tensor,
+               norm: tuple[torch.Tensor, float] | None = None, gated: bool = False
+               ) -> torch.Tensor:
+        """``out`` (the projection of ``x``; ``norm``: of ``rms_norm(x)`` with that weight and
+        eps) plus each row's adapter delta, in place; ``gated``: the SwiGLU product of that
+        sum (the merged gate/up projection), a new tensor."""
         rows = self.batch.rows
         if rows is None:
-            return out
-        return kernels.add_lora(out, x, self.a, self.b, self.scaling, self.row_part, *rows)
+            return kernels.silu_and_mul(out) if gated else out
+        return kernels.add_lora(out, x, self.a, self.b, self.scaling, self.row_part, rows,
+                                norm, gated)

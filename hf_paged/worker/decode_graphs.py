@@ -5,20 +5,23 @@ empty and which are greedy. Sizes from ``cascade_min_seqs`` up have a second gra
 cascade attention, replayed when the batch's sequences all start with the same cache blocks
 (a prompt shared through the prefix cache). Once LoRA adapters are loaded, each size also has a
 graph whose projections add each row's adapter delta (``capture_adapters``), replayed for a
-batch with any row on an adapter; the base model's batches keep the graphs without them.
+batch with any row on an adapter; the base model's batches keep the graphs without them. Its
+LoRA kernels read the rows grouped by adapter (``kernels.lora_tiles``), built on the host each
+step into the graph's inputs, as many tiles as its size may take on the engine's slots (the
+grid is fixed; unused tiles are idle).
 
 The inputs of a graph of size ``bs`` are views of one int32 buffer laid out as the shared
 prefix length (one entry), then ids, pending-token rows (``src``), positions, slots, context
 lengths, each row's temperature, top-k, top-p and min-p (floats as their bit patterns), its
-state slot (a hybrid model's linear-attention state; -1: padding, or no such layers), its
-LoRA adapter's slot (-1: none) and the rows longest context first (decode attention's launch
-order; ``bs`` each), then the block tables, column-major (``bs`` entries per block index, up
-to the full width), so a replay fills a pinned host buffer and sends it in a single copy of
-the columns the batch uses: at 256 rows and a 40,960-token model length the full width was
-2.6 MB a step. The layouts of different sizes overlap. A graph also draws the next tokens
-(greedy rows keep the argmax), so sampling costs no launches outside it; under tensor
-parallelism it stops at the rank's logits slice instead, gathered on rank 0 after the replay,
-and rank 0 samples outside the graph.
+state slot (a hybrid model's linear-attention state; -1: padding, or no such layers), the LoRA
+tiles' row order and their slots, first indices and row counts (up to ``bs`` tiles), and the
+rows longest context first (decode attention's launch order; ``bs`` each), then the block
+tables, column-major (``bs`` entries per block index, up to the full width), so a replay fills
+a pinned host buffer and sends it in a single copy of the columns the batch uses: at 256 rows
+and a 40,960-token model length the full width was 2.6 MB a step. The layouts of different
+sizes overlap. A graph also draws the next tokens (greedy rows keep the argmax), so sampling
+costs no launches outside it; under tensor parallelism it stops at the rank's logits slice
+instead, gathered on rank 0 after the replay, and rank 0 samples outside the graph.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import numpy as np
 import torch
 
 from hf_paged.cuda_graphs import capture_graphs, graph_buffers
+from hf_paged.kernels.lora_tiles import DECODE_ROWS, LoraTiles, fill_tiles, tile_bound
 from hf_paged.modeling.attention import AttentionMetadata, decode_order
 from hf_paged.step import StepInputs
 
@@ -41,18 +45,18 @@ DecodeStep = Callable[..., tuple[torch.Tensor, ...]]
 DecodeOutputs = Callable[[tuple, int], tuple]
 
 # per row: ids, src, positions, slots, context lengths, temperature, top-k, top-p, min-p,
-# state slot, adapter slot, order
-_FIELDS = 12
+# state slot, LoRA row order, LoRA tiles' slot, first row and count, order
+_FIELDS = 15
+_STATE = 9
+_LORA = 10  # the LoRA tiles' four fields
 _ORDER = _FIELDS - 1  # the order row comes last: padding rows take their own index
 _ONE_BITS = int(np.array(1.0, np.float32).view(np.int32))  # top_p = 1.0 as int32 bits
-# Padding rows' fields before the order: no pending token, no store, empty context, greedy,
-# no state slot, no adapter.
-_PADDING = np.array([0, -1, 0, -1, 0, 0, 0, _ONE_BITS, 0, -1, -1], np.int32)[:, None]
-_ADAPTER = _ORDER - 1
-_STATE = _ADAPTER - 1
-# (cu_seqlens, adapter slots, max_rows) -> a context in which the projections add the rows'
-# adapter deltas (``LoraSlots.rows``)
-LoraRows = Callable[[torch.Tensor, torch.Tensor, int], AbstractContextManager]
+# Padding rows' fields before the LoRA tiles: no pending token, no store, empty context,
+# greedy, no state slot (their adapter: none, in the tiles).
+_PADDING = np.array([0, -1, 0, -1, 0, 0, 0, _ONE_BITS, 0, -1], np.int32)[:, None]
+# the rows' LoRA tiles -> a context in which the projections add the rows' adapter deltas
+# (``LoraSlots.rows``)
+LoraRows = Callable[[LoraTiles], AbstractContextManager]
 
 
 class DecodeGraphs:
@@ -61,8 +65,9 @@ class DecodeGraphs:
 
     def __init__(self, step: DecodeStep, outputs: DecodeOutputs, samples: bool, max_bs: int,
                  width: int, device: torch.device, cascade_min_seqs: int,
-                 lora_rows: LoraRows | None = None, states: bool = False):
+                 lora_rows: LoraRows | None = None, lora_slots: int = 0, states: bool = False):
         self.forward, self.outputs, self.lora_rows = step, outputs, lora_rows
+        self.lora_slots = lora_slots  # adapter slots: how many tiles a batch may take
         self.samples = samples  # the step draws tokens (one rank): the rows' settings go in
         # A hybrid model's: each row's state slot goes in, every row continues its state.
         self.initial = torch.ones(max_bs, dtype=torch.bool, device=device) if states else None
@@ -93,8 +98,8 @@ class DecodeGraphs:
 
     def step(self, bs: int, cascade: bool, adapters: bool = False) -> tuple[torch.Tensor, ...]:
         """The decode step over the buffer laid out for ``bs`` rows. Captured once per key."""
-        (ids, src, positions, slots, seq_lens, temperature, top_k, top_p, min_p, state, lora,
-         order) = self.inputs[1 : 1 + _FIELDS * bs].view(_FIELDS, bs)
+        fields = self.inputs[1 : 1 + _FIELDS * bs].view(_FIELDS, bs)
+        ids, src, positions, slots, seq_lens, temperature, top_k, top_p, min_p = fields[:_STATE]
         states = self.initial is not None
         meta = AttentionMetadata(
             slot_mapping=slots,
@@ -104,14 +109,20 @@ class DecodeGraphs:
                 self.width, bs).t(),
             max_query_len=1,
             shared_prefix=self.inputs[:1] if cascade else None,
-            decode_order=order,
-            state_slots=state if states else None,
+            decode_order=fields[_ORDER],
+            state_slots=fields[_STATE] if states else None,
             has_initial_state=self.initial[:bs] if states else None,
         )
-        rows = self.lora_rows(meta.cu_seqlens_q, lora, 1) if adapters else nullcontext()
+        tiles = LoraTiles(fields[_LORA], fields[_LORA + 1:_ORDER, :self.tile_bound(bs)],
+                          DECODE_ROWS)
+        rows = self.lora_rows(tiles) if adapters else nullcontext()
         with rows:
             return self.forward(ids, src, positions, meta, temperature.view(torch.float32),
                                 top_k, top_p.view(torch.float32), min_p.view(torch.float32))
+
+    def tile_bound(self, bs: int) -> int:
+        """The LoRA row tiles of graph size ``bs``: as many as its rows may take."""
+        return tile_bound(bs, self.lora_slots, DECODE_ROWS)
 
     def clear(self, bs: int) -> None:
         """Lay out a batch of padding rows only for ``bs``: what a capture runs on."""
@@ -120,7 +131,10 @@ class DecodeGraphs:
         fields[1].fill_(-1)
         fields[3].fill_(-1)  # nothing stored while capturing
         fields[_STATE].fill_(-1)
-        fields[_ADAPTER].fill_(-1)
+        # every row in tiles on no adapter (the gated LoRA variant writes their products)
+        tiles = np.zeros((_ORDER - _LORA, bs), np.int32)
+        fill_tiles(tiles[0], tiles[1:, :self.tile_bound(bs)], 1, np.full(bs, -1), DECODE_ROWS)
+        fields[_LORA:_ORDER].copy_(torch.from_numpy(tiles))
         fields[_ORDER].copy_(torch.arange(bs))
 
     def steps(self, adapters: bool = False
@@ -151,15 +165,19 @@ class DecodeGraphs:
         head = host[1 : 1 + _FIELDS * bs].reshape(_FIELDS, bs)
         head[:5, :n] = (inputs.ids, inputs.src, inputs.positions, inputs.slots, inputs.seq_lens)
         adapters = on_adapters(inputs.lora_slots)
-        head[_ADAPTER, :n] = inputs.lora_slots if adapters else -1
         head[_STATE, :n] = inputs.state_slots or -1
+        if adapters:
+            slots = np.full(bs, -1, np.int32)  # padding rows: no adapter
+            slots[:n] = inputs.lora_slots
+            fill_tiles(head[_LORA], head[_LORA + 1:_ORDER, :self.tile_bound(bs)], 1, slots,
+                       DECODE_ROWS)
         if self.samples:
             temperature, top_k, top_p, min_p = settings
             head[5, :n] = temperature.view(np.int32)
             head[6, :n] = top_k
             head[7, :n] = top_p.view(np.int32)
             head[8, :n] = min_p.view(np.int32)
-        head[:_ORDER, n:] = _PADDING
+        head[:_LORA, n:] = _PADDING
         head[_ORDER, :n] = decode_order(inputs.seq_lens)
         head[_ORDER, n:] = self.rows[n:bs]  # empty: last
         tables = inputs.tables

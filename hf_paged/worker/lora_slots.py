@@ -10,8 +10,9 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 
+from hf_paged.kernels.lora_tiles import LoraTiles
 from hf_paged.modeling.linear import _ParallelLinear, part_index
 from hf_paged.modeling.lora import LoraBatch, LoraStack
 from hf_paged.modeling.paged_model import PagedModel
@@ -89,26 +90,21 @@ class LoraSlots:
             stack.clear(slot)
 
     @contextlib.contextmanager
-    def rows(self, cu_seqlens: torch.Tensor, slots: torch.Tensor, max_rows: int
-             ) -> Iterator[None]:
-        """The projections add the deltas of ``slots`` (each sequence's, on the device) while
-        in the context: a decode graph captures them over its input buffers."""
-        self.batch.rows = (cu_seqlens, slots, max_rows)
+    def rows(self, tiles: LoraTiles | None) -> Iterator[None]:
+        """The projections add the deltas of ``tiles``' rows (None: none) while in the
+        context: a decode graph captures them over its input buffers."""
+        self.batch.rows = tiles
         try:
             yield
         finally:
             self.batch.rows = None
 
-    def set_rows(self, cu_seqlens: torch.Tensor | None, slots: list[int],
-                 max_rows: int) -> None:
-        """The step's sequences' slots (``cu_seqlens``: their rows, on the device); none on
-        an adapter: the projections skip the deltas."""
+    def tiles(self, cu_seqlens: list[int], slots: list[int]) -> LoraTiles | None:
+        """The tiles of a step's sequences (rows ``cu_seqlens[i]:cu_seqlens[i+1]``) on
+        ``slots``, on the device; None where no sequence is on an adapter."""
         if not self.stacks or all(s < 0 for s in slots):
-            self.batch.rows = None
-            return
-        device = self.model.embed_tokens.weight.device
-        self.batch.rows = (cu_seqlens, torch.tensor(slots, dtype=torch.int32, device=device),
-                           max_rows)
+            return None
+        return LoraTiles.build(np.diff(cu_seqlens), slots, self.model.embed_tokens.weight.device)
 
     def allocate(self) -> None:
         """A stack beside every projection an adapter may adapt, each once (q, k and v share

@@ -19,6 +19,12 @@ prompt's bucket stays small, while a full step budget holds every running sequen
 chunk shares its step with each running sequence's decode row). Attention runs its general
 kernel, right for any mix of prefill chunks and one-token rows. A graph ends at the rank's
 slice of the logits; the gather (tensor parallelism) and the float32 cast follow the replay.
+
+Once LoRA adapters are loaded, each bucket also has a graph whose projections add each row's
+adapter delta (``capture_adapters``, in the same memory pool), replayed for a step with any
+row on an adapter: the rows grouped by adapter in tiles of 64 (``kernels.lora_tiles``; the
+padding tokens on none), as many tiles as the bucket may take on the engine's slots, built on
+the host each step in a region of the input buffer after the tables, sent in a second copy.
 """
 
 from __future__ import annotations
@@ -31,8 +37,10 @@ import numpy as np
 import torch
 
 from hf_paged.cuda_graphs import capture_graphs, graph_buffers
+from hf_paged.kernels.lora_tiles import PREFILL_ROWS, LoraTiles, fill_tiles, tile_bound
 from hf_paged.modeling.attention import AttentionMetadata
 from hf_paged.step import StepInputs
+from hf_paged.worker.decode_graphs import LoraRows
 
 # (ids, src, positions, metadata, logits rows) -> (this rank's logits slice of those rows,)
 PrefillStep = Callable[..., tuple[torch.Tensor]]
@@ -65,16 +73,20 @@ class PrefillGraphs:
 
     def __init__(self, step: PrefillStep, gather: Callable[[torch.Tensor], torch.Tensor | None],
                  max_tokens: int, max_seqs: int, width: int, device: torch.device,
-                 max_rows: int, states: bool = False):
+                 max_rows: int, lora_rows: LoraRows | None = None, lora_slots: int = 0,
+                 states: bool = False):
         self.forward, self.gather = step, gather
         self.max_rows = max_rows
         self.state_fields = 2 if states else 0  # a hybrid model's slots and flags
         self.width = width
+        self.lora_rows, self.lora_slots = lora_rows, lora_slots
         self.buckets = token_buckets(max_tokens)
         self.capacity = {b: seq_capacity(b, max_seqs) for b in self.buckets}
         self.inputs, self.host_inputs = graph_buffers(
-            max(self._layout(b)[-1] for b in self.buckets), device)
-        self.graphs: dict[int, tuple] = {}  # bucket -> (graph, its logits slice)
+            max(self._lora_region(b)[1] for b in self.buckets), device)
+        # (bucket, adapters) -> (graph, its logits slice)
+        self.graphs: dict[tuple[int, bool], tuple] = {}
+        self.with_adapters = False  # whether the graphs adding adapter deltas are captured
 
     def _rows(self, bucket: int) -> int:
         return max(self.max_rows, self.capacity[bucket])
@@ -86,9 +98,16 @@ class PrefillGraphs:
         tables = seqs + (2 + self.state_fields) * s + 1 + self._rows(bucket)
         return seqs, tables, tables + s * self.width
 
-    def bucket(self, inputs: StepInputs) -> int:
-        """The smallest bucket holding the step's tokens, sequences and logits rows (0: none)."""
-        if inputs.shared:
+    def _lora_region(self, bucket: int) -> tuple[int, int]:
+        """Where the LoRA tiles start (after the tables: a step on no adapter does not send
+        them) and end: the rows' order, then the tiles' slots, first rows and counts."""
+        end = self._layout(bucket)[-1]
+        return end, end + bucket + 3 * tile_bound(bucket, self.lora_slots, PREFILL_ROWS)
+
+    def bucket(self, inputs: StepInputs, adapters: bool = False) -> int:
+        """The smallest bucket holding the step's tokens, sequences and logits rows (0: none;
+        ``adapters``: a row on an adapter, whose graphs may not be captured)."""
+        if inputs.shared or (adapters and not self.with_adapters):
             return 0
         seqs, rows = len(inputs.seq_lens), len(inputs.logits_rows)
         for b in self.buckets[bisect.bisect_left(self.buckets, len(inputs.ids)):]:
@@ -96,9 +115,10 @@ class PrefillGraphs:
                 return b
         return 0
 
-    def step(self, bucket: int) -> tuple[torch.Tensor]:
+    def step(self, bucket: int, adapters: bool = False) -> tuple[torch.Tensor]:
         """The forward over the buffer laid out for ``bucket``: this rank's logits slice of
-        every logits row. Captured once per bucket."""
+        every logits row (``adapters``: with the rows' adapter deltas). Captured once per
+        key."""
         s = self.capacity[bucket]
         seqs, tables, end = self._layout(bucket)
         ids, src, positions, slots = self.inputs[:seqs].view(_TOKEN_FIELDS, bucket)
@@ -115,37 +135,71 @@ class PrefillGraphs:
             has_initial_state=fields[3 * s + 1 : 4 * s + 1] != 0 if states else None,
         )
         rows = (2 + self.state_fields) * s + 1
-        return self.forward(ids, src, positions, meta, fields[rows:])
+        if not adapters:
+            return self.forward(ids, src, positions, meta, fields[rows:])
+        start, stop = self._lora_region(bucket)
+        tiles = LoraTiles(self.inputs[start : start + bucket],
+                          self.inputs[start + bucket : stop].view(3, -1), PREFILL_ROWS)
+        with self.lora_rows(tiles):
+            return self.forward(ids, src, positions, meta, fields[rows:])
 
-    def steps(self) -> Iterator[tuple[int, Callable[[], tuple]]]:
-        """Each bucket and its step, largest first, its inputs laid out for the capture as
-        each is yielded."""
+    def steps(self, adapters: bool = False
+              ) -> Iterator[tuple[tuple[int, bool], Callable[[], tuple]]]:
+        """Each key (``adapters``: of the graphs adding adapter deltas) and its step, largest
+        bucket first, its inputs laid out for the capture as each is yielded."""
         for bucket in reversed(self.buckets):
             self.clear(bucket)
-            yield bucket, partial(self.step, bucket)
+            yield (bucket, adapters), partial(self.step, bucket, adapters)
 
     def capture(self) -> None:
         self.graphs = capture_graphs(self.steps())
 
+    def capture_adapters(self) -> None:
+        """Capture the graphs that add adapter deltas (an adapter loaded), in the plain
+        graphs' memory pool: start-up reserved room for one set of prefill activations, and
+        the two never replay at once."""
+        pool = next(iter(self.graphs.values()))[0].pool() if self.graphs else None
+        self.graphs |= capture_graphs(self.steps(adapters=True), pool)
+        self.with_adapters = True
+
     def clear(self, bucket: int) -> None:
-        """Lay out a step of no tokens for ``bucket``: what a capture runs on."""
+        """Lay out a step of no tokens for ``bucket`` (its padding tokens in LoRA tiles on no
+        adapter): what a capture runs on."""
         host = self.host_inputs[0]
         used = self._fill(host, bucket, [], [], [], [], [0], [], [], None)
+        self._fill_tiles(host, bucket, [0], [])
+        start, stop = self._lora_region(bucket)
         self.inputs[:used].copy_(host[:used])
+        self.inputs[start:stop].copy_(host[start:stop])
 
-    def run(self, inputs: StepInputs, bucket: int, flip: int) -> torch.Tensor | None:
-        """Fill ``bucket``'s inputs from ``inputs`` (one copy from a pinned twin), replay, and
-        return the float32 logits of the sampled rows (rank 0; None elsewhere or when no row
-        is sampled)."""
+    def run(self, inputs: StepInputs, bucket: int, flip: int, adapters: bool = False
+            ) -> torch.Tensor | None:
+        """Fill ``bucket``'s inputs from ``inputs`` (one copy from a pinned twin; a second for
+        the LoRA tiles, with ``adapters``), replay, and return the float32 logits of the
+        sampled rows (rank 0; None elsewhere or when no row is sampled)."""
         host = self.host_inputs[flip]
         used = self._fill(host, bucket, inputs.ids, inputs.src, inputs.positions, inputs.slots,
                           inputs.cu_seqlens, inputs.seq_lens, inputs.logits_rows, inputs.tables,
                           inputs.state_slots, inputs.has_initial_state)
         self.inputs[:used].copy_(host[:used], non_blocking=True)
-        graph, logits = self.graphs[bucket]
+        if adapters:
+            start, stop = self._lora_region(bucket)
+            self._fill_tiles(host, bucket, inputs.cu_seqlens, inputs.lora_slots)
+            self.inputs[start:stop].copy_(host[start:stop], non_blocking=True)
+        graph, logits = self.graphs[bucket, adapters]
         graph.replay()
         rows = len(inputs.logits_rows)
         return self.gather(logits[:rows]) if rows else None
+
+    def _fill_tiles(self, host, bucket: int, cu_seqlens: list[int], lora_slots: list[int]
+                    ) -> None:
+        """The LoRA tiles of the step's sequences on ``lora_slots`` and of its padding tokens
+        (on none) in the host buffer ``host``."""
+        start, stop = self._lora_region(bucket)
+        x = host.numpy()
+        lens = [*np.diff(cu_seqlens), bucket - cu_seqlens[-1]]
+        fill_tiles(x[start : start + bucket], x[start + bucket : stop].reshape(3, -1), lens,
+                   [*lora_slots, -1], PREFILL_ROWS)
 
     def _fill(self, host, bucket, ids, src, positions, slots, cu_seqlens, seq_lens,
               logits_rows, tables, state_slots=(), has_initial=()) -> int:

@@ -86,10 +86,11 @@ class ModelRunner:
             self.decode_graphs, self.prefill_graphs = self.new_graphs()
         startup = Startup(model, self.kv, self.sampler, config, max_model_len, tp,
                           [g for g in (self.decode_graphs, self.prefill_graphs) if g],
-                          self.states, self.num_state_slots + self.num_state_snapshots)
+                          self.states, self.num_state_slots + self.num_state_snapshots,
+                          adapters=bool(self.lora.stacks))
         startup.run()
-        if self.lora.stacks and self.decode_graphs is not None:
-            self.decode_graphs.capture_adapters()
+        if self.lora.stacks:
+            self._capture_adapter_graphs()
         self.startup_seconds = startup.seconds
         self.projection_timings = startup.projection_timings
 
@@ -119,13 +120,14 @@ class ModelRunner:
         """Decode graphs up to ``max_bs`` rows over this runner's steps (not captured yet)."""
         return DecodeGraphs(self._decode_step, self._decode_outputs, self.tp.size == 1, max_bs,
                             self.width, self.device, CASCADE_MIN_SEQS, self.lora.rows,
-                            states=self.states is not None)
+                            self.lora.num_slots, states=self.states is not None)
 
     def new_prefill_graphs(self, max_tokens: int, max_seqs: int) -> PrefillGraphs:
         """Prefill graphs up to ``max_tokens`` tokens of ``max_seqs`` sequences (not captured
         yet)."""
         return PrefillGraphs(self._prefill_step, self.model.gather_logits, max_tokens, max_seqs,
                              self.width, self.device, min(_PREFILL_GRAPH_ROWS, max_tokens),
+                             self.lora.rows, self.lora.num_slots,
                              states=self.states is not None)
 
     def _forward_pending(self, ids, src, positions, meta: AttentionMetadata) -> torch.Tensor:
@@ -227,27 +229,21 @@ class ModelRunner:
         self.flip ^= 1
         if inputs.graph_bs:
             return self.decode_graphs.run(inputs, settings, self.flip)
-        # The prefill graphs are captured without adapters: a prefill with adapter rows runs
-        # eagerly.
         adapters = on_adapters(inputs.lora_slots)
-        bucket = self.prefill_graphs.bucket(inputs) if self.prefill_graphs and not adapters \
-            else 0
+        bucket = self.prefill_graphs.bucket(inputs, adapters) if self.prefill_graphs else 0
         if bucket:
-            return self.prefill_graphs.run(inputs, bucket, self.flip), None
+            return self.prefill_graphs.run(inputs, bucket, self.flip, adapters), None
         dev = self.device
         meta = device_metadata(inputs, dev)
         input_ids = to_device(inputs.ids, dev)
         positions = to_device(inputs.positions, dev)
-        self.lora.set_rows(meta.cu_seqlens_q, inputs.lora_slots if adapters else [],
-                           inputs.max_query_len)
-        try:
+        tiles = self.lora.tiles(inputs.cu_seqlens, inputs.lora_slots) if adapters else None
+        with self.lora.rows(tiles):
             if max(inputs.src) >= 0:
                 hidden = self._forward_pending(input_ids, to_device(inputs.src, dev), positions,
                                                meta)
             else:
                 hidden = self.model.forward(input_ids, positions, meta)
-        finally:
-            self.lora.set_rows(None, [], 0)
         rows = inputs.logits_rows
         if not rows:
             return None, None
@@ -268,13 +264,21 @@ class ModelRunner:
     collect = staticmethod(collect)
 
     def load_lora(self, slot: int, adapter) -> None:
-        """Put a LoRA adapter in ``slot``; after the first, capture the decode graphs that add
-        adapter deltas. A capture draws into the pending tokens of the steps in flight, which
-        are kept aside meanwhile."""
+        """Put a LoRA adapter in ``slot``; after the first, capture the graphs that add
+        adapter deltas."""
         self.lora.load(slot, adapter)
-        if self.decode_graphs is not None and not self.decode_graphs.with_adapters:
+        self._capture_adapter_graphs()
+
+    def _capture_adapter_graphs(self) -> None:
+        """Capture the decode and prefill graphs that add adapter deltas, where not yet. A
+        capture draws into the pending tokens of the steps in flight, which are kept aside
+        meanwhile."""
+        graphs = [g for g in (self.decode_graphs, self.prefill_graphs)
+                  if g is not None and not g.with_adapters]
+        if graphs:
             pending = self.last_tokens.clone()
-            self.decode_graphs.capture_adapters()
+            for g in graphs:
+                g.capture_adapters()
             self.last_tokens.copy_(pending)
 
     def release(self, seq_ids: list[int]) -> None:

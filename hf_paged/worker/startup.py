@@ -46,15 +46,17 @@ _WARM_SAMPLING = RowSampling(seq_id=-1, temperature=1.0, top_k=2, top_p=0.5,
 class Startup:
     """Runs the stages over a runner's parts; ``graphs`` are its (uncaptured) decode and
     prefill graphs, or none; ``states``: a hybrid model's state pools, of ``num_state_slots``
-    slots."""
+    slots; ``adapters``: LoRA stacks are allocated (``enable_lora``), and the graphs adding
+    adapter deltas will be captured after start-up."""
 
     def __init__(self, model: PagedModel, kv: KVCache, sampler: Sampler, config: EngineConfig,
                  max_model_len: int, tp: TensorParallel, graphs: list,
-                 states: StateCache | None = None, num_state_slots: int = 0):
+                 states: StateCache | None = None, num_state_slots: int = 0,
+                 adapters: bool = False):
         self.model, self.kv, self.sampler = model, kv, sampler
         self.states, self.num_state_slots = states, num_state_slots
         self.config, self.max_model_len, self.tp = config, max_model_len, tp
-        self.graphs = graphs
+        self.graphs, self.adapters = graphs, adapters
         self.device = kv.device
         self.block_size = config.block_size
         self.max_blocks_per_seq = -(-max_model_len // self.block_size)
@@ -213,9 +215,12 @@ class Startup:
                 if self._sizing_runs():
                     self._warmup(*self._sizing_step())
                 self._warm_steps()
-                for graphs in self.graphs:  # every graph's step once, over its capture layout
-                    for _, step in graphs.steps():
-                        step()
+                # every graph's step once, over its capture layout (those adding adapter
+                # deltas too, whose LoRA kernels no other step launches)
+                for graphs in self.graphs:
+                    for adapters in (False, True)[:1 + self.adapters]:
+                        for _, step in graphs.steps(adapters):
+                            step()
         except Exception as e:  # e.g. a Triton without asynchronous compilation
             logger.warning("rank %d of %d: kernels compile one at a time (%s)", self.tp.rank,
                            self.tp.size, e)

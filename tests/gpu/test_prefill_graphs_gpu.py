@@ -37,9 +37,9 @@ def test_prefill_graphs_replay_and_match_transformers(tmp_path):
     engine = hf_paged.from_pretrained(str(tmp_path), device="cuda", block_size=16,
                                       gpu_memory_utilization=0.3)
     graphs = engine.executor.runner.prefill_graphs
-    assert sorted(graphs.graphs) == graphs.buckets
-    counted = {b: CountedGraph(g) for b, (g, _) in graphs.graphs.items()}
-    graphs.graphs = {b: (counted[b], out) for b, (_, out) in graphs.graphs.items()}
+    assert sorted(graphs.graphs) == [(b, False) for b in graphs.buckets]  # no adapters
+    counted = {b: CountedGraph(g) for (b, _), (g, _) in graphs.graphs.items()}
+    graphs.graphs = {(b, False): (counted[b], out) for (b, _), (_, out) in graphs.graphs.items()}
     vocab = TINY_CONFIGS[NAME]["vocab_size"]
     cases = [[n] for n in (1, 31, 32, 33, 200, 1000)] + [[5, 40, 100, 7]]
     for seed, lengths in enumerate(cases):

@@ -19,6 +19,7 @@ from hf_paged import kernels
 from hf_paged.kernels.attention import paged_attention
 from hf_paged.kernels.attention_inputs import norm_rope_store
 from hf_paged.kernels.block_scales import BlockScales, grid_rows
+from hf_paged.kernels.lora_tiles import LoraTiles
 from tests.kernels.conftest import DEVICE
 
 FP8 = torch.float8_e4m3fn
@@ -91,19 +92,25 @@ def attention() -> None:
 
 
 def lora() -> None:
-    adapters, hidden, parts = 4, 1024, [2048, 1024, 1024]
-    row_part = torch.repeat_interleave(torch.arange(3), torch.tensor(parts)).int()
-    scaling = torch.rand(adapters, 3)
+    adapters, hidden = 4, 1024
     for dtype in (BF16, torch.float16):
+        norm = (torch.ones(hidden, dtype=dtype), 1e-6)
         for lens, slots, rank in (([1] * 8, [0, -1, 1, 1, 2, 3, 0, -1], 16),  # decode
                                   ([300, 20, 7], [2, -1, 0], 128)):  # prefill
             tokens = sum(lens)
-            cu = torch.tensor([0, *lens]).cumsum(0).int()
-            out = torch.randn(tokens, sum(parts), dtype=dtype)
-            kernels.add_lora(out, torch.randn(tokens, hidden, dtype=dtype),
-                             torch.randn(adapters, 3 * rank, hidden, dtype=dtype),
-                             torch.randn(adapters, sum(parts), rank, dtype=dtype), scaling,
-                             row_part, cu, torch.tensor(slots).int(), max(lens))
+            tiles = LoraTiles.build(lens, slots, torch.device("cpu"))
+            x = torch.randn(tokens, hidden, dtype=dtype)
+            for parts, variants in (([2048, 1024, 1024], ((None, False), (norm, False))),
+                                    ([3072, 3072], ((norm, True),))):  # qkv; gate/up
+                row_part = torch.repeat_interleave(torch.arange(len(parts)),
+                                                   torch.tensor(parts)).int()
+                for normed, gated in variants:
+                    kernels.add_lora(torch.randn(tokens, sum(parts), dtype=dtype), x,
+                                     torch.randn(adapters, len(parts) * rank, hidden,
+                                                 dtype=dtype),
+                                     torch.randn(adapters, sum(parts), rank, dtype=dtype),
+                                     torch.rand(adapters, len(parts)), row_part, tiles,
+                                     normed, gated)
 
 
 def conv_and_gated_norm() -> None:

@@ -41,11 +41,16 @@ def stand_ins(graphs, keys: list[tuple]) -> dict:
         return {key: EagerReplay(graphs, key) for key in keys}
 
 
-def with_eager_prefill_graphs(engine, max_tokens: int, max_seqs: int) -> list[EagerReplay]:
+def with_eager_prefill_graphs(engine, max_tokens: int, max_seqs: int, adapters: bool = False
+                              ) -> list[EagerReplay]:
+    """Prefill graphs of up to ``max_tokens`` tokens as eager stand-ins (``adapters``: also
+    those adding LoRA deltas; the engine holds an adapter already)."""
     runner = engine.executor.runner
     graphs = runner.new_prefill_graphs(max_tokens, max_seqs)
-    replays = stand_ins(graphs, [(b,) for b in graphs.buckets])
-    graphs.graphs = {key[0]: (r, *r.outputs) for key, r in replays.items()}
+    replays = stand_ins(graphs, [(b, a) for a in ((False, True) if adapters else (False,))
+                                 for b in graphs.buckets])
+    graphs.graphs = {key: (r, *r.outputs) for key, r in replays.items()}
+    graphs.with_adapters = adapters
     runner.prefill_graphs = graphs
     return list(replays.values())
 

@@ -15,7 +15,7 @@ from hf_paged.lora.reading import read_adapter
 from hf_paged.sampling_params import SamplingParams
 from tests.conftest import FLOAT32_RTOL, left_padded
 from tests.lora_adapters import ADAPTERS, save_adapter, stock_peft
-from tests.parity.test_graph_inputs import with_eager_decode_graphs
+from tests.parity.test_graph_inputs import with_eager_decode_graphs, with_eager_prefill_graphs
 
 NEW = 8
 
@@ -128,6 +128,25 @@ def test_decode_graphs_add_the_adapters(dense):
         plain = stock.generate(input_ids=ids, adapter_names=["__base__"] * 3, **kwargs)
         assert torch.equal(engine.generate(ids, **kwargs), plain)
         assert sum(r.replays for r in replays if not r.key[2]) >= NEW - 1
+
+
+def test_prefill_graphs_add_the_adapters(dense):
+    """The prefill graphs over their padded inputs (eager stand-ins): steps with rows on
+    adapters replay the graphs that add the deltas, the rows' tiles in the graph's inputs
+    (its padding tokens on no adapter), and give peft's tokens; the base model's steps keep
+    the plain graphs."""
+    base, adapters, stock = dense
+    ids, mask = left_padded([4, 11, 7], 1024, seed=9)
+    kwargs = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    names = ["all", "__base__", "qv"]
+    expected = stock.generate(input_ids=ids, adapter_names=names, **kwargs)
+    with engine_with(base, adapters) as engine:
+        replays = with_eager_prefill_graphs(engine, 64, 4, adapters=True)
+        assert torch.equal(engine.generate(ids, adapter_names=names, **kwargs), expected)
+        assert sum(r.replays for r in replays if r.key[1]) >= NEW
+        plain = stock.generate(input_ids=ids, adapter_names=["__base__"] * 3, **kwargs)
+        assert torch.equal(engine.generate(ids, **kwargs), plain)
+        assert sum(r.replays for r in replays if not r.key[1]) >= NEW
 
 
 def test_prefix_cache_is_keyed_by_adapter(dense):
