@@ -24,6 +24,10 @@ class AttentionMetadata:
     ``shared_prefix [1]``: a decode hint, set when every sequence's context starts with the
     same blocks: how many tokens they hold (cascade attention; see ``kernels.attention``).
     ``decode_order [B]``: a decode hint, the sequences longest context first (``decode_order``).
+    A hybrid model's linear-attention layers also read (None otherwise) ``state_slots [B]``
+    int32, each sequence's state slot (-1: a padding row), and ``has_initial_state [B]`` bool,
+    whether that slot holds the state after the sequence's earlier tokens (False: this step
+    starts it from zero).
     """
 
     slot_mapping: torch.Tensor
@@ -33,6 +37,8 @@ class AttentionMetadata:
     max_query_len: int
     shared_prefix: torch.Tensor | None = None
     decode_order: torch.Tensor | None = None
+    state_slots: torch.Tensor | None = None
+    has_initial_state: torch.Tensor | None = None
 
 
 def decode_order(seq_lens: Sequence[int]) -> np.ndarray:

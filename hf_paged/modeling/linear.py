@@ -157,7 +157,7 @@ class ColumnParallelLinear(_ParallelLinear):
             return (kernels.silu_and_mul(out) if gated else out), residual
         return kernels.normed_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias,
                                      self.small_m_rows, gated, scales=self.scales,
-                                     w8a8_rows=self.w8a8_rows)
+                                     w8a8_rows=self.w8a8_rows, offset=norm.offset)
 
     def weight_loader(self, param: nn.Parameter, loaded) -> None:
         size = self.weight.shape[0]
@@ -195,26 +195,39 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self._copy(param, loaded, 0, offset, self.tp.rank * size, size)
 
 
+class StackedColumnParallelLinear(MergedColumnParallelLinear):
+    """Several column-parallel outputs that a checkpoint stores as one tensor (Qwen3.5's
+    ``in_proj_qkv``: the query, key and value rows of every head, one after the other); each
+    rank holds its slice of every part."""
+
+    def weight_loader(self, param: nn.Parameter, loaded) -> None:
+        for part, size in enumerate(self.out_sizes):
+            super().weight_loader(param, narrow(loaded, 0, sum(self.out_sizes[:part]), size),
+                                  part)
+
+
 class QKVParallelLinear(ColumnParallelLinear):
     """Query, key and value projections in one matrix; each rank holds whole heads. With
     fewer KV heads than ranks, each KV head is replicated on ``size / num_kv_heads`` ranks
-    (the ranks whose query heads read it)."""
+    (the ranks whose query heads read it). ``gated_query``: each query head's rows are
+    followed by as many rows of its output gate (Qwen3-Next's and Qwen3.5's ``q_proj``)."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False, tp: TensorParallel = SINGLE):
+                 bias: bool = False, tp: TensorParallel = SINGLE, gated_query: bool = False):
         self.num_heads, self.num_kv_heads = kv_head_layout(num_heads, num_kv_heads, tp.size)
         self.kv_shard = tp.rank * num_kv_heads // tp.size // self.num_kv_heads
         self.head_dim = head_dim
-        local = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        self.q_head_rows = head_dim * (2 if gated_query else 1)
+        local = self.num_heads * self.q_head_rows + 2 * self.num_kv_heads * head_dim
         super().__init__(hidden, local * tp.size, bias, tp)
 
     @property
     def parts(self) -> list[int]:
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, kv = self.num_heads * self.q_head_rows, self.num_kv_heads * self.head_dim
         return [q, kv, kv]
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: str) -> None:
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, kv = self.num_heads * self.q_head_rows, self.num_kv_heads * self.head_dim
         offset, size, index = {
             "q": (0, q, self.tp.rank), "k": (q, kv, self.kv_shard), "v": (q + kv, kv, self.kv_shard)
         }[shard_id]
@@ -247,9 +260,14 @@ class RowParallelLinear(_ParallelLinear):
         return narrow(a, 1, self.tp.rank * size, size), b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output, before the all-reduce (a block that sums several
+        shares reduces them once)."""
         bias = self.bias if self.tp.rank == 0 else None
         out = kernels.linear(x, self.weight, bias, self.small_m_rows, scales=self.scales,
                              w8a8_rows=self.w8a8_rows)
         if self.lora is not None:  # a rank's share of the delta, summed with the products
             out = self.lora.add_to(out, x)
-        return self.tp.all_reduce(out)
+        return out

@@ -12,7 +12,9 @@ residual stream, norming their input with the layer's ``input_layernorm`` /
 ``post_attention_layernorm`` (``self_attn`` also holds the layer's ``k_cache`` / ``v_cache``
 and an FP8 cache's ``k_scale`` / ``v_scale``, and takes a checkpoint's in ``set_kv_scales``);
 ``model.norm(hidden, residual)``, ``model.rotary_emb`` (a ``RotaryEmbedding``) and
-``lm_head`` (a ``ParallelLMHead``).
+``lm_head`` (a ``ParallelLMHead``). A hybrid model's linear-attention layers have
+``linear_attn(hidden, residual, norm, meta)`` in place of ``self_attn``, holding that layer's
+state pools (``conv_state``, ``recurrent_state``; ``modeling.gated_deltanet``).
 """
 
 from __future__ import annotations
@@ -36,8 +38,15 @@ class PagedModel:
 
     @property
     def attention_layers(self) -> list[nn.Module]:
-        """Each layer's attention module, which holds that layer's ``k_cache``/``v_cache``."""
-        return [layer.self_attn for layer in self.layers]
+        """Each attention layer's attention module, which holds that layer's
+        ``k_cache``/``v_cache`` (a hybrid model's linear-attention layers have none)."""
+        return [layer.self_attn for layer in self.layers if hasattr(layer, "self_attn")]
+
+    @property
+    def state_modules(self) -> list[nn.Module]:
+        """Each linear-attention layer's ``linear_attn``, which holds that layer's state pools,
+        in layer order (none in a model without such layers)."""
+        return [layer.linear_attn for layer in self.layers if hasattr(layer, "linear_attn")]
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -47,8 +56,12 @@ class PagedModel:
         device that replace ``input_ids`` where ``src >= 0`` (``kernels.embed``)."""
         hidden, residual = self.embed_tokens(input_ids, *(pending or ())), None
         for layer in self.layers:  # each block norms its input (fused into its projection)
-            hidden, residual = layer.self_attn(positions, hidden, residual,
-                                               layer.input_layernorm, meta, self.rotary)
+            if hasattr(layer, "linear_attn"):
+                hidden, residual = layer.linear_attn(hidden, residual, layer.input_layernorm,
+                                                     meta)
+            else:
+                hidden, residual = layer.self_attn(positions, hidden, residual,
+                                                   layer.input_layernorm, meta, self.rotary)
             hidden, residual = layer.mlp(hidden, residual, layer.post_attention_layernorm)
         return self.norm(hidden, residual)[0]
 

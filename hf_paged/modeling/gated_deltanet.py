@@ -1,0 +1,169 @@
+"""The Gated DeltaNet ("linear attention") layer of Qwen3-Next and Qwen3.5 over per-sequence
+state slots: transformers' ``Qwen3NextGatedDeltaNet`` / ``Qwen3_5GatedDeltaNet`` in numbers,
+on a packed batch.
+
+Input projections (Qwen3-Next: ``in_proj_qkvz`` and ``in_proj_ba``, each key head's rows
+together; Qwen3.5: ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, every head's
+query rows, then key, then value), the short causal convolution over the query/key/value
+channels, the gated delta rule, the gated RMSNorm and ``out_proj``. Each sequence keeps its
+state in a slot of two pools the worker attaches, ``conv_state [slots, channels, kernel]``
+(model dtype) and ``recurrent_state [slots, value_heads, key_dim, value_dim]`` (float32); a
+step's ``AttentionMetadata.state_slots`` names each sequence's slot and
+``has_initial_state`` whether the slot holds its earlier tokens' state.
+
+Under tensor parallelism a rank holds whole key heads and the value heads that read them: its
+rows of every input projection, its channels of the convolution (its query, key and value
+heads'), its ``A_log`` / ``dt_bias`` entries, its columns of ``out_proj`` (all-reduced).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from hf_paged import kernels
+from hf_paged.modeling.attention import AttentionMetadata
+from hf_paged.modeling.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    StackedColumnParallelLinear,
+    divide,
+    keep_computing,
+    narrow,
+)
+from hf_paged.modeling.tp import SINGLE, TensorParallel
+
+
+class GatedDeltaNetShape:
+    """A config's Gated DeltaNet sizes, whole and on one of ``tp_size`` ranks; raises
+    ValueError naming both numbers when the ranks cannot split the heads."""
+
+    def __init__(self, config: PretrainedConfig, tp_size: int = 1):
+        self.key_heads = divide(config.linear_num_key_heads, tp_size, "linear_num_key_heads")
+        self.value_heads = divide(config.linear_num_value_heads, tp_size,
+                                  "linear_num_value_heads")
+        if config.linear_num_value_heads % config.linear_num_key_heads:
+            raise ValueError(f"linear_num_value_heads ({config.linear_num_value_heads}) is not a "
+                             f"multiple of linear_num_key_heads ({config.linear_num_key_heads})")
+        self.key_dim, self.value_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.kernel_size = config.linear_conv_kernel_dim
+        # This rank's channels of the query, the key and the value: the convolution's parts.
+        self.parts = [self.key_heads * self.key_dim] * 2 + [self.value_heads * self.value_dim]
+        self.channels = sum(self.parts)
+
+    def state_shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype | None]]:
+        """One slot's state tensors on this rank (None: the model dtype)."""
+        return {"conv_state": ((self.channels, self.kernel_size), None),
+                "recurrent_state": ((self.value_heads, self.key_dim, self.value_dim),
+                                    torch.float32)}
+
+
+class ParallelConv1d(nn.Module):
+    """The depthwise convolution's ``weight [channels, 1, kernel]`` (transformers'
+    ``nn.Conv1d`` layout), this rank's query, key and value channels."""
+
+    def __init__(self, shape: GatedDeltaNetShape, tp: TensorParallel):
+        super().__init__()
+        self.tp, self.parts = tp, shape.parts
+        self.weight = nn.Parameter(torch.empty(shape.channels, 1, shape.kernel_size),
+                                   requires_grad=False)
+
+    def weight_loader(self, param: nn.Parameter, loaded) -> None:
+        dst = src = 0
+        for size in self.parts:
+            param.data[dst:dst + size].copy_(narrow(loaded, 0, src + self.tp.rank * size, size))
+            dst, src = dst + size, src + size * self.tp.size
+
+
+class GatedRMSNorm(nn.Module):
+    """``Qwen3NextRMSNormGated``'s weight (one value head's width, replicated)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.eps = eps
+
+
+class GatedDeltaNet(nn.Module):
+    """One Gated DeltaNet layer; ``split_projections``: Qwen3.5's four input projections, else
+    Qwen3-Next's two interleaved ones."""
+
+    def __init__(self, config: PretrainedConfig, split_projections: bool,
+                 tp: TensorParallel = SINGLE):
+        super().__init__()
+        shape = self.shape = GatedDeltaNetShape(config, tp.size)
+        hidden, heads = config.hidden_size, config.linear_num_value_heads
+        key_dim, value_dim = shape.key_dim * config.linear_num_key_heads, shape.value_dim * heads
+        self.split_projections, self.tp = split_projections, tp
+        if split_projections:
+            self.in_proj_qkv = StackedColumnParallelLinear(hidden, [key_dim, key_dim, value_dim],
+                                                           tp=tp)
+            self.in_proj_z = ColumnParallelLinear(hidden, value_dim, tp=tp)
+            self.in_proj_b = ColumnParallelLinear(hidden, heads, tp=tp)
+            self.in_proj_a = ColumnParallelLinear(hidden, heads, tp=tp)
+        else:  # rows grouped by key head: a rank's rows are one contiguous slice
+            self.in_proj_qkvz = ColumnParallelLinear(hidden, 2 * key_dim + 2 * value_dim, tp=tp)
+            self.in_proj_ba = ColumnParallelLinear(hidden, 2 * heads, tp=tp)
+        self.conv1d = ParallelConv1d(shape, tp)
+        self.activation = config.hidden_act
+        self.dt_bias = nn.Parameter(torch.empty(shape.value_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(shape.value_heads), requires_grad=False)
+        self.norm = GatedRMSNorm(shape.value_dim, config.rms_norm_eps)
+        self.out_proj = RowParallelLinear(value_dim, hidden, tp=tp)
+        keep_computing(self, "out_proj")
+        self.conv_state = self.recurrent_state = torch.empty(0)  # the worker's pools
+
+    def weight_loader(self, param: nn.Parameter, loaded) -> None:
+        """``dt_bias`` / ``A_log``: this rank's value heads' entries."""
+        size = param.shape[0]
+        param.data.copy_(narrow(loaded, 0, self.tp.rank * size, size))
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``(qkv [T, channels], z [T, Hv, V], b [T, Hv], a [T, Hv])`` of the normed input."""
+        s, rows = self.shape, x.shape[0]
+        if self.split_projections:
+            return (self.in_proj_qkv(x), self.in_proj_z(x).view(rows, -1, s.value_dim),
+                    self.in_proj_b(x), self.in_proj_a(x))
+        # transformers' fix_query_key_value_ordering: per key head [q, k, v..., z...], [b, a]
+        group = s.value_heads // s.key_heads
+        qkvz = self.in_proj_qkvz(x).view(rows, s.key_heads, -1)
+        q, k, v, z = qkvz.split([s.key_dim, s.key_dim, group * s.value_dim,
+                                 group * s.value_dim], dim=-1)
+        b, a = self.in_proj_ba(x).view(rows, s.key_heads, 2 * group).split([group, group], -1)
+        qkv = torch.cat([t.reshape(rows, -1) for t in (q, k, v)], dim=-1)
+        return (qkv, z.reshape(rows, -1, s.value_dim), b.reshape(rows, -1),
+                a.reshape(rows, -1))
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's output for ``norm(hidden, residual)``, and the new residual stream; the
+        slots ``meta.state_slots`` of the pools advance past this step's tokens."""
+        x, residual = norm(hidden, residual) if residual is not None else (norm(hidden), hidden)
+        s, rows = self.shape, x.shape[0]
+        qkv, z, b, a = self._project(x)
+        slots, weight = meta.state_slots, self.conv1d.weight[:, 0]
+        decode = meta.max_query_len == 1  # one token a sequence: the recurrent kernels
+        if decode:
+            qkv = kernels.causal_conv_decode(qkv, weight, None, self.conv_state, slots,
+                                             self.activation)
+        else:
+            qkv = kernels.causal_conv_prefill(qkv, weight, None, meta.cu_seqlens_q,
+                                              self.conv_state, slots, meta.has_initial_state,
+                                              self.activation)
+        q, k, v = qkv.split(s.parts, dim=-1)
+        q, k = q.view(rows, s.key_heads, s.key_dim), k.view(rows, s.key_heads, s.key_dim)
+        v = v.view(rows, s.value_heads, s.value_dim)
+        beta = b.sigmoid()
+        # float32 before the exponent, as transformers (A would overflow in half precision)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if decode:
+            out = kernels.gated_delta_decode(q, k, v, g, beta, self.recurrent_state, slots,
+                                             use_qk_l2norm=True)
+        else:
+            out = kernels.gated_delta_prefill(q, k, v, g, beta, meta.cu_seqlens_q,
+                                              self.recurrent_state, slots,
+                                              meta.has_initial_state, use_qk_l2norm=True)
+        out = kernels.gated_rms_norm(out, z, self.norm.weight, self.norm.eps)
+        return self.compute["out_proj"](out.reshape(rows, -1)), residual
