@@ -16,11 +16,11 @@ BLOCKS_PER_SEQ = 16
 
 
 class HybridSteps:
-    """``model`` with room for ``num_seqs`` sequences of up to ``BLOCK_SIZE *
-    BLOCKS_PER_SEQ`` tokens; sequence ``i`` owns state slot ``slots[i]`` (shuffled, so that
-    slot and batch order differ)."""
+    """``model`` (one of ``tp_size`` ranks' shards) with room for ``num_seqs`` sequences of up
+    to ``BLOCK_SIZE * BLOCKS_PER_SEQ`` tokens; sequence ``i`` owns state slot ``slots[i]``
+    (shuffled, so that slot and batch order differ)."""
 
-    def __init__(self, model: PagedModel, num_seqs: int):
+    def __init__(self, model: PagedModel, num_seqs: int, tp_size: int = 1):
         config, dtype = model.config, model.lm_head.weight.dtype
         self.model, self.lengths = model, [0] * num_seqs
         blocks = num_seqs * BLOCKS_PER_SEQ
@@ -28,7 +28,7 @@ class HybridSteps:
             attn.k_cache = torch.zeros(blocks, BLOCK_SIZE, attn.num_kv_heads, attn.head_dim,
                                        dtype=dtype)
             attn.v_cache = torch.zeros_like(attn.k_cache)
-        shapes = families.family_for(config).state_shapes(config, 1)
+        shapes = families.family_for(config).state_shapes(config, tp_size)
         self.slots = torch.randperm(num_seqs + 2, generator=torch.Generator().manual_seed(0))
         for module in model.state_modules:
             for name, (shape, state_dtype) in shapes.items():
@@ -36,9 +36,9 @@ class HybridSteps:
                 setattr(module, name, torch.randn(num_seqs + 2, *shape,
                                                   dtype=state_dtype or dtype))
 
-    def step(self, chunks: list[tuple[int, list[int]]]) -> torch.Tensor:
+    def step(self, chunks: list[tuple[int, list[int]]], hidden: bool = False) -> torch.Tensor:
         """One forward over each (sequence, new tokens) chunk, packed in the given order;
-        float32 logits of every row."""
+        float32 logits of every row (``hidden``: the final hidden states)."""
         ids, positions, slot_mapping, cu, seq_lens, tables = [], [], [], [0], [], []
         for seq, tokens in chunks:
             start = self.lengths[seq]
@@ -60,8 +60,8 @@ class HybridSteps:
             has_initial_state=torch.tensor([self.lengths[s] > 0 for s in seqs]),
         )
         with torch.no_grad():
-            hidden = self.model.forward(torch.tensor(ids), torch.tensor(positions), meta)
-            logits = self.model.compute_logits(hidden)
+            states = self.model.forward(torch.tensor(ids), torch.tensor(positions), meta)
+            out = states if hidden else self.model.compute_logits(states)
         for seq, tokens in chunks:
             self.lengths[seq] += len(tokens)
-        return logits
+        return out
