@@ -38,7 +38,7 @@ class HybridSteps:
 
     def step(self, chunks: list[tuple[int, list[int]]], hidden: bool = False) -> torch.Tensor:
         """One forward over each (sequence, new tokens) chunk, packed in the given order;
-        float32 logits of every row (``hidden``: the final hidden states)."""
+        the logits of every row in the model dtype (``hidden``: the final hidden states)."""
         ids, positions, slot_mapping, cu, seq_lens, tables = [], [], [], [0], [], []
         for seq, tokens in chunks:
             start = self.lengths[seq]
@@ -61,7 +61,9 @@ class HybridSteps:
         )
         with torch.no_grad():
             states = self.model.forward(torch.tensor(ids), torch.tensor(positions), meta)
-            out = states if hidden else self.model.compute_logits(states)
+            # one rank's vocabulary slice is the whole vocabulary; compute_logits would round
+            # a float64 model's logits to float32
+            out = states if hidden else self.model.lm_head.gather(self.model.lm_head(states))
         for seq, tokens in chunks:
             self.lengths[seq] += len(tokens)
         return out

@@ -5,8 +5,9 @@ needs to give each linear-attention layer its state pools.
 
 Layers interleave, as ``config.layer_types`` says, Gated DeltaNet linear attention
 (``layer.linear_attn``: ``modeling.gated_deltanet``, Qwen3-Next's interleaved ``in_proj_qkvz``
-/ ``in_proj_ba``) and gated full attention (``layer.self_attn``: Qwen3's attention with an
-output gate, zero-centred q/k norms and partial RoPE). Every norm is zero-centred. A layer
+/ ``in_proj_ba`` merged into ``in_proj_qkvzba``) and gated full attention
+(``layer.self_attn``: Qwen3's attention with an output gate, zero-centred q/k norms and
+partial RoPE). Every norm is zero-centred. A layer
 transformers built sparse gets the routed experts plus the gated shared expert
 (``modeling.moe_shared``), the others Qwen3's dense MLP. Experts load from either of
 Qwen3-MoE's layouts (``families/qwen3_moe.py``). Qwen3.5 (``families/qwen3_5.py``) reuses
@@ -23,8 +24,13 @@ from transformers import PretrainedConfig
 
 from hf_paged.families import qwen3, qwen3_moe
 from hf_paged.families.qwen3 import Qwen3PagedAttention, Qwen3PagedMLP
-from hf_paged.modeling.gated_deltanet import GatedDeltaNet, GatedDeltaNetShape
+from hf_paged.modeling.gated_deltanet import (
+    GatedDeltaNet,
+    GatedDeltaNetShape,
+    projection_groups,
+)
 from hf_paged.modeling.linear import divide
+from hf_paged.modeling.loader import PackedModules
 from hf_paged.modeling.moe_shared import SharedExpertMoEBlock
 from hf_paged.modeling.tp import SINGLE, TensorParallel, kv_head_layout
 from hf_paged.quantization.fp8 import Fp8Scheme
@@ -34,19 +40,35 @@ MODEL_TYPES = ("qwen3_next",)
 ARCHITECTURE = "Qwen3NextForCausalLM"
 INNER_MODEL = "Qwen3NextModel"
 OUTPUT = "MoeCausalLMOutputWithPast"  # its aux_loss and router_logits stay None
-PACKED_MODULES = qwen3.PACKED_MODULES  # attention, dense MLPs and the shared experts
+# attention, dense MLPs and shared experts as Qwen3's; the linear layers' input projections
+PACKED_MODULES = {**qwen3.PACKED_MODULES, "in_proj_qkvz": ("in_proj_qkvzba", 0),
+                  "in_proj_ba": ("in_proj_qkvzba", 1)}
 LAYER_TYPES = ("linear_attention", "full_attention")
 checkpoint_keys = qwen3_moe.checkpoint_keys  # experts in either layout
-weight_target = qwen3_moe.weight_target
+
+
+def weight_target(name: str, packed_modules: PackedModules = PACKED_MODULES
+                  ) -> tuple[str, object]:
+    """The parameter a checkpoint tensor fills and its shard id: experts as Qwen3-MoE's, a
+    projection of ``packed_modules`` to its merged one."""
+    return qwen3_moe.weight_target(name, packed_modules)
 
 
 def packed_sizes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
-    """Rows of each checkpoint tensor in a merged projection, in ``PACKED_MODULES`` order; a
-    key naming a module's parent too (``shared_expert.gate_up_proj``) overrides the plain one
-    for those modules. ``q_proj`` holds each head's query and gate."""
+    """Rows of each checkpoint tensor in a merged projection, in ``PACKED_MODULES`` order."""
+    return hybrid_packed_sizes(config, split_projections=False)
+
+
+def hybrid_packed_sizes(config: PretrainedConfig, split_projections: bool
+                        ) -> dict[str, tuple[int, ...]]:
+    """``packed_sizes`` of a Qwen3-Next-style model (``split_projections``: Qwen3.5's); a key
+    naming a module's parent too (``shared_expert.gate_up_proj``) overrides the plain one for
+    those modules. ``q_proj`` holds each head's query and gate."""
     head_dim = config.head_dim
     kv = config.num_key_value_heads * head_dim
-    sizes = {"qkv_proj": (2 * config.num_attention_heads * head_dim, kv, kv)}
+    sizes = {"qkv_proj": (2 * config.num_attention_heads * head_dim, kv, kv),
+             "in_proj_qkvzba": tuple(sum(group) for group in
+                                     projection_groups(config, split_projections))}
     if getattr(config, "intermediate_size", None):  # dense layers (Qwen3.5-MoE has none)
         sizes["gate_up_proj"] = (config.intermediate_size,) * 2
     if getattr(config, "num_experts", 0):

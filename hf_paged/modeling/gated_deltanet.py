@@ -2,14 +2,15 @@
 state slots: transformers' ``Qwen3NextGatedDeltaNet`` / ``Qwen3_5GatedDeltaNet`` in numbers,
 on a packed batch.
 
-Input projections (Qwen3-Next: ``in_proj_qkvz`` and ``in_proj_ba``, each key head's rows
-together; Qwen3.5: ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``, every head's
-query rows, then key, then value), the short causal convolution over the query/key/value
-channels, the gated delta rule, the gated RMSNorm and ``out_proj``. Each sequence keeps its
-state in a slot of two pools the worker attaches, ``conv_state [slots, channels, kernel]``
-(model dtype) and ``recurrent_state [slots, value_heads, key_dim, value_dim]`` (float32); a
-step's ``AttentionMetadata.state_slots`` names each sequence's slot and
-``has_initial_state`` whether the slot holds its earlier tokens' state.
+Input projections, merged into one (``in_proj_qkvzba``; Qwen3-Next's ``in_proj_qkvz`` and
+``in_proj_ba``, each key head's rows together, or Qwen3.5's ``in_proj_qkv``, ``in_proj_z``,
+``in_proj_b``, ``in_proj_a``, the first every head's query rows, then key, then value), the
+short causal convolution over the query/key/value channels, the gated delta rule, the gated
+RMSNorm and ``out_proj``. Each sequence keeps its state in a slot of two pools the worker
+attaches, ``conv_state [slots, channels, kernel]`` (model dtype) and ``recurrent_state
+[slots, value_heads, key_dim, value_dim]`` (float32); a step's
+``AttentionMetadata.state_slots`` names each sequence's slot and ``has_initial_state``
+whether the slot holds its earlier tokens' state.
 
 Under tensor parallelism a rank holds whole key heads and the value heads that read them: its
 rows of every input projection, its channels of the convolution (its query, key and value
@@ -26,7 +27,6 @@ from transformers import PretrainedConfig
 from hf_paged import kernels
 from hf_paged.modeling.attention import AttentionMetadata
 from hf_paged.modeling.linear import (
-    ColumnParallelLinear,
     RowParallelLinear,
     StackedColumnParallelLinear,
     divide,
@@ -86,6 +86,19 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
 
+def projection_groups(config: PretrainedConfig, split_projections: bool) -> list[list[int]]:
+    """The rows of each checkpoint projection merged into ``in_proj_qkvzba``, by part that
+    ranks split on its own: Qwen3.5's (``split_projections``) ``in_proj_qkv`` (query, key,
+    value), ``in_proj_z``, ``in_proj_b``, ``in_proj_a``; Qwen3-Next's ``in_proj_qkvz`` and
+    ``in_proj_ba``, whose rows are grouped by key head (a rank's rows are one slice)."""
+    heads = config.linear_num_value_heads
+    key_dim = config.linear_key_head_dim * config.linear_num_key_heads
+    value_dim = config.linear_value_head_dim * heads
+    if split_projections:
+        return [[key_dim, key_dim, value_dim], [value_dim], [heads], [heads]]
+    return [[2 * key_dim + 2 * value_dim], [2 * heads]]
+
+
 class GatedDeltaNet(nn.Module):
     """One Gated DeltaNet layer; ``split_projections``: Qwen3.5's four input projections, else
     Qwen3-Next's two interleaved ones."""
@@ -94,18 +107,10 @@ class GatedDeltaNet(nn.Module):
                  tp: TensorParallel = SINGLE):
         super().__init__()
         shape = self.shape = GatedDeltaNetShape(config, tp.size)
-        hidden, heads = config.hidden_size, config.linear_num_value_heads
-        key_dim, value_dim = shape.key_dim * config.linear_num_key_heads, shape.value_dim * heads
+        hidden, value_dim = config.hidden_size, shape.value_dim * config.linear_num_value_heads
         self.split_projections, self.tp = split_projections, tp
-        if split_projections:
-            self.in_proj_qkv = StackedColumnParallelLinear(hidden, [key_dim, key_dim, value_dim],
-                                                           tp=tp)
-            self.in_proj_z = ColumnParallelLinear(hidden, value_dim, tp=tp)
-            self.in_proj_b = ColumnParallelLinear(hidden, heads, tp=tp)
-            self.in_proj_a = ColumnParallelLinear(hidden, heads, tp=tp)
-        else:  # rows grouped by key head: a rank's rows are one contiguous slice
-            self.in_proj_qkvz = ColumnParallelLinear(hidden, 2 * key_dim + 2 * value_dim, tp=tp)
-            self.in_proj_ba = ColumnParallelLinear(hidden, 2 * heads, tp=tp)
+        self.in_proj_qkvzba = StackedColumnParallelLinear(
+            hidden, projection_groups(config, split_projections), tp=tp)
         self.conv1d = ParallelConv1d(shape, tp)
         self.activation = config.hidden_act
         self.dt_bias = nn.Parameter(torch.empty(shape.value_heads), requires_grad=False)
@@ -123,15 +128,16 @@ class GatedDeltaNet(nn.Module):
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``(qkv [T, channels], z [T, Hv, V], b [T, Hv], a [T, Hv])`` of the normed input."""
         s, rows = self.shape, x.shape[0]
+        out, value_rows = self.in_proj_qkvzba(x), s.value_heads * s.value_dim
         if self.split_projections:
-            return (self.in_proj_qkv(x), self.in_proj_z(x).view(rows, -1, s.value_dim),
-                    self.in_proj_b(x), self.in_proj_a(x))
+            qkv, z, b, a = out.split([s.channels, value_rows, s.value_heads, s.value_heads], -1)
+            return qkv, z.view(rows, -1, s.value_dim), b, a
         # transformers' fix_query_key_value_ordering: per key head [q, k, v..., z...], [b, a]
         group = s.value_heads // s.key_heads
-        qkvz = self.in_proj_qkvz(x).view(rows, s.key_heads, -1)
-        q, k, v, z = qkvz.split([s.key_dim, s.key_dim, group * s.value_dim,
-                                 group * s.value_dim], dim=-1)
-        b, a = self.in_proj_ba(x).view(rows, s.key_heads, 2 * group).split([group, group], -1)
+        qkvz, ba = out.split([s.channels + value_rows, 2 * s.value_heads], -1)
+        q, k, v, z = qkvz.view(rows, s.key_heads, -1).split(
+            [s.key_dim, s.key_dim, group * s.value_dim, group * s.value_dim], dim=-1)
+        b, a = ba.view(rows, s.key_heads, 2 * group).split([group, group], -1)
         qkv = torch.cat([t.reshape(rows, -1) for t in (q, k, v)], dim=-1)
         return (qkv, z.reshape(rows, -1, s.value_dim), b.reshape(rows, -1),
                 a.reshape(rows, -1))
@@ -156,8 +162,9 @@ class GatedDeltaNet(nn.Module):
         q, k = q.view(rows, s.key_heads, s.key_dim), k.view(rows, s.key_heads, s.key_dim)
         v = v.view(rows, s.value_heads, s.value_dim)
         beta = b.sigmoid()
-        # float32 before the exponent, as transformers (A would overflow in half precision)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        # float32 before the exponent, as transformers (A would overflow in half precision);
+        # the kernels take the decay in float32 (as transformers' rule computes in it)
+        g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)).float()
         if decode:
             out = kernels.gated_delta_decode(q, k, v, g, beta, self.recurrent_state, slots,
                                              use_qk_l2norm=True)

@@ -196,14 +196,22 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class StackedColumnParallelLinear(MergedColumnParallelLinear):
-    """Several column-parallel outputs that a checkpoint stores as one tensor (Qwen3.5's
-    ``in_proj_qkv``: the query, key and value rows of every head, one after the other); each
-    rank holds its slice of every part."""
+    """Column-parallel outputs stored side by side where a checkpoint tensor may hold several
+    of them (Qwen3.5's ``in_proj_qkv``: every head's query rows, then key, then value, each
+    split over the ranks on its own): ``groups[i]`` are the sizes of the parts of checkpoint
+    tensor (shard id) ``i``. Each rank holds its slice of every part, in order."""
 
-    def weight_loader(self, param: nn.Parameter, loaded) -> None:
-        for part, size in enumerate(self.out_sizes):
-            super().weight_loader(param, narrow(loaded, 0, sum(self.out_sizes[:part]), size),
-                                  part)
+    def __init__(self, in_features: int, groups: list[list[int]], bias: bool = False,
+                 tp: TensorParallel = SINGLE):
+        self.groups = groups
+        super().__init__(in_features, [size for group in groups for size in group], bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: int) -> None:
+        first = sum(len(group) for group in self.groups[:shard_id])
+        start = 0
+        for part, size in enumerate(self.groups[shard_id], first):
+            super().weight_loader(param, narrow(loaded, 0, start, size), part)
+            start += size
 
 
 class QKVParallelLinear(ColumnParallelLinear):

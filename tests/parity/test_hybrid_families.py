@@ -1,8 +1,14 @@
 """Qwen3-Next, Qwen3.5 and Qwen3.5-MoE on the paged modules against stock transformers with its
-cache, in float32: a batch of prompts of different lengths prefilled together (one longer than
-the delta rule's 64-token chunk), then greedy decode steps; a prompt prefilled in two chunks
-with other sequences' decode rows in the same batch. The model is driven directly
-(``tests/hybrid_steps.py``), its KV cache and state pools sized by the test."""
+cache, in float32 and float64: a batch of prompts of different lengths prefilled together (one
+longer than the delta rule's 64-token chunk), then greedy decode steps; a prompt prefilled in
+two chunks with other sequences' decode rows in the same batch. The model is driven directly
+(``tests/hybrid_steps.py``), its KV cache and state pools sized by the test.
+
+Tolerances are fractions of the logits' size. In float64 both compute the delta rule in
+float32 (transformers' casts): 9e-7 measured at logits of 15, so 2e-7 of the size pins the
+numerics. In float32 these random models amplify rounding over a long prompt: transformers'
+own float32 logits differ from its float64 ones by up to 2.6e-4, the paged ones by 5.9e-4
+(8e-4 from transformers' float32), so 5e-5 of the size."""
 
 from __future__ import annotations
 
@@ -18,13 +24,12 @@ PROMPT_LENS = (5, 70, 1, 12)
 DECODE_STEPS = 4
 
 
+TOLERANCE = {torch.float32: 5e-5, torch.float64: 2e-7}  # of the logits' size (see above)
+
+
 def assert_logits_close(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Within 2e-5 of the logits' size (3e-4 at these models' 15): the kernels sum in another
-    order than transformers. Measured on these checkpoints, the paged logits differ from
-    transformers' run in float64 by no more than transformers' own float32 logits do (up to
-    7e-4 after 70 tokens), and from those by at most 1.9e-4."""
     scale = want.abs().max().item()
-    torch.testing.assert_close(got, want, atol=2e-5 * scale, rtol=0)
+    torch.testing.assert_close(got, want, atol=TOLERANCE[want.dtype] * scale, rtol=0)
 
 
 def prompts(seed: int, lens=PROMPT_LENS) -> list[list[int]]:
@@ -48,22 +53,26 @@ def transformers_greedy(hf, prompt: list[int], steps: int
 
 @pytest.fixture(scope="module")
 def models(hybrid_checkpoints):
-    """name -> (paged model builder, transformers' model) of each hybrid checkpoint."""
-    def paged(name):
-        config = transformers.AutoConfig.from_pretrained(hybrid_checkpoints[name])
-        return build_model(config, hybrid_checkpoints[name], torch.float32,
-                           torch.device("cpu"), "sdpa", 256)
+    """(name, dtype) -> (the paged model's builder, transformers' model)."""
+    def pair(name: str, dtype: torch.dtype):
+        path = hybrid_checkpoints[name]
+        config = transformers.AutoConfig.from_pretrained(path)
+        # transformers' grouped_mm experts take no float64
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, experts_implementation="eager").eval()
+        return lambda: build_model(config, path, dtype, torch.device("cpu"), "sdpa", 256), hf
 
-    return {name: (paged, transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32).eval()) for name, path in hybrid_checkpoints.items()}
+    cache = {}
+    return lambda name, dtype=torch.float32: cache.setdefault((name, dtype), pair(name, dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("name", HYBRID_CONFIGS)
-def test_prefill_then_greedy_decode_matches_transformers(models, name):
-    build, hf = models[name]
+def test_prefill_then_greedy_decode_matches_transformers(models, name, dtype):
+    build, hf = models(name, dtype)
     batch = prompts(0)
     expected = [transformers_greedy(hf, p, DECODE_STEPS) for p in batch]
-    steps = HybridSteps(build(name), len(batch))
+    steps = HybridSteps(build(), len(batch))
     logits, start = steps.step(list(enumerate(batch))), 0
     for prompt, (_, want) in zip(batch, expected):
         assert_logits_close(logits[start:start + len(prompt)], want[0])
@@ -84,12 +93,12 @@ def test_a_prompt_prefilled_in_two_chunks_beside_decode_rows(models, name):
     """Chunked prefill: the second chunk continues from the slot's state (the convolution's
     last inputs, the delta rule's state) in a batch that also decodes other sequences and
     starts a new one."""
-    build, hf = models[name]
+    build, hf = models(name)
     long_prompt, short, fresh = prompts(1, (75, 6, 9))
     want_long = transformers_greedy(hf, long_prompt, 0)[1][0]
     short_tokens, short_logits = transformers_greedy(hf, short, 1)
     want_fresh = transformers_greedy(hf, fresh, 0)[1][0]
-    steps = HybridSteps(build(name), 3)
+    steps = HybridSteps(build(), 3)
     first = steps.step([(0, long_prompt[:40]), (1, short)])
     assert_logits_close(first[:40], want_long[:40])
     second = steps.step([(1, short_tokens), (0, long_prompt[40:]), (2, fresh)])
