@@ -150,13 +150,15 @@ class GatedDeltaNet(nn.Module):
         s, rows = self.shape, x.shape[0]
         qkv, z, b, a = self._project(x)
         slots, weight = meta.state_slots, self.conv1d.weight[:, 0]
-        decode = meta.max_query_len == 1  # one token a sequence: the recurrent kernels
+        # One token a sequence: the recurrent kernels (a one-token prompt among them starts
+        # from zeros: has_initial_state).
+        decode, initial = meta.max_query_len == 1, meta.has_initial_state
         if decode:
             qkv = kernels.causal_conv_decode(qkv, weight, None, self.conv_state, slots,
-                                             self.activation)
+                                             self.activation, has_initial=initial)
         else:
             qkv = kernels.causal_conv_prefill(qkv, weight, None, meta.cu_seqlens_q,
-                                              self.conv_state, slots, meta.has_initial_state,
+                                              self.conv_state, slots, initial,
                                               self.activation)
         q, k, v = qkv.split(s.parts, dim=-1)
         q, k = q.view(rows, s.key_heads, s.key_dim), k.view(rows, s.key_heads, s.key_dim)
@@ -167,10 +169,10 @@ class GatedDeltaNet(nn.Module):
         g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)).float()
         if decode:
             out = kernels.gated_delta_decode(q, k, v, g, beta, self.recurrent_state, slots,
-                                             use_qk_l2norm=True)
+                                             use_qk_l2norm=True, has_initial=initial)
         else:
             out = kernels.gated_delta_prefill(q, k, v, g, beta, meta.cu_seqlens_q,
-                                              self.recurrent_state, slots,
-                                              meta.has_initial_state, use_qk_l2norm=True)
+                                              self.recurrent_state, slots, initial,
+                                              use_qk_l2norm=True)
         out = kernels.gated_rms_norm(out, z, self.norm.weight, self.norm.eps)
         return self.compute["out_proj"](out.reshape(rows, -1)), residual

@@ -105,3 +105,20 @@ def test_a_prompt_prefilled_in_two_chunks_beside_decode_rows(models, name):
     assert_logits_close(second[0], short_logits[1][0])
     assert_logits_close(second[1:36], want_long[40:])
     assert_logits_close(second[36:], want_fresh)
+
+
+@pytest.mark.parametrize("name", ["next_tied_attention_first", "qwen3.5_one_value_head_a_key"])
+def test_a_step_of_one_token_prompts_starts_them_from_zeros(models, name):
+    """A batch of one-token prompts is a step of one token a sequence (the decode kernels)
+    whose sequences start: their slots' old contents (garbage here) are not read."""
+    build, hf = models(name)
+    batch = [[17], [400], [33]]
+    expected = [transformers_greedy(hf, p, 2) for p in batch]
+    steps = HybridSteps(build(), len(batch))
+    rows = steps.step(list(enumerate(batch)))
+    for step in range(3):
+        for seq, (_, want) in enumerate(expected):
+            assert_logits_close(rows[seq], want[step][-1])
+        if step < 2:
+            rows = steps.step([(seq, [tokens[step]]) for seq, (tokens, _) in
+                               enumerate(expected)])
