@@ -42,6 +42,11 @@ class EngineConfig:
             tokens and decode attention reads half the bytes, at an fp8 rounding error on
             every key and value. Not with ``attention_backend="flash_attn"``.
         enable_prefix_caching: reuse KV blocks of identical prompt prefixes across requests.
+        num_state_snapshots: a hybrid model's (linear-attention layers beside full-attention
+            ones) prefix caching: snapshots of those layers' state at cached block boundaries,
+            each as large as a running sequence's state and allocated beside them before the
+            KV cache is sized. A prefix-cache hit resumes after the last cached block with a
+            snapshot; 0 (the default): such a model takes no prefix-cache hits.
         progress_bar: show a tqdm bar with prefill/decode throughput while requests run. Off
             by default: transformers' ``generate()`` prints nothing, and neither does the
             drop-in. A ``generate(..., progress_bar=True)`` call turns it on for that call.
@@ -87,6 +92,7 @@ class EngineConfig:
     attention_backend: str | None = None
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
+    num_state_snapshots: int = 0
     progress_bar: bool = False
     tensor_parallel_size: int = 1
     disable_custom_all_reduce: bool = False
@@ -104,6 +110,10 @@ class EngineConfig:
                      "num_speculative_tokens", "prompt_lookup_max", "speculative_max_batch",
                      "max_loras", "max_lora_rank"):
             _require_positive_int(name, getattr(self, name))
+        if not isinstance(self.num_state_snapshots, int) or isinstance(
+                self.num_state_snapshots, bool) or self.num_state_snapshots < 0:
+            raise ValueError("num_state_snapshots must be a non-negative integer, got "
+                             f"{self.num_state_snapshots!r}")
         for name in ("max_model_len", "num_kv_blocks", "max_graph_batch_size"):
             if getattr(self, name) is not None:
                 _require_positive_int(name, getattr(self, name))

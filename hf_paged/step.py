@@ -99,6 +99,12 @@ class StepPlan:
     report_probs: bool = False
     # Each sequence's LoRA adapter slot (-1: the base model); empty: none in the step.
     lora_slots: list[int] = field(default_factory=list)
+    # A hybrid model's (empty otherwise): each sequence's state slot, whether the slot holds
+    # the state after its tokens before this chunk (False: its first chunk, or a recompute),
+    # and the slot copies (source, destination) of forks to make before the forward, in order.
+    state_slots: list[int] = field(default_factory=list)
+    has_initial_state: list[bool] = field(default_factory=list)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -130,6 +136,10 @@ class StepInputs:
     num_drawn: int
     # Per sequence: its LoRA adapter slot (-1: none); empty when no sequence has one.
     lora_slots: list[int] = field(default_factory=list)
+    # A hybrid model's, as in ``StepPlan`` (empty otherwise).
+    state_slots: list[int] = field(default_factory=list)
+    has_initial_state: list[bool] = field(default_factory=list)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

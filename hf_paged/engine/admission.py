@@ -59,6 +59,11 @@ class Admission:
         memory = "gpu_memory_utilization" if self.device.type == "cuda" else "cpu_kv_cache_gib"
         check_request(prompt_token_ids, params.max_new_tokens, self.hf_config.vocab_size,
                       self.max_model_len, self.block_manager, memory)
+        if params.speculation is not None and self.block_manager.state_slots is not None:
+            raise ValueError("speculation (prompt_lookup_num_tokens, assistant_model): "
+                             f"{self.hf_config.model_type} has linear-attention layers, whose "
+                             "state cannot take rejected draft tokens back; speculative "
+                             "decoding is not supported on it")
         self.adapters.resolve(params.adapter)
 
     def add_lora(self, name: str, adapter: LoraAdapter) -> None:

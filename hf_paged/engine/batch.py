@@ -22,6 +22,9 @@ class ScheduledBatch:
     sample_copies: list[tuple[int, Sequence]] = field(default_factory=list)
     # Copy-on-write block copies (source, destination) to make before the forward, in order.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # A hybrid model's state-slot copies (source, destination) before the forward, in order:
+    # forks' and snapshots' recorded before this step, then restores of prefix-cache hits.
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
     # Speculative decoding: the draft tokens ending each sequence's chunk (0: none), and
     # whether a request of the batch may draft next step (it needs this step's tokens first).
     num_draft_tokens: list[int] = field(default_factory=list)
@@ -56,6 +59,12 @@ class ScheduledBatch:
             self.block_copies, self.is_decode, self.num_draft_tokens if drafting else [],
             lora_slots=[s.lora_slot for s in seqs] if any(s.lora_slot >= 0 for s in seqs)
             else [],
+            # A hybrid model's sequences all hold state slots; a chunk after others (or a
+            # decode row) continues from its slot's state, a first chunk starts from zeros.
+            state_slots=[s.state_slot for s in seqs] if seqs[0].state_slot >= 0 else [],
+            has_initial_state=[start > 0 for start in self.starts]
+            if seqs[0].state_slot >= 0 else [],
+            state_copies=self.state_copies,
         )
 
     @property

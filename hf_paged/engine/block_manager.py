@@ -11,6 +11,12 @@ Forked sequences (beams, several samples of one prompt) share their blocks by re
 A write into a shared, partly filled last block first copies it (copy-on-write): ``allocate``
 gives the writer a private block and records ``(source, destination)`` in ``copies``, which
 the scheduler hands to the model runner to copy on the device before the step's forward.
+
+A hybrid model's sequences also hold a state slot (``state_slots``): taken with their first
+blocks, forked with them, given back with them. Cached blocks hold the full-attention layers'
+K/V of a prefix, but not the linear layers' state after it: a hit resumes after the last
+cached block whose state a snapshot kept (``engine.state_snapshots``), and without snapshots
+the prefix cache serves such a model no hits.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 import xxhash
 
 from hf_paged.engine.sequence import Sequence
+from hf_paged.engine.state_slots import StateSlots
 
 
 def block_hash(parent_hash: int, token_ids: list[int] | tuple[int, ...]) -> int:
@@ -40,9 +47,11 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 state_slots: StateSlots | None = None):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.state_slots = state_slots  # a hybrid model's (None: no linear-attention layers)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_uncached: deque[int] = deque(range(num_blocks))
         self.evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
@@ -70,9 +79,11 @@ class BlockManager:
         """Cached blocks holding the longest prefix of ``seq``'s full blocks.
 
         The last token is never served from the cache: its logits are needed. The blocks are
-        not taken yet; ``allocate`` takes them.
+        not taken yet; ``allocate`` takes them. A hybrid model's end at the last block with a
+        state snapshot (see the module).
         """
-        if not self.enable_prefix_caching:
+        slots = self.state_slots
+        if not self.enable_prefix_caching or (slots is not None and slots.snapshots is None):
             return []
         self._hash_full_blocks(seq, len(seq) - 1)
         hits = []
@@ -81,14 +92,21 @@ class BlockManager:
             if block_id is None or self.blocks[block_id].key != self._key(seq, i):
                 break
             hits.append(block_id)
+        if slots is not None:
+            while hits and not slots.snapshots.has(seq.block_hashes[len(hits) - 1]):
+                hits.pop()
         return hits
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Give ``seq`` room for ``num_new_tokens`` more tokens after taking ``cached_blocks``.
 
         ``cached_blocks`` (from ``match_prefix``, admission only) join the block table and
-        count as computed. Returns False, changing nothing, when the free blocks do not suffice.
+        count as computed. A hybrid model's sequence also takes a state slot. Returns False,
+        changing nothing, when the free blocks (or state slots) do not suffice.
         """
+        slots = self.state_slots
+        if slots is not None and seq.state_slot < 0 and not slots.num_free:
+            return False
         bs = self.block_size
         total = seq.num_computed_tokens + len(cached_blocks) * bs + num_new_tokens
         needed = -(-total // bs) - len(seq.block_table) - len(cached_blocks)
@@ -100,8 +118,7 @@ class BlockManager:
             if not copy and block.hash is not None:
                 # Published under tokens the sequence dropped (``truncate``): a write would
                 # change what the hash names, so it stops being published.
-                del self.hash_to_block[block.hash]
-                block.hash = block.key = None
+                self._unpublish(block)
         if copy:
             if needed + 1 > self.num_free_blocks:
                 return False
@@ -126,15 +143,38 @@ class BlockManager:
         known = min(total, len(seq.token_ids))  # a pending token's value is not known yet
         if self.enable_prefix_caching and known // bs > seq.num_published_blocks:
             self._cache_full_blocks(seq, known)
+        if slots is not None:
+            slots.take(seq)
+            if cached_blocks:  # resume from the state after the last cached block
+                slots.restore(seq, seq.block_hashes[len(cached_blocks) - 1])
         return True
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Give ``child`` (a copy of ``parent``'s tokens) ``parent``'s blocks, shared."""
+        """Give ``child`` (a copy of ``parent``'s tokens) ``parent``'s blocks, shared, and a
+        state slot that a copy fills with ``parent``'s state."""
+        if self.state_slots is not None:
+            self.state_slots.fork(parent, child)
         for block_id in parent.block_table:
             self._hold(self.blocks[block_id])
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
         child.num_published_blocks = parent.num_published_blocks
+
+    def snapshot_boundary(self, seq: Sequence) -> int:
+        """Where a hybrid model's prefill of ``seq`` leaves a state snapshot: the end of the
+        last full block before its last prompt token (0: none)."""
+        slots = self.state_slots
+        if slots is None or slots.snapshots is None:
+            return 0
+        return (seq.num_prompt_tokens - 1) // self.block_size * self.block_size
+
+    def save_state(self, seq: Sequence, num_tokens: int) -> None:
+        """Snapshot ``seq``'s state after its first ``num_tokens`` tokens (a block boundary,
+        computed by the step being scheduled), under the hash of the block they end, while
+        the prefix cache names that block."""
+        block_hash = seq.block_hashes[num_tokens // self.block_size - 1]
+        if block_hash in self.hash_to_block:
+            self.state_slots.save(seq, block_hash)
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write copies recorded since the last call, in order."""
@@ -142,7 +182,9 @@ class BlockManager:
         return copies
 
     def free(self, seq: Sequence) -> None:
-        """Release ``seq``'s blocks."""
+        """Release ``seq``'s blocks and state slot."""
+        if self.state_slots is not None:
+            self.state_slots.free(seq)
         self._let_go(seq.block_table)
         seq.block_table = []
         seq.num_published_blocks = 0
@@ -155,6 +197,9 @@ class BlockManager:
         so the prefix cache never names changed contents. ``seq.token_ids`` is the caller's
         to shorten first; the table becomes a new list, so that views of the old one (the
         runner's mirror) see the change."""
+        if self.state_slots is not None:
+            raise NotImplementedError("a hybrid model's linear-attention state cannot be cut "
+                                      "back to fewer tokens (speculative decoding, drafting)")
         keep = self.blocks_needed(num_tokens)
         full = num_tokens // self.block_size
         self._let_go(seq.block_table[keep:])
@@ -200,10 +245,15 @@ class BlockManager:
         if self.free_uncached:
             return self.free_uncached.popleft()
         block_id, _ = self.evictable.popitem(last=False)
-        block = self.blocks[block_id]
-        del self.hash_to_block[block.hash]
-        block.hash = block.key = None
+        self._unpublish(self.blocks[block_id])
         return block_id
+
+    def _unpublish(self, block: Block) -> None:
+        """Take ``block`` out of the prefix cache (a hybrid model's state snapshot with it)."""
+        del self.hash_to_block[block.hash]
+        if self.state_slots is not None and self.state_slots.snapshots is not None:
+            self.state_slots.snapshots.drop(block.hash)
+        block.hash = block.key = None
 
     def _key(self, seq: Sequence, i: int) -> tuple[int, tuple[int, ...]]:
         # A chain starts from the sequence's salt: its LoRA adapter's id (0: the base model).

@@ -24,6 +24,8 @@ from hf_paged.engine.run_loop import progress_text, step_until_finished, stream_
 from hf_paged.engine.scheduler import Scheduler
 from hf_paged.engine.sequence import Sequence
 from hf_paged.engine.speculation.speculator import Speculator, default_speculation
+from hf_paged.engine.state_slots import StateSlots
+from hf_paged.engine.state_snapshots import StateSnapshots
 from hf_paged.sampling_params import SamplingParams
 from hf_paged.worker.executor import Executor
 
@@ -56,8 +58,20 @@ class EngineCore(Admission, PaddedForward):
         self.tokenizer = tokenizer
         # Start-up phases: weights loaded, KV cache sized and allocated, decode graphs captured.
         self.startup_seconds = dict(executor.startup_seconds)
+        # A hybrid model's linear-attention layers keep a state slot per running sequence
+        # (and, for prefix caching, snapshots in the slots after those).
+        state_slots = StateSlots(executor.num_state_slots, executor.state_slot_bytes,
+                                 StateSnapshots(executor.num_state_slots,
+                                                executor.num_state_snapshots)
+                                 if executor.num_state_snapshots else None) \
+            if executor.num_state_slots else None
+        if state_slots is not None and config.speculative_method is not None:
+            executor.close()
+            raise ValueError(f"speculative_method: {self.hf_config.model_type} has "
+                             "linear-attention layers, whose state cannot take rejected draft "
+                             "tokens back; speculative decoding is not supported on it")
         self.block_manager = BlockManager(
-            executor.num_blocks, config.block_size, config.enable_prefix_caching
+            executor.num_blocks, config.block_size, config.enable_prefix_caching, state_slots
         )
         # A draft checkpoint (``speculative_model``) loads into an engine like this one.
         self.speculator = Speculator(config, max_model_len, default_speculation(
@@ -241,6 +255,7 @@ class EngineCore(Admission, PaddedForward):
             "num_cached_blocks": bm.num_cached_blocks,
             "num_shared_blocks": bm.num_shared_blocks,
             "num_blocks_saved": bm.num_blocks_saved,
+            **_state_slot_stats(bm.state_slots),
             "num_preemptions": s.num_preemptions,
             "num_running": len(s.running),
             "num_waiting": len(s.waiting),
@@ -248,3 +263,16 @@ class EngineCore(Admission, PaddedForward):
             "lora_bytes": self.executor.lora_bytes,
             **self.speculator.stats(),
         }
+
+
+def _state_slot_stats(slots: StateSlots | None) -> dict[str, int]:
+    """A hybrid model's state slots and snapshots in use, of how many, and the device bytes
+    of them all."""
+    if slots is None:
+        return {}
+    snapshots = slots.snapshots
+    num_snapshots = snapshots.num_snapshots if snapshots else 0
+    return {"num_state_slots": slots.num_slots, "num_used_state_slots": slots.num_used,
+            "num_state_snapshots": num_snapshots,
+            "num_used_state_snapshots": snapshots.num_used if snapshots else 0,
+            "state_bytes": (slots.num_slots + num_snapshots) * slots.slot_bytes}

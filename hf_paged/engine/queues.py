@@ -53,24 +53,26 @@ class RequestQueues:
             root.status, root.finish_reason = Status.FINISHED, root.finish_reason or "stop"
             finished.append(root)
             return
-        chosen: set[int] = set()
+        # The members not chosen leave first: no more than ``width`` members ever hold blocks
+        # and state slots at once (a fork may take the slot one left).
+        chosen = {parent.seq_id for parent, _ in choices}
+        for seq in group.members:
+            if seq.seq_id not in chosen:
+                self._drop(seq)
+        continuing: set[int] = set()
         members = []
         for parent, token in choices:  # forks first: they copy the parent's tokens
-            if parent.seq_id in chosen:
+            if parent.seq_id in continuing:
                 child = self.fork(parent)
                 child.token_ids.append(token)
                 members.append(child)
             else:
-                chosen.add(parent.seq_id)
+                continuing.add(parent.seq_id)
                 members.append(parent)
         for parent, token in choices:  # a parent continues with its first choice
-            if parent.seq_id in chosen:
-                chosen.discard(parent.seq_id)
+            if parent.seq_id in continuing:
+                continuing.discard(parent.seq_id)
                 parent.token_ids.append(token)
-        kept = {s.seq_id for s in members}
-        for seq in group.members:
-            if seq.seq_id not in kept:
-                self._drop(seq)
         group.members = members
         for seq in reversed(members):
             if seq in self.parked:
@@ -162,3 +164,23 @@ class RequestQueues:
         self.num_preemptions += 1
         if seq.group is None:  # a group keeps its slots for its members
             self.num_seq_slots -= 1 + len(seq.followers)
+
+    def _preempt_idle_member(self) -> bool:
+        """Preempt the latest group member that waits for its group's choice (it is parked),
+        when nothing else can run: the request at the queue's head (maybe the member the group
+        waits for) needs its blocks."""
+        i = self._idle_member_index()
+        if i is not None:
+            self._preempt(self.running.pop(i), park=True)
+        return i is not None
+
+    def _idle_member_index(self, besides: set[int] = frozenset()) -> int | None:
+        """Where the latest running group member waiting for its group's choice is, other than
+        the sequence ids ``besides`` (those of the batch being built look idle: their chunk
+        counts as done)."""
+        for i in range(len(self.running) - 1, -1, -1):
+            seq = self.running[i]
+            if (seq.group is not None and seq.num_computed_tokens == seq.num_tokens
+                    and seq.seq_id not in besides):
+                return i
+        return None

@@ -83,6 +83,12 @@ class Scheduler(RequestQueues):
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        # A hybrid model's fork and snapshot copies recorded so far run before this step's
+        # forward; those recorded while scheduling it need its states, and wait for the next.
+        state_slots = self.block_manager.state_slots
+        ready = len(state_slots.copies) if state_slots is not None else 0
+        if state_slots is not None and state_slots.snapshots is not None:
+            state_slots.snapshots.publish()  # the last step's snapshots are filled first
         budget, preempted = self._schedule_running(batch, respect_holds=True)
         # Admitting right after a preemption would only take the blocks back.
         while self.waiting and budget and not preempted:
@@ -92,7 +98,7 @@ class Scheduler(RequestQueues):
                 break
             hits = self.block_manager.match_prefix(seq)
             cached = len(hits) * self.block_manager.block_size
-            n = min(len(seq) - cached, budget)
+            n = self._chunk(seq, cached, min(len(seq) - cached, budget))
             if not self.block_manager.allocate(seq, n, hits):
                 if batch.seqs or not self._preempt_idle_member():
                     break
@@ -115,6 +121,8 @@ class Scheduler(RequestQueues):
         # Followers forked by this step run from the next one (their tokens are being sampled).
         self.running.extend(follower for _, follower in batch.sample_copies)
         batch.block_copies = self.block_manager.take_copies()
+        if state_slots is not None and batch.seqs:  # with no step, the copies wait
+            batch.state_copies = state_slots.take_copies(ready)
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, respect_holds: bool) -> tuple[int, bool]:
@@ -133,7 +141,8 @@ class Scheduler(RequestQueues):
             if respect_holds and hooks is not None and not hooks.may_compute(seq):
                 i += 1
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk(seq, seq.num_computed_tokens,
+                            min(seq.num_tokens - seq.num_computed_tokens, budget))
             if n == 0:  # a group member waiting for its group's choice
                 i += 1
                 continue
@@ -256,25 +265,11 @@ class Scheduler(RequestQueues):
         new = num_tokens - seq.num_prompt_tokens
         return new >= seq.params.max_new_tokens or num_tokens >= self.max_model_len
 
-    def _preempt_idle_member(self) -> bool:
-        """Preempt the latest group member that waits for its group's choice (it is parked),
-        when nothing else can run: the request at the queue's head (maybe the member the group
-        waits for) needs its blocks."""
-        i = self._idle_member_index()
-        if i is not None:
-            self._preempt(self.running.pop(i), park=True)
-        return i is not None
-
-    def _idle_member_index(self, besides: set[int] = frozenset()) -> int | None:
-        """Where the latest running group member waiting for its group's choice is, other than
-        the sequence ids ``besides`` (those of the batch being built look idle: their chunk
-        counts as done)."""
-        for i in range(len(self.running) - 1, -1, -1):
-            seq = self.running[i]
-            if (seq.group is not None and seq.num_computed_tokens == seq.num_tokens
-                    and seq.seq_id not in besides):
-                return i
-        return None
+    def _chunk(self, seq: Sequence, start: int, n: int) -> int:
+        """``n`` tokens from ``start``, or fewer: a hybrid model's prefill chunk ends where a
+        state snapshot is taken."""
+        boundary = self.block_manager.snapshot_boundary(seq)
+        return boundary - start if start < boundary < start + n else n
 
     def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
         """Count the chunk as computed (the step will have stored its K/V before any later
@@ -288,6 +283,8 @@ class Scheduler(RequestQueues):
                 and self.speculator.needs_tokens(seq, len(self.running)):
             batch.speculative = True  # its next step may draft: it needs this one's tokens
         seq.num_computed_tokens = start + n
+        if start + n == self.block_manager.snapshot_boundary(seq):
+            self.block_manager.save_state(seq, start + n)
         seq.num_pending += sample and seq.group is None
         if sample and seq.followers:
             for follower in seq.followers:

@@ -12,6 +12,7 @@ from transformers import PreTrainedModel
 from hf_paged.engine.engine import EngineCore
 from hf_paged.engine.speculation.draft_engine import (
     check_draft,
+    check_truncatable,
     check_vocab,
     draft_length,
     draft_options,
@@ -62,6 +63,7 @@ def draft_engine_for(assistant_model: object, target: EngineCore) -> tuple[Engin
         if engine.device != target.device:
             raise ValueError(f"assistant_model is on {engine.device}, the model on "
                              f"{target.device}: the assistant must be on the model's device")
+        check_truncatable("assistant_model", engine)
         return engine, False
     max_model_len = draft_length(config, target.max_model_len)
     options = draft_options(target.config, max_model_len, target.block_manager.num_blocks,

@@ -194,9 +194,9 @@ def load_in_engine_process() -> Callable[[], None]:
     ``patch_transformers``; before any server starts (a model named on the command line loads
     when the manager is built). Returns what undoes it."""
     from transformers.cli.serving.model_manager import ModelManager
-    from transformers.cli.serving.utils import split_revision
 
     from hf_paged.integrations.patch import engine_defaults
+    from hf_paged.integrations.serve_compat import split_revision
 
     stock = ModelManager.__dict__["_load_model"]
 

@@ -38,7 +38,9 @@ def load_with_adapters(loras: dict[str, str]) -> Callable[[], None]:
     line whenever it loads it (at start, and again after ``/reset``). Returns what undoes it."""
     from transformers import AutoConfig
     from transformers.cli.serving.model_manager import ModelManager
-    from transformers.cli.serving.utils import split_model_id, split_revision
+    from transformers.cli.serving.utils import split_model_id
+
+    from hf_paged.integrations.serve_compat import split_revision
 
     stock = ModelManager.__dict__["_load_model"]
 

@@ -23,8 +23,10 @@ runs as ``B * Hv * V/BV`` programs, each through its chunks one after another.
 
 Decode: one program per (sequence, value head, V tile) reads its state tile, applies the
 token's update and writes it back; a negative slot (a padding row of a CUDA-graph batch)
-writes a zero output and no state. Neither kernel reads a value on the host, and their grids
-follow the shapes alone: a CUDA graph replays them for any lengths and slots.
+writes a zero output and no state. A prefill sequence with a negative slot (a CUDA graph's
+padding sequence, empty) starts from zeros and keeps no state. Neither kernel reads a value on
+the host, and their grids follow the shapes alone: a CUDA graph replays them for any lengths
+and slots.
 """
 
 from __future__ import annotations
@@ -87,14 +89,16 @@ def _prefill_kernel(
     start = tl.load(cu_ptr + seq)
     end = tl.load(cu_ptr + seq + 1)
     slot = tl.load(slots_ptr + seq).to(tl.int64)
+    live = slot >= 0  # a padding sequence's -1: zeros in, nothing kept
     ks = tl.arange(0, BK)
     vs = tl.program_id(2) * BV + tl.arange(0, BV)
     k_ok, v_ok = ks < K_DIM, vs < V_DIM
-    s_ptrs = pool_ptr + slot * p_s0 + head * p_s1 + (ks[:, None] * p_s2 + vs[None, :])
+    s_ptrs = (pool_ptr + tl.maximum(slot, 0) * p_s0 + head * p_s1
+              + (ks[:, None] * p_s2 + vs[None, :]))
     s_mask = k_ok[:, None] & v_ok[None, :]
     # a new sequence starts from zeros, whatever its slot held
     # (a scalar condition through tl.where: Triton's interpreter refuses ``block & scalar``)
-    initial = tl.load(initial_ptr + seq) != 0
+    initial = (tl.load(initial_ptr + seq) != 0) & live
     state = tl.load(s_ptrs, mask=tl.where(initial, s_mask, False), other=0.0)
     rows = tl.arange(0, C)
     causal = rows[:, None] >= rows[None, :]
@@ -138,7 +142,7 @@ def _prefill_kernel(
         g_last = tl.sum(tl.where(rows == C - 1, gc, 0.0), axis=0)
         v_decayed = v_new * tl.exp(g_last - gc)[:, None]
         state = tl.dot(tl.trans(k), v_decayed, state * tl.exp(g_last), input_precision=PRECISION)
-    tl.store(s_ptrs, state, mask=s_mask)
+    tl.store(s_ptrs, state, mask=tl.where(live, s_mask, False))
 
 
 @triton.jit

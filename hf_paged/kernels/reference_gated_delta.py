@@ -116,7 +116,8 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
     decay, at most 0), ``beta [T, Hv]``; sequence ``i`` owns rows ``cu_seqlens[i]:
     cu_seqlens[i+1]`` (int32 ``[B+1]``). It starts from ``state_pool[slots[i]]`` (float32
     ``[N, Hv, K, V]``) where ``has_initial[i]`` (a continued prefill chunk), else from zeros,
-    and its final state is written to that slot in place. Slots must be distinct and valid.
+    and its final state is written to that slot in place. Slots must be distinct; a negative
+    one (a CUDA graph's padding sequence) starts from zeros and keeps nothing.
     ``scale``: the query's (None: ``K ** -0.5``). Returns ``[T, Hv, V]`` in q's dtype; rows
     past ``cu_seqlens[-1]`` are not written.
     """
@@ -129,9 +130,10 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         rows = slice(starts[i], starts[i + 1])
         hq, hk, hv, hg, hb = _float_heads(q[rows], k[rows], v[rows], g[rows], beta[rows],
                                           use_qk_l2norm)
-        state = state_pool[slot] if initial else torch.zeros_like(state_pool[slot])
+        state = state_pool[slot] if initial and slot >= 0 else torch.zeros_like(state_pool[0])
         seq_out, state = _chunked(hq * scale, hk, hv, hg, hb, state)
-        state_pool[slot] = state
+        if slot >= 0:
+            state_pool[slot] = state
         out[rows] = seq_out.transpose(0, 1).to(q.dtype)
     return out
 

@@ -24,10 +24,10 @@ class AttentionMetadata:
     ``shared_prefix [1]``: a decode hint, set when every sequence's context starts with the
     same blocks: how many tokens they hold (cascade attention; see ``kernels.attention``).
     ``decode_order [B]``: a decode hint, the sequences longest context first (``decode_order``).
-    A hybrid model's linear-attention layers also read (None otherwise) ``state_slots [B]``
-    int32, each sequence's state slot (-1: a padding row), and ``has_initial_state [B]`` bool,
-    whether that slot holds the state after the sequence's earlier tokens (False: this step
-    starts it from zero).
+    A hybrid model's linear-attention layers (None for other models): ``state_slots [B]``
+    int32, each sequence's slot of the state pools (-1: a CUDA-graph padding row);
+    ``has_initial_state [B]`` bool, whether the slot holds the state after the sequence's
+    tokens before this step (False: it starts from zeros, its first chunk or a recompute).
     """
 
     slot_mapping: torch.Tensor

@@ -34,6 +34,11 @@ def full_forward(
 ) -> torch.Tensor:
     """Final hidden states ``[batch, seq_len, hidden]``, as transformers' model computes them;
     ``lora``: the model's adapter batch and each row's adapter slot (-1: none)."""
+    if model.state_modules:
+        # Packing dropped tokens as one-token sequences serves attention, not a recurrence.
+        raise NotImplementedError(
+            f"{model.config.model_type}: the model call over padded rows (hidden states, "
+            "logits) is not supported on models with linear-attention layers; use generate()")
     device = model.embed_tokens.weight.device
     batch, width = input_ids.shape
     keep = attention_mask.to(device).bool()

@@ -38,14 +38,14 @@ class PagedModel:
 
     @property
     def attention_layers(self) -> list[nn.Module]:
-        """Each attention layer's attention module, which holds that layer's
+        """Each full-attention layer's attention module, which holds that layer's
         ``k_cache``/``v_cache`` (a hybrid model's linear-attention layers have none)."""
         return [layer.self_attn for layer in self.layers if hasattr(layer, "self_attn")]
 
     @property
     def state_modules(self) -> list[nn.Module]:
-        """Each linear-attention layer's ``linear_attn``, which holds that layer's state pools,
-        in layer order (none in a model without such layers)."""
+        """A hybrid model's linear-attention modules (``linear_attn``), in layer order, which
+        hold that layer's state pools (``worker.state_cache``); empty for other models."""
         return [layer.linear_attn for layer in self.layers if hasattr(layer, "linear_attn")]
 
     def forward(

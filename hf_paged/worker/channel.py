@@ -1,7 +1,7 @@
 """The wire between rank 0 and the other ranks of its tensor-parallel group: rank 0's messages,
 broadcast over a gloo group in host memory (so that they cross machines too).
 
-Every message starts with a header of eleven int64:
+Every message starts with a header of thirteen int64:
 
     0  kind: STEP, RESULTS, LORA or STOP
     1  n: tokens in the step (``len(ids)``)
@@ -14,14 +14,17 @@ Every message starts with a header of eleven int64:
     8  c: copy-on-write block copies (``len(block_copies)``)
     9  ``num_drawn``
     10 l: per-sequence adapter slots (``len(lora_slots)``: b, or 0 when no sequence has one)
+    11 s: per-sequence state slots (``len(state_slots)``: b for a hybrid model, else 0)
+    12 sc: state-slot copies (``len(state_copies)``)
 
-Entries 1-10 are zero unless the kind is STEP. A STEP header is followed by one flat int64
+Entries 1-12 are zero unless the kind is STEP. A STEP header is followed by one flat int64
 payload, in ``StepInputs`` field order: ``ids``, ``src``, ``positions``, ``slots`` (n each),
 ``cu_seqlens`` (b + 1), ``seq_lens`` (b), ``logits_rows`` (r), ``tables`` (b * w, row-major),
-``block_copies`` (2c, pair by pair), ``lora_slots`` (l). Under torchrun a RESULTS header is
-followed by one pickled object (``send_object``): rank 0's outcome of ``engine.run``. A LORA
-header (spawned ranks) is followed by one pickled ``(slot, adapter)``: the whole adapter, host
-tensors, or None to unload the slot. STOP ends a spawned rank.
+``block_copies`` (2c, pair by pair), ``lora_slots`` (l), ``state_slots`` (s),
+``has_initial_state`` (s, as 0 or 1), ``state_copies`` (2sc, pair by pair). Under torchrun
+a RESULTS header is followed by one pickled object (``send_object``): rank 0's outcome of
+``engine.run``. A LORA header (spawned ranks) is followed by one pickled ``(slot, adapter)``:
+the whole adapter, host tensors, or None to unload the slot. STOP ends a spawned rank.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch.distributed as dist
 from hf_paged.step import StepInputs
 
 STEP, RESULTS, STOP, LORA = 1, 2, 3, 4  # message kinds
-_HEADER_LEN = 11
+_HEADER_LEN = 13
 
 
 class StepChannel:
@@ -52,33 +55,37 @@ class StepChannel:
             self.header[1:] = torch.tensor([
                 len(inputs.ids), len(inputs.seq_lens), len(inputs.logits_rows), t.shape[1],
                 inputs.max_query_len, inputs.graph_bs, inputs.shared, len(inputs.block_copies),
-                inputs.num_drawn, len(inputs.lora_slots)])
+                inputs.num_drawn, len(inputs.lora_slots), len(inputs.state_slots),
+                len(inputs.state_copies)])
         self._broadcast(self.header)
         if inputs is not None:
             payload = np.concatenate([
                 inputs.ids, inputs.src, inputs.positions, inputs.slots, inputs.cu_seqlens,
                 inputs.seq_lens, inputs.logits_rows, inputs.tables.ravel(),
                 np.asarray(inputs.block_copies, dtype=np.int64).ravel(),
-                np.asarray(inputs.lora_slots, dtype=np.int64)]).astype(np.int64)
+                np.asarray(inputs.lora_slots, dtype=np.int64),
+                np.asarray(inputs.state_slots, dtype=np.int64),
+                np.asarray(inputs.has_initial_state, dtype=np.int64),
+                np.asarray(inputs.state_copies, dtype=np.int64).ravel()]).astype(np.int64)
             self._broadcast(torch.from_numpy(payload))
 
     def recv(self) -> tuple[int, StepInputs | None]:
         """The other ranks: rank 0's next message kind, and the step's inputs for a STEP."""
         self._broadcast(self.header)
-        (kind, n, b, r, width, max_query_len, graph_bs, shared, c, drawn,
-         lora) = self.header.tolist()
+        (kind, n, b, r, width, max_query_len, graph_bs, shared, c, drawn, lora, states,
+         state_copies) = self.header.tolist()
         if kind != STEP:
             return kind, None
-        payload = torch.empty(4 * n + 2 * b + 1 + r + b * width + 2 * c + lora,
-                              dtype=torch.long)
+        payload = torch.empty(4 * n + 2 * b + 1 + r + b * width + 2 * c + lora + 2 * states
+                              + 2 * state_copies, dtype=torch.long)
         self._broadcast(payload)
-        parts = np.split(payload.numpy(),
-                         np.cumsum([n, n, n, n, b + 1, b, r, b * width, 2 * c]))
+        parts = np.split(payload.numpy(), np.cumsum(
+            [n, n, n, n, b + 1, b, r, b * width, 2 * c, lora, states, states]))
         lists = [p.tolist() for p in parts[:7]]
         tables = parts[7].astype(np.int32).reshape(b, width)
-        copies = [tuple(pair) for pair in parts[8].reshape(c, 2).tolist()]
         return kind, StepInputs(*lists[:6], tables, lists[6], max_query_len, graph_bs, shared,
-                                copies, drawn, parts[9].tolist())
+                                _pairs(parts[8]), drawn, parts[9].tolist(), parts[10].tolist(),
+                                parts[11].astype(bool).tolist(), _pairs(parts[12]))
 
     def send_object(self, obj: object) -> None:
         """Rank 0: any picklable object, after a header that announces it."""
@@ -91,3 +98,8 @@ class StepChannel:
 
     def _broadcast(self, x: torch.Tensor) -> None:
         dist.broadcast(x, group=self.group, group_src=0)
+
+
+def _pairs(flat: np.ndarray) -> list[tuple[int, int]]:
+    """(source, destination) pairs sent pair by pair."""
+    return [tuple(pair) for pair in flat.reshape(-1, 2).tolist()]

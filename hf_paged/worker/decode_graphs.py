@@ -10,6 +10,7 @@ batch with any row on an adapter; the base model's batches keep the graphs witho
 The inputs of a graph of size ``bs`` are views of one int32 buffer laid out as the shared
 prefix length (one entry), then ids, pending-token rows (``src``), positions, slots, context
 lengths, each row's temperature, top-k, top-p and min-p (floats as their bit patterns), its
+state slot (a hybrid model's linear-attention state; -1: padding, or no such layers), its
 LoRA adapter's slot (-1: none) and the rows longest context first (decode attention's launch
 order; ``bs`` each), then the block tables, column-major (``bs`` entries per block index, up
 to the full width), so a replay fills a pinned host buffer and sends it in a single copy of
@@ -40,14 +41,15 @@ DecodeStep = Callable[..., tuple[torch.Tensor, ...]]
 DecodeOutputs = Callable[[tuple, int], tuple]
 
 # per row: ids, src, positions, slots, context lengths, temperature, top-k, top-p, min-p,
-# adapter slot, order
-_FIELDS = 11
+# state slot, adapter slot, order
+_FIELDS = 12
 _ORDER = _FIELDS - 1  # the order row comes last: padding rows take their own index
 _ONE_BITS = int(np.array(1.0, np.float32).view(np.int32))  # top_p = 1.0 as int32 bits
 # Padding rows' fields before the order: no pending token, no store, empty context, greedy,
-# no adapter.
-_PADDING = np.array([0, -1, 0, -1, 0, 0, 0, _ONE_BITS, 0, -1], np.int32)[:, None]
+# no state slot, no adapter.
+_PADDING = np.array([0, -1, 0, -1, 0, 0, 0, _ONE_BITS, 0, -1, -1], np.int32)[:, None]
 _ADAPTER = _ORDER - 1
+_STATE = _ADAPTER - 1
 # (cu_seqlens, adapter slots, max_rows) -> a context in which the projections add the rows'
 # adapter deltas (``LoraSlots.rows``)
 LoraRows = Callable[[torch.Tensor, torch.Tensor, int], AbstractContextManager]
@@ -59,9 +61,11 @@ class DecodeGraphs:
 
     def __init__(self, step: DecodeStep, outputs: DecodeOutputs, samples: bool, max_bs: int,
                  width: int, device: torch.device, cascade_min_seqs: int,
-                 lora_rows: LoraRows | None = None):
+                 lora_rows: LoraRows | None = None, states: bool = False):
         self.forward, self.outputs, self.lora_rows = step, outputs, lora_rows
         self.samples = samples  # the step draws tokens (one rank): the rows' settings go in
+        # A hybrid model's: each row's state slot goes in, every row continues its state.
+        self.initial = torch.ones(max_bs, dtype=torch.bool, device=device) if states else None
         self.sizes = [b for b in (1, 2, 4, 8) if b < max_bs] + list(range(16, max_bs, 16))
         self.sizes.append(max_bs)
         self.cascade_min_seqs = cascade_min_seqs
@@ -89,8 +93,9 @@ class DecodeGraphs:
 
     def step(self, bs: int, cascade: bool, adapters: bool = False) -> tuple[torch.Tensor, ...]:
         """The decode step over the buffer laid out for ``bs`` rows. Captured once per key."""
-        (ids, src, positions, slots, seq_lens, temperature, top_k, top_p, min_p, lora,
+        (ids, src, positions, slots, seq_lens, temperature, top_k, top_p, min_p, state, lora,
          order) = self.inputs[1 : 1 + _FIELDS * bs].view(_FIELDS, bs)
+        states = self.initial is not None
         meta = AttentionMetadata(
             slot_mapping=slots,
             cu_seqlens_q=self.cu_seqlens[: bs + 1],
@@ -100,6 +105,8 @@ class DecodeGraphs:
             max_query_len=1,
             shared_prefix=self.inputs[:1] if cascade else None,
             decode_order=order,
+            state_slots=state if states else None,
+            has_initial_state=self.initial[:bs] if states else None,
         )
         rows = self.lora_rows(meta.cu_seqlens_q, lora, 1) if adapters else nullcontext()
         with rows:
@@ -112,6 +119,7 @@ class DecodeGraphs:
         fields = self.inputs[1 : 1 + _FIELDS * bs].view(_FIELDS, bs)
         fields[1].fill_(-1)
         fields[3].fill_(-1)  # nothing stored while capturing
+        fields[_STATE].fill_(-1)
         fields[_ADAPTER].fill_(-1)
         fields[_ORDER].copy_(torch.arange(bs))
 
@@ -144,6 +152,7 @@ class DecodeGraphs:
         head[:5, :n] = (inputs.ids, inputs.src, inputs.positions, inputs.slots, inputs.seq_lens)
         adapters = on_adapters(inputs.lora_slots)
         head[_ADAPTER, :n] = inputs.lora_slots if adapters else -1
+        head[_STATE, :n] = inputs.state_slots or -1
         if self.samples:
             temperature, top_k, top_p, min_p = settings
             head[5, :n] = temperature.view(np.int32)

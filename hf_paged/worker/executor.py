@@ -41,8 +41,9 @@ class Executor:
 
     What the engine may use: ``launch``/``collect`` a step, ``release`` sequences, the
     transformers-style ``hidden_states``/``logits`` of the model call, ``close``, and the
-    facts ``num_blocks``, ``device``, ``dtype``, ``startup_seconds``; ``model`` is the swapped
-    model, for the drop-in class to adopt its modules."""
+    facts ``num_blocks``, ``num_state_slots``, ``num_state_snapshots``, ``state_slot_bytes``,
+    ``device``, ``dtype``, ``startup_seconds``; ``model`` is the swapped model, for the
+    drop-in class to adopt its modules."""
 
     is_leader = True  # schedules, samples and returns results
     broken: str | None = None  # why a rank can no longer run steps (the device may hang)
@@ -51,6 +52,10 @@ class Executor:
         self.runner = runner
         self.model = runner.model
         self.num_blocks = runner.num_blocks
+        # A hybrid model's state slots and snapshots (0: none) and the device bytes of each.
+        self.num_state_slots = runner.num_state_slots
+        self.num_state_snapshots = runner.num_state_snapshots
+        self.state_slot_bytes = runner.state_slot_bytes
         self.device, self.dtype = runner.device, runner.dtype
         self.startup_seconds = {"load": load_seconds, **runner.startup_seconds}
 

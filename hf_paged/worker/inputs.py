@@ -5,13 +5,17 @@ this runs on the host every step.
 Tokens the last step sampled are still on the device when the next step is prepared: such a
 token gets id 0 here and ``src`` names its row in the last step's samples (-1 everywhere
 else). Block tables live as rows of one int32 array, updated incrementally, so that a step
-copies only new block ids instead of rebuilding every table.
+copies only new block ids instead of rebuilding every table. ``device_metadata`` turns an
+eager step's inputs into the ``AttentionMetadata`` on the device.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
+from hf_paged.device_copy import to_device
+from hf_paged.modeling.attention import AttentionMetadata, decode_order
 from hf_paged.step import StepInputs, StepPlan
 
 # Cascade attention (kernels.attention) pays two more kernels a layer to read a shared prefix
@@ -111,7 +115,8 @@ class StepPreparer:
         return StepInputs(
             input_ids, src, positions, slots, cu_seqlens, seq_lens, tables, logits_rows,
             max(plan.num_tokens), graph_bs, self._shared_prefix_len(plan, tables),
-            plan.block_copies, pending, plan.lora_slots,
+            plan.block_copies, pending, plan.lora_slots, plan.state_slots,
+            plan.has_initial_state, plan.state_copies,
         )
 
     def sampled(self, seq_ids: list[int]) -> None:
@@ -131,3 +136,21 @@ class StepPreparer:
         same = (tables[:, :limit] == tables[:1, :limit]).all(axis=0)
         shared = (limit if same.all() else int(same.argmin())) * self.block_size
         return shared if len(plan.seq_ids) * shared >= CASCADE_MIN_TOKENS else 0
+
+
+def device_metadata(inputs: StepInputs, device: torch.device) -> AttentionMetadata:
+    """An eager step's metadata, copied to ``device`` without a sync."""
+    slots = inputs.state_slots
+    return AttentionMetadata(
+        slot_mapping=to_device(inputs.slots, device),
+        cu_seqlens_q=to_device(inputs.cu_seqlens, device, torch.int32),
+        seq_lens=to_device(inputs.seq_lens, device, torch.int32),
+        block_tables=torch.from_numpy(inputs.tables).to(device, non_blocking=True),
+        max_query_len=inputs.max_query_len,
+        shared_prefix=to_device([inputs.shared], device, torch.int32) if inputs.shared else None,
+        decode_order=to_device(decode_order(inputs.seq_lens), device, torch.int32)
+        if inputs.max_query_len == 1 else None,
+        state_slots=to_device(slots, device, torch.int32) if slots else None,
+        has_initial_state=to_device(inputs.has_initial_state, device, torch.bool)
+        if slots else None,
+    )

@@ -50,6 +50,9 @@ def calibrate(model: PagedModel, block_size: int, max_model_len: int) -> None:
         block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
         max_query_len=n,
     )
+    if model.state_modules:  # a hybrid model's linear layers: slot 0, from zeros (start-up)
+        meta.state_slots = torch.zeros(1, dtype=torch.int32, device=device)
+        meta.has_initial_state = torch.zeros(1, dtype=torch.bool, device=device)
     shape = (blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
     saved = [(layer.k_cache, layer.v_cache) for layer in layers]
     try:

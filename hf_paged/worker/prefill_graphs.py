@@ -6,12 +6,14 @@ One graph per token bucket (powers of two from 32 up to ``max_tokens``), each fo
 number of sequences that grows with it (``seq_capacity``: from 8 to ``max_seqs``; a step with
 more sequences than its tokens' bucket holds takes a larger one), over views of one int32
 input buffer laid out as ids, pending-token rows (``src``), positions and slots (a bucket's
-worth each), then ``cu_seqlens`` (capacity + 1), context lengths (capacity), logits rows (at
-least ``max_rows``: a step verifying draft tokens draws at several positions of a sequence),
-then the block tables (capacity full-width rows). A step replays the smallest bucket holding
+worth each), then ``cu_seqlens`` (capacity + 1), context lengths (capacity), a hybrid model's
+state slots and has-initial-state flags (capacity each), logits rows (at least ``max_rows``:
+a step verifying draft tokens draws at several positions of a sequence), then the block
+tables (capacity full-width rows). A step replays the smallest bucket holding
 it, padded: tokens past its own belong to no sequence (attention skips them, their slot is -1
 so nothing is stored, and every other operation works row by row), sequences past its own are
-empty, and surplus logits rows read row 0. Padded sequences and logits rows are not free
+empty (a hybrid model's state slot -1: its linear layers keep nothing of them), and surplus
+logits rows read row 0. Padded sequences and logits rows are not free
 (attention's programs, the LM head's rows), hence capacities that grow with the bucket: a lone
 prompt's bucket stays small, while a full step budget holds every running sequence (a prefill
 chunk shares its step with each running sequence's decode row). Attention runs its general
@@ -63,9 +65,10 @@ class PrefillGraphs:
 
     def __init__(self, step: PrefillStep, gather: Callable[[torch.Tensor], torch.Tensor | None],
                  max_tokens: int, max_seqs: int, width: int, device: torch.device,
-                 max_rows: int):
+                 max_rows: int, states: bool = False):
         self.forward, self.gather = step, gather
         self.max_rows = max_rows
+        self.state_fields = 2 if states else 0  # a hybrid model's slots and flags
         self.width = width
         self.buckets = token_buckets(max_tokens)
         self.capacity = {b: seq_capacity(b, max_seqs) for b in self.buckets}
@@ -80,7 +83,7 @@ class PrefillGraphs:
         """Where the sequence fields start, where the tables start, and the end."""
         s = self.capacity[bucket]
         seqs = _TOKEN_FIELDS * bucket
-        tables = seqs + 2 * s + 1 + self._rows(bucket)
+        tables = seqs + (2 + self.state_fields) * s + 1 + self._rows(bucket)
         return seqs, tables, tables + s * self.width
 
     def bucket(self, inputs: StepInputs) -> int:
@@ -100,6 +103,7 @@ class PrefillGraphs:
         seqs, tables, end = self._layout(bucket)
         ids, src, positions, slots = self.inputs[:seqs].view(_TOKEN_FIELDS, bucket)
         fields = self.inputs[seqs:tables]
+        states = self.state_fields > 0
         meta = AttentionMetadata(
             slot_mapping=slots,
             cu_seqlens_q=fields[: s + 1],
@@ -107,8 +111,11 @@ class PrefillGraphs:
             block_tables=self.inputs[tables:end].view(s, self.width),
             max_query_len=bucket,  # not 1: the general attention kernel
             shared_prefix=None,
+            state_slots=fields[2 * s + 1 : 3 * s + 1] if states else None,
+            has_initial_state=fields[3 * s + 1 : 4 * s + 1] != 0 if states else None,
         )
-        return self.forward(ids, src, positions, meta, fields[2 * s + 1 :])
+        rows = (2 + self.state_fields) * s + 1
+        return self.forward(ids, src, positions, meta, fields[rows:])
 
     def steps(self) -> Iterator[tuple[int, Callable[[], tuple]]]:
         """Each bucket and its step, largest first, its inputs laid out for the capture as
@@ -132,7 +139,8 @@ class PrefillGraphs:
         is sampled)."""
         host = self.host_inputs[flip]
         used = self._fill(host, bucket, inputs.ids, inputs.src, inputs.positions, inputs.slots,
-                          inputs.cu_seqlens, inputs.seq_lens, inputs.logits_rows, inputs.tables)
+                          inputs.cu_seqlens, inputs.seq_lens, inputs.logits_rows, inputs.tables,
+                          inputs.state_slots, inputs.has_initial_state)
         self.inputs[:used].copy_(host[:used], non_blocking=True)
         graph, logits = self.graphs[bucket]
         graph.replay()
@@ -140,7 +148,7 @@ class PrefillGraphs:
         return self.gather(logits[:rows]) if rows else None
 
     def _fill(self, host, bucket, ids, src, positions, slots, cu_seqlens, seq_lens,
-              logits_rows, tables) -> int:
+              logits_rows, tables, state_slots=(), has_initial=()) -> int:
         """Lay a step out in the host buffer ``host`` (padded to ``bucket`` tokens and
         its capacity of sequences); return how many leading entries the graph reads."""
         x = host.numpy()
@@ -154,8 +162,15 @@ class PrefillGraphs:
         fields[b + 1 : s + 1] = cu_seqlens[-1]  # empty sequences
         fields[s + 1 : s + 1 + b] = seq_lens
         fields[s + 1 + b : 2 * s + 1] = 0
-        fields[2 * s + 1 : 2 * s + 1 + r] = logits_rows
-        fields[2 * s + 1 + r :] = 0
+        at = 2 * s + 1
+        if self.state_fields:  # empty sequences keep no state
+            fields[at : at + b] = state_slots
+            fields[at + b : at + s] = -1
+            fields[at + s : at + s + b] = has_initial
+            fields[at + s + b : at + 2 * s] = 0
+            at += 2 * s
+        fields[at : at + r] = logits_rows
+        fields[at + r :] = 0
         if b:
             x[start : start + b * self.width].reshape(b, self.width)[:, : tables.shape[1]] = tables
         return start + b * self.width

@@ -11,7 +11,8 @@ replay included), rank 0 alone receives the gathered logits and samples, and the
 tokens are broadcast back so that every rank reads the same pending tokens next step.
 
 The parts, one job each: ``inputs.StepPreparer`` (plan -> inputs), ``kv_cache.KVCache``,
-``sampler.Sampler``, the graphs (``decode_graphs``, ``prefill_graphs``) and ``startup``.
+a hybrid model's ``state_cache.StateCache``, ``sampler.Sampler``, the graphs
+(``decode_graphs``, ``prefill_graphs``) and ``startup``.
 """
 
 from __future__ import annotations
@@ -22,12 +23,12 @@ from hf_paged import kernels
 from hf_paged.config import EngineConfig
 from hf_paged.device_copy import to_device
 from hf_paged.families import family_for
-from hf_paged.modeling.attention import AttentionMetadata, decode_order
+from hf_paged.modeling.attention import AttentionMetadata
 from hf_paged.modeling.paged_model import PagedModel
 from hf_paged.modeling.tp import SINGLE, TensorParallel
 from hf_paged.step import StepInputs, StepPlan
 from hf_paged.worker.decode_graphs import DecodeGraphs, on_adapters
-from hf_paged.worker.inputs import CASCADE_MIN_SEQS, StepPreparer
+from hf_paged.worker.inputs import CASCADE_MIN_SEQS, StepPreparer, device_metadata
 from hf_paged.worker.kv_cache import KVCache, cache_dtype
 from hf_paged.worker.launched_step import LaunchedStep, collect, pinned_copy, to_host
 from hf_paged.worker.lora_slots import LoraSlots
@@ -35,6 +36,7 @@ from hf_paged.worker.prefill_graphs import PrefillGraphs
 from hf_paged.worker.sampler import Sampler, draw_counts, kernel_settings, per_draw
 from hf_paged.worker.shard import SYMMETRIC_ALL_REDUCE_TOKENS
 from hf_paged.worker.startup import Startup
+from hf_paged.worker.state_cache import state_cache_for
 
 # Prefill steps of up to this many tokens and sequences replay a graph (a full step budget:
 # launching an 8,192-token step eagerly takes the host longer than the device's 18 ms), and
@@ -54,6 +56,12 @@ class ModelRunner:
         self.width = -(-max_model_len // config.block_size)  # blocks of the longest sequence
         self.kv = KVCache(model.attention_layers, config.block_size,
                           cache_dtype(config.kv_cache_dtype, self.dtype), self.device)
+        # A hybrid model's linear-attention states: a slot per sequence that may run, then
+        # the prefix cache's snapshots.
+        self.states = state_cache_for(model, tp.size, self.dtype, self.device)
+        self.num_state_slots = config.max_num_seqs if self.states else 0
+        self.num_state_snapshots = config.num_state_snapshots \
+            if self.states and config.enable_prefix_caching else 0
         self.preparer = StepPreparer(config.block_size, self.width,
                                      cascade=config.attention_backend == "triton")
         self.sampler = Sampler(model.config.vocab_size, self.device)
@@ -77,7 +85,8 @@ class ModelRunner:
                 and not config.enforce_eager):
             self.decode_graphs, self.prefill_graphs = self.new_graphs()
         startup = Startup(model, self.kv, self.sampler, config, max_model_len, tp,
-                          [g for g in (self.decode_graphs, self.prefill_graphs) if g])
+                          [g for g in (self.decode_graphs, self.prefill_graphs) if g],
+                          self.states, self.num_state_slots + self.num_state_snapshots)
         startup.run()
         if self.lora.stacks and self.decode_graphs is not None:
             self.decode_graphs.capture_adapters()
@@ -87,6 +96,11 @@ class ModelRunner:
     @property
     def num_blocks(self) -> int:
         return self.kv.num_blocks
+
+    @property
+    def state_slot_bytes(self) -> int:
+        """Device bytes of one state slot over every linear layer (0: not a hybrid model)."""
+        return self.states.slot_bytes() if self.states else 0
 
     # ---- the graphs and the steps they capture -----------------------------------------------
 
@@ -104,13 +118,15 @@ class ModelRunner:
     def new_decode_graphs(self, max_bs: int) -> DecodeGraphs:
         """Decode graphs up to ``max_bs`` rows over this runner's steps (not captured yet)."""
         return DecodeGraphs(self._decode_step, self._decode_outputs, self.tp.size == 1, max_bs,
-                            self.width, self.device, CASCADE_MIN_SEQS, self.lora.rows)
+                            self.width, self.device, CASCADE_MIN_SEQS, self.lora.rows,
+                            states=self.states is not None)
 
     def new_prefill_graphs(self, max_tokens: int, max_seqs: int) -> PrefillGraphs:
         """Prefill graphs up to ``max_tokens`` tokens of ``max_seqs`` sequences (not captured
         yet)."""
         return PrefillGraphs(self._prefill_step, self.model.gather_logits, max_tokens, max_seqs,
-                             self.width, self.device, min(_PREFILL_GRAPH_ROWS, max_tokens))
+                             self.width, self.device, min(_PREFILL_GRAPH_ROWS, max_tokens),
+                             states=self.states is not None)
 
     def _forward_pending(self, ids, src, positions, meta: AttentionMetadata) -> torch.Tensor:
         """The model's hidden states, each pending token (``src >= 0``) read from the last
@@ -206,6 +222,8 @@ class ModelRunner:
         and the tokens a decode graph drew from them with ``settings`` (rank 0's)."""
         if inputs.block_copies:
             self.kv.copy_blocks(inputs.block_copies)
+        if inputs.state_copies:
+            self.states.copy_slots(inputs.state_copies)
         self.flip ^= 1
         if inputs.graph_bs:
             return self.decode_graphs.run(inputs, settings, self.flip)
@@ -217,16 +235,7 @@ class ModelRunner:
         if bucket:
             return self.prefill_graphs.run(inputs, bucket, self.flip), None
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=to_device(inputs.slots, dev),
-            cu_seqlens_q=to_device(inputs.cu_seqlens, dev, torch.int32),
-            seq_lens=to_device(inputs.seq_lens, dev, torch.int32),
-            block_tables=torch.from_numpy(inputs.tables).to(dev, non_blocking=True),
-            max_query_len=inputs.max_query_len,
-            shared_prefix=to_device([inputs.shared], dev, torch.int32) if inputs.shared else None,
-            decode_order=to_device(decode_order(inputs.seq_lens), dev, torch.int32)
-            if inputs.max_query_len == 1 else None,
-        )
+        meta = device_metadata(inputs, dev)
         input_ids = to_device(inputs.ids, dev)
         positions = to_device(inputs.positions, dev)
         self.lora.set_rows(meta.cu_seqlens_q, inputs.lora_slots if adapters else [],
@@ -294,3 +303,5 @@ class ModelRunner:
         self.last_tokens = None
         self.sampler.close()
         self.kv.close()
+        if self.states:
+            self.states.close()

@@ -1,12 +1,15 @@
-"""A runner's start-up, in order: time the projections' kernels, compile every kernel variant
-ahead, calibrate an FP8 KV cache's scales (where the checkpoint ships none), size and allocate
-the KV cache, run the warm-up steps, capture the CUDA graphs.
+"""A runner's start-up, in order: allocate a hybrid model's state pools, time the projections'
+kernels, compile every kernel variant ahead, calibrate an FP8 KV cache's scales (where the
+checkpoint ships none), size and allocate the KV cache, run the warm-up steps, capture the
+CUDA graphs.
 
 On CUDA every kernel variant compiles first, all at once, so that sizing the KV cache, the
 warm-up steps and the captures run compiled kernels only. The KV cache is sized from free GPU
 memory after one run of the largest step the scheduler can make on a throwaway cache (its
 peak activation memory), or from ``cpu_kv_cache_gib`` on the CPU; ``num_kv_blocks`` overrides
-both. Each stage is logged as it begins (where a slow or stuck start is) and timed.
+both. A hybrid model's state pools are allocated first and are never resized: on CUDA the
+sizing sees the memory they took, on the CPU they are part of ``cpu_kv_cache_gib``. Each stage
+is logged as it begins (where a slow or stuck start is) and timed.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from hf_paged.worker.kv_scales import calibrate
 from hf_paged.worker.prefill_graphs import PrefillGraphs
 from hf_paged.worker.projection_tuning import tune_projections
 from hf_paged.worker.sampler import Sampler
+from hf_paged.worker.state_cache import StateCache
 
 logger = logging.getLogger(__name__)
 # What the warm-up steps sample with: every branch of the sampling kernel.
@@ -41,11 +45,14 @@ _WARM_SAMPLING = RowSampling(seq_id=-1, temperature=1.0, top_k=2, top_p=0.5,
 
 class Startup:
     """Runs the stages over a runner's parts; ``graphs`` are its (uncaptured) decode and
-    prefill graphs, or none."""
+    prefill graphs, or none; ``states``: a hybrid model's state pools, of ``num_state_slots``
+    slots."""
 
     def __init__(self, model: PagedModel, kv: KVCache, sampler: Sampler, config: EngineConfig,
-                 max_model_len: int, tp: TensorParallel, graphs: list):
+                 max_model_len: int, tp: TensorParallel, graphs: list,
+                 states: StateCache | None = None, num_state_slots: int = 0):
         self.model, self.kv, self.sampler = model, kv, sampler
+        self.states, self.num_state_slots = states, num_state_slots
         self.config, self.max_model_len, self.tp = config, max_model_len, tp
         self.graphs = graphs
         self.device = kv.device
@@ -57,6 +64,10 @@ class Startup:
 
     def run(self) -> None:
         cuda = self.device.type == "cuda"
+        if self.states is not None:  # first: every step below runs the linear layers
+            self.states.allocate(self.num_state_slots)
+            self._log(f"state pools of {self.num_state_slots} slots "
+                      f"({self._state_bytes() / 2**30:.2f} GiB)")
         if cuda:
             with self._stage("projections", "timing the projections"):
                 self.projection_timings = tune_projections(self.model.layers)
@@ -103,7 +114,8 @@ class Startup:
             if self._sizing_runs():
                 num_blocks = self._blocks_that_fit_on_gpu()
             else:
-                num_blocks = int(cfg.cpu_kv_cache_gib * 2**30) // self.kv.block_bytes()
+                num_blocks = (int(cfg.cpu_kv_cache_gib * 2**30) - self._state_bytes()) \
+                    // self.kv.block_bytes()
             # More blocks than every running sequence at full length could use is waste (and
             # on a shared GPU, memory taken from its neighbours).
             num_blocks = min(num_blocks, cfg.max_num_seqs * self.max_blocks_per_seq)
@@ -114,6 +126,10 @@ class Startup:
                 f"no memory is left for the KV cache: raise {memory} or set num_kv_blocks"
             )
         return num_blocks
+
+    def _state_bytes(self) -> int:
+        """Bytes of the state pools (0: not a hybrid model)."""
+        return self.states.slot_bytes() * self.num_state_slots if self.states else 0
 
     def _sizing_runs(self) -> bool:
         """Whether sizing the KV cache runs ``_sizing_step`` (on CUDA, unless given a size)."""
@@ -153,6 +169,8 @@ class Startup:
         ``context`` cached ones, all in block 0's neighbourhood, storing nothing: it runs (and
         so compiles) every kernel such a step needs."""
         dev = self.device
+        if self.states is not None and per_seq > 1:  # a prefill needs a slot per sequence
+            num_seqs = min(num_seqs, self.num_state_slots)
         tokens = torch.zeros(num_seqs * per_seq, dtype=torch.long, device=dev)
         positions = torch.arange(context, context + per_seq, device=dev).repeat(num_seqs)
         bps = -(-(context + per_seq) // self.block_size)
@@ -167,6 +185,10 @@ class Startup:
             decode_order=torch.arange(num_seqs, device=dev, dtype=torch.int32)
             if per_seq == 1 else None,
         )
+        if self.states is not None:  # distinct slots; rows past them are padding (-1)
+            slots = torch.arange(num_seqs, device=dev, dtype=torch.int32)
+            meta.state_slots = slots.masked_fill(slots >= self.num_state_slots, -1)
+            meta.has_initial_state = torch.full((num_seqs,), context > 0, device=dev)
         hidden = self.model.forward(tokens, positions, meta)
         logits = self.model.compute_logits(hidden[:num_seqs])
         if logits is not None:  # rank 0 samples
@@ -179,10 +201,12 @@ class Startup:
         compiles inside one: the KV-cache sizing step, the warm-up steps and every graph's
         step run with each launch only compiling its kernel (``compiling_only``), over the
         first two layers (the first norms without a residual, the others with one; every
-        other layer launches the same variants as the second) and a two-block cache. If this
-        fails, kernels compile one at a time as the steps first run them, with a warning."""
+        other layer launches the same variants as the second), plus a hybrid model's first
+        layer of the kind they lack (linear or full attention), and a two-block cache. If
+        this fails, kernels compile one at a time as the steps first run them, with a
+        warning."""
         layers = self.model.layers
-        self.model.layers = layers[:2]
+        self.model.layers = compile_layers(layers)
         self.kv.allocate(2)
         try:
             with torch.inference_mode(), compiling_only(workers):
@@ -215,3 +239,12 @@ class Startup:
         self._warmup(self.config.max_num_seqs, 1, context)
         if self.config.attention_backend == "triton":
             self._warmup(CASCADE_MIN_SEQS, 1, context, shared=True)
+
+
+def compile_layers(layers: list) -> list:
+    """The layers whose steps launch every kernel variant of the model: the first two, and a
+    hybrid model's first layer of the kind they lack (full attention: ``self_attn``, or
+    linear attention)."""
+    kinds = {hasattr(layer, "self_attn") for layer in layers[:2]}
+    other = [layer for layer in layers[2:] if hasattr(layer, "self_attn") not in kinds]
+    return [*layers[:2], *other[:1]]

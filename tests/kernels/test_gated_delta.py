@@ -4,7 +4,8 @@ a key head, q/k/v strided views of one projection, states from and to pool slots
 continued across calls (split inside a chunk and at a chunk's end), decode steps after a
 prefill; the Triton kernels against the twins (float32, and half inputs with float32 states;
 without the L2 norm, with a scale) and, alone, a continued prefill then decode against
-transformers; slots of sequences not in the batch, and of padding rows, untouched."""
+transformers; slots of sequences not in the batch, and of padding rows and sequences,
+untouched."""
 
 from __future__ import annotations
 
@@ -151,6 +152,18 @@ def test_prefill_kernel_matches_twin(dtype):
     before = args["state_pool"].clone()
     kernel_and_twin(gated_delta_prefill, reference.gated_delta_prefill, args)
     assert torch.equal(args["state_pool"][[1, 3, 6]], before[[1, 3, 6]])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_a_prefill_sequence_on_a_negative_slot_starts_from_zeros_and_keeps_nothing(dtype):
+    """A CUDA graph's padding sequences (empty) and a -1 slot amid others."""
+    args = prefill_args(inputs([5, 0, 64, 0], dtype), pool(), [4, -1, 2, -1], [True] * 4)
+    before = args["state_pool"].clone()
+    kernel_and_twin(gated_delta_prefill, reference.gated_delta_prefill, args)
+    assert torch.equal(args["state_pool"][[0, 1, 3, 5, 6]], before[[0, 1, 3, 5, 6]])
+    args = prefill_args(inputs([70], dtype), pool(), [-1], [True])
+    zeros = prefill_args(args, pool(), [0], [False])
+    assert_close(gated_delta_prefill(**args), reference.gated_delta_prefill(**zeros), 2e-3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])

@@ -25,11 +25,14 @@ def fake_tokens(batch, eos_at=None) -> list[int]:
     return [eos_at.get(p, (p * 7) % 11) for p in positions]
 
 
-def run_to_end(sched: Scheduler, max_steps=10_000, eos_at=None):
+def run_to_end(sched: Scheduler, max_steps=10_000, eos_at=None, device=None):
+    """Drive ``sched`` as the engine does; ``device(plan)`` sees each step as it launches."""
     steps, in_flight = [], None
     while sched.has_work() or in_flight:
         batch = sched.schedule()
         assert batch.seqs or in_flight, "a step with work must schedule something"
+        if device is not None and batch.seqs:
+            device(batch.plan())
         if in_flight:
             sched.postprocess(*in_flight)
         in_flight = (batch, fake_tokens(batch, eos_at)) if batch.seqs else None
@@ -161,7 +164,7 @@ class ToyGroup(SequenceGroup):
         return choices[:1] * (self.width - len(members)) + choices
 
 
-def run_with_groups(sched, max_steps=10_000):
+def run_with_groups(sched, max_steps=10_000, device=None):
     """``run_to_end`` where group members report the fake model's token as a candidate, and
     a step with group rows is collected before the next is scheduled (as the engine does)."""
     in_flight, finished = None, []
@@ -170,6 +173,8 @@ def run_with_groups(sched, max_steps=10_000):
             finished += sched.postprocess(*in_flight)
             in_flight = None
         batch = sched.schedule()
+        if device is not None and batch.seqs:
+            device(batch.plan())
         assert len(batch.seqs) <= sched.max_num_seqs
         assert len(sched.running) <= sched.num_seq_slots <= sched.max_num_seqs
         if in_flight:

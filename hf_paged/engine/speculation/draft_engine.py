@@ -87,7 +87,21 @@ def load_draft(name: str, build: Callable[..., DraftEngine], path: str, **option
             raise
         raise ValueError(f"{name}: no GPU memory is left for the draft model's KV cache; load "
                          "the model with a lower gpu_memory_utilization") from None
+    try:
+        check_truncatable(name, engine)
+    except ValueError:
+        engine.close()
+        raise
     return engine
+
+
+def check_truncatable(name: str, engine: DraftEngine) -> None:
+    """Raise ValueError naming ``name`` when ``engine``'s model cannot draft: a draft sequence
+    is cut back to its request's tokens, which a hybrid model's linear-attention state cannot
+    follow."""
+    if engine.block_manager.state_slots is not None:
+        raise ValueError(f"{name}: the model has linear-attention layers, whose state cannot "
+                         "be cut back to a request's tokens; it cannot draft")
 
 
 def check_vocab(name: str, config: PretrainedConfig | None, vocab_size: int | None) -> None:

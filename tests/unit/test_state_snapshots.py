@@ -1,0 +1,154 @@
+"""Prefix caching for a hybrid model, on the host: state snapshots at cached block boundaries
+(taken, published a step later, used, evicted least recently used first, dropped with their
+blocks), prefill chunks ending at the snapshot boundary, and hits resuming from the last
+snapshot, checked step by step against the fake device of ``test_state_slots``."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_paged.engine.sequence import Sequence
+from hf_paged.engine.state_snapshots import StateSnapshots
+from hf_paged.sampling_params import SamplingParams
+from tests.unit.test_scheduler import fake_tokens, run_to_end, run_with_groups
+from tests.unit.test_state_slots import FakeDevice, ToyGroup, hybrid
+
+
+def seq(tokens, new=3) -> Sequence:
+    return Sequence(list(tokens), SamplingParams(max_new_tokens=new))
+
+
+def test_snapshots_serve_from_the_next_step_and_the_least_recently_used_goes_first():
+    snaps = StateSnapshots(first_slot=8, num_snapshots=2)
+    assert snaps.take(101) == 8 and not snaps.has(101)  # filled by the next step
+    assert snaps.take(101) is None  # one per block
+    snaps.publish()
+    assert snaps.has(101) and snaps.take(101) is None
+    assert snaps.take(102) == 9
+    assert snaps.take(103) == 8 and not snaps.has(101)  # none free: 101 gives its slot up
+    assert snaps.take(104) is None  # the others are still being filled
+    snaps.publish()
+    assert snaps.use(102) == 9  # 102 is now the most recently used
+    assert snaps.take(105) == 8 and not snaps.has(103) and snaps.has(102)
+    snaps.drop(105)  # its block left the cache before the snapshot was published
+    snaps.drop(102)
+    snaps.drop(555)  # none: nothing happens
+    assert snaps.num_used == 0 and sorted(snaps.free_slots) == [8, 9]
+    with pytest.raises(ValueError, match="num_snapshots"):
+        StateSnapshots(0, 0)
+
+
+def test_a_prompt_prefills_to_its_snapshot_boundary_then_a_second_resumes_there():
+    sched = hybrid(block_size=4, snapshots=2)
+    device = FakeDevice(sched)
+    first = seq(range(14))
+    sched.add(first)
+    batch = sched.schedule()
+    assert batch.num_tokens == [12]  # up to the end of the last full block before token 14
+    device(batch.plan())
+    sched.postprocess(batch, [])
+    batch = sched.schedule()
+    assert batch.num_tokens == [2] and batch.state_copies == [(0, 8)]  # the snapshot fills
+    device(batch.plan())
+    sched.postprocess(batch, fake_tokens(batch))
+    run_to_end(sched, device=device)
+    second = seq([*range(12), 50, 51, 52])  # shares three blocks with the first prompt
+    sched.add(second)
+    batch = sched.schedule()
+    assert second.num_cached_tokens == 12 and batch.starts == [12] and batch.num_tokens == [3]
+    assert batch.state_copies == [(8, second.state_slot)]
+    assert batch.plan().has_initial_state == [True]
+    device(batch.plan())
+    sched.postprocess(batch, fake_tokens(batch))
+    run_to_end(sched, device=device)
+    assert device.num_resumed == 1 and sched.prefix_cache_hits == 12
+
+
+def test_hits_stop_at_the_last_block_with_a_snapshot():
+    sched = hybrid(block_size=4, snapshots=2)
+    sched.add(seq(range(12), new=1))  # three blocks cached, a snapshot after the second
+    run_to_end(sched, device=FakeDevice(sched))
+    assert len(sched.block_manager.match_prefix(seq(range(20)))) == 2
+    none = hybrid(block_size=4)
+    none.add(seq(range(12), new=1))
+    run_to_end(none)
+    assert none.block_manager.match_prefix(seq(range(20))) == []  # no snapshots: no hits
+
+
+def test_a_snapshot_leaves_the_cache_with_its_block():
+    sched = hybrid(num_blocks=6, block_size=4, snapshots=2)
+    first = seq(range(9), new=1)
+    sched.add(first)
+    run_to_end(sched, device=FakeDevice(sched))
+    snaps = sched.block_manager.state_slots.snapshots
+    assert snaps.has(first.block_hashes[1])
+    sched.add(seq(range(100, 121), new=1))  # 6 blocks: every cached block is evicted
+    run_to_end(sched, device=FakeDevice(sched))
+    assert not snaps.has(first.block_hashes[1]) and snaps.num_used == 1  # the new one's
+
+
+def test_a_snapshot_serves_no_hit_in_the_step_that_fills_it():
+    sched = hybrid(block_size=4, snapshots=2)
+    first, second = seq(range(14)), seq(range(14))
+    sched.add(first)
+    sched.add(second)
+    batch = sched.schedule()  # both admitted: the first's snapshot is not filled yet
+    assert batch.seqs == [first, second] and second.num_cached_tokens == 0
+    device = FakeDevice(sched)
+    device(batch.plan())
+    sched.postprocess(batch, [])
+    run_to_end(sched, device=device)
+
+
+def test_a_slot_is_saved_before_a_restore_rewrites_it():
+    sched = hybrid(block_size=4, snapshots=2)
+    device = FakeDevice(sched)
+    x, y = [1] * 9, [2] * 13
+    sched.add(seq(x, new=1))
+    run_to_end(sched, device=device)  # a snapshot after x's eight tokens, in slot 8
+    a = seq(y)
+    sched.add(a)
+    batch = sched.schedule()  # a prefills to 12 in slot 0: saved into slot 9 next step
+    device(batch.plan())
+    sched.abort(a)  # slot 0 is free again
+    b = seq(x[:8] + [3, 3])
+    sched.add(b)
+    batch = sched.schedule()
+    assert b.state_slot == 0 and batch.state_copies == [(0, 9), (8, 0)]
+    device(batch.plan())
+    sched.postprocess(batch, fake_tokens(batch))
+    run_to_end(sched, device=device)
+    d = seq(y[:12] + [4])  # resumes from slot 9: a's state, not x's
+    sched.add(d)
+    run_to_end(sched, device=device)
+    assert d.num_cached_tokens == 12
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    prefixes=st.lists(st.integers(0, 2), min_size=2, max_size=8),
+    lengths=st.lists(st.integers(1, 30), min_size=8, max_size=8),
+    num_blocks=st.integers(14, 40),
+    budget=st.integers(4, 48),
+    snapshots=st.integers(1, 4),
+    group=st.booleans(),
+)
+def test_shared_prefixes_resume_from_snapshots_through_preemption_and_eviction(
+        prefixes, lengths, num_blocks, budget, snapshots, group):
+    sched = hybrid(num_blocks, 4, 6, budget, snapshots=snapshots)
+    stems = [[(7 * p + t) % 13 for t in range(24)] for p in range(3)]
+    for p, n in zip(prefixes, lengths):
+        s = seq(stems[p][:n] + [(n + t) % 11 for t in range(n % 7 + 1)], new=4)
+        if group:
+            ToyGroup(s, width=2, length=4)
+        sched.add(s)
+    device = FakeDevice(sched)
+    (run_with_groups if group else run_to_end)(sched, device=device)
+    slots = sched.block_manager.state_slots
+    assert slots.num_free == slots.num_slots and not slots.restores
+    assert sched.block_manager.num_free_blocks == num_blocks
+    assert slots.snapshots.num_used <= snapshots
+    if sched.prefix_cache_hits:
+        assert device.num_resumed
