@@ -102,6 +102,9 @@ def check_config(config: PretrainedConfig) -> None:
     if other:
         raise ValueError(f"layer_types {other} are not supported by hf_paged (only "
                          f"{', '.join(LAYER_TYPES)})")
+    if "full_attention" not in config.layer_types:  # the paged KV cache sizes by them
+        raise ValueError("layer_types has no 'full_attention' layer; hf_paged serves hybrid "
+                         "models with at least one")
     if len(config.layer_types) != config.num_hidden_layers:
         raise ValueError(f"layer_types names {len(config.layer_types)} layers, "
                          f"num_hidden_layers is {config.num_hidden_layers}")

@@ -78,6 +78,7 @@ def test_splits_the_ranks_cannot_make_are_refused_naming_both_numbers(override, 
     (dict(layer_types=["linear_attention", "sliding_attention", "linear_attention",
                        "full_attention"]), r"layer_types \['sliding_attention'\]"),
     (dict(num_experts_per_tok=9), r"num_experts_per_tok \(9\)"),
+    (dict(layer_types=["linear_attention"] * 4), "no 'full_attention' layer"),
 ])
 def test_configs_the_modules_cannot_run_are_refused(override, message):
     with pytest.raises(ValueError, match=message):
