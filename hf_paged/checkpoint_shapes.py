@@ -7,6 +7,13 @@ _QWEN3 = dict(
     head_dim=128, num_key_value_heads=8, bos_token_id=151643, eos_token_id=151645,
     pad_token_id=151643,
 )
+_TINY_HYBRID = dict(
+    vocab_size=1024, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+    max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
 # Each shape's config keywords; ``model_type`` (default "qwen3") picks the config class.
 SHAPES: dict[str, dict] = {
     "tiny": dict(_QWEN3, vocab_size=1024, hidden_size=64, intermediate_size=128,
@@ -30,4 +37,13 @@ SHAPES: dict[str, dict] = {
                     moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
                     norm_topk_prob=True, num_hidden_layers=48, num_attention_heads=32,
                     num_key_value_heads=4, tie_word_embeddings=False),
+    # Hybrids: Gated DeltaNet layers with a gated attention layer every fourth (transformers'
+    # default layer_types), partial RoPE (a quarter of head_dim), untied as the releases.
+    "tiny-next": dict(_TINY_HYBRID, model_type="qwen3_next", intermediate_size=128,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                      num_experts=8, num_experts_per_tok=2, norm_topk_prob=True),
+    "tiny-qwen3.5": dict(_TINY_HYBRID, model_type="qwen3_5_text", intermediate_size=128),
+    "tiny-qwen3.5-moe": dict(_TINY_HYBRID, model_type="qwen3_5_moe_text",
+                             moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                             num_experts=8, num_experts_per_tok=2),
 }

@@ -71,7 +71,11 @@ def random_qwen3(
     with torch.device(device):  # built in its dtype: a float32 copy of a 30B would not fit
         model = AutoModelForCausalLM.from_config(config, dtype=config.dtype or torch.float32)
     wide = logit_scale / config.hidden_size**0.5
+    hybrid = _hybrid_parameters(model, gen, device)
     for name, param in model.named_parameters():
+        if name in hybrid:
+            param.copy_(hybrid[name])
+            continue
         if "norm" in name:
             param.fill_(1.0)
             continue
@@ -79,6 +83,33 @@ def random_qwen3(
         std = wide if embedding else 1.5 / param.shape[-1] ** 0.5  # experts: [E, out, in]
         param.copy_(torch.randn(param.shape, generator=gen, device=device) * std)
     return model.eval()
+
+
+# The hybrids' norms -> the value their weight is drawn around: the zero-centred norms store
+# an offset from one, the gated norms of the Gated DeltaNet output the scale itself.
+_HYBRID_NORMS = {f"{family}{kind}": centre for family in ("Qwen3Next", "Qwen3_5", "Qwen3_5Moe")
+                 for kind, centre in (("RMSNorm", 0.0), ("RMSNormGated", 1.0))}
+
+
+def _hybrid_parameters(model: PreTrainedModel, gen: torch.Generator, device: str
+                       ) -> dict[str, torch.Tensor]:
+    """Qwen3-Next / Qwen3.5 parameters that are not projections: the zero-centred norms'
+    offsets (std 0.1, so that a norm that ignored them would be caught), the gated norms near
+    one, and each Gated DeltaNet head's decay (``A_log``: ``A`` in [0.05, 1], the state fading
+    over a few tokens to a few hundred rather than at once) and ``dt_bias`` (std 0.5). Empty
+    for other models."""
+    out = {}
+    for prefix, module in model.named_modules():
+        centre = _HYBRID_NORMS.get(type(module).__name__)
+        if centre is not None:
+            out[f"{prefix}.weight"] = centre + 0.1 * torch.randn(
+                module.weight.shape, generator=gen, device=device)
+        if hasattr(module, "A_log"):
+            heads = module.A_log.shape
+            out[f"{prefix}.A_log"] = (0.05 + 0.95 * torch.rand(heads, generator=gen,
+                                                               device=device)).log()
+            out[f"{prefix}.dt_bias"] = 0.5 * torch.randn(heads, generator=gen, device=device)
+    return out
 
 
 # Qwen3's layout: <|endoftext|> (padding), <|im_start|>, <|im_end|> (end of a turn: EOS) are

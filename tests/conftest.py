@@ -64,6 +64,21 @@ FP8_CONFIGS = {
 }
 FP8_CUT = ("cut_200_300", "moe_cut_160")
 
+# Tiny hybrid shapes (Gated DeltaNet and gated attention layers): transformers' default pattern
+# (three linear layers, then attention), attention first and last, a dense layer among sparse
+# ones, key heads each read by one or by two value heads, tied and untied embeddings.
+HYBRID_CONFIGS = {
+    "next_dense1": dict(SHAPES["tiny-next"], mlp_only_layers=[1]),
+    "next_tied_attention_first": dict(
+        SHAPES["tiny-next"], num_hidden_layers=5, decoder_sparse_step=2,
+        layer_types=["full_attention", "linear_attention", "linear_attention",
+                     "full_attention", "linear_attention"], tie_word_embeddings=True),
+    "qwen3.5_tied": dict(SHAPES["tiny-qwen3.5"], num_hidden_layers=3, tie_word_embeddings=True,
+                         layer_types=["linear_attention", "full_attention", "linear_attention"]),
+    "qwen3.5_one_value_head_a_key": dict(SHAPES["tiny-qwen3.5"], linear_num_value_heads=2),
+    "qwen3.5_moe": dict(SHAPES["tiny-qwen3.5-moe"]),
+}
+
 # Engine options small enough for a fast CPU cache; every model built from
 # ``tiny_checkpoint`` loads with these.
 SMALL = dict(max_model_len=128, num_kv_blocks=64, block_size=8)
@@ -100,6 +115,13 @@ def moe_checkpoints(tmp_path_factory) -> dict[str, str]:
         random_qwen3(config, seed=0).save_pretrained(path)
         paths[name] = path
     return paths
+
+
+@pytest.fixture(scope="session")
+def hybrid_checkpoints(tmp_path_factory) -> dict[str, str]:
+    """name -> folder of a float32 random hybrid checkpoint (``HYBRID_CONFIGS``)."""
+    return {name: float32_checkpoint(tmp_path_factory.mktemp(name), shape)[0]
+            for name, shape in HYBRID_CONFIGS.items()}
 
 
 def float32_checkpoint(folder, shape: dict, seed: int = 0) -> tuple[str, PretrainedConfig]:

@@ -22,6 +22,9 @@ from hf_paged.quantization import Fp8Scheme
 REGISTRY: dict[str, str] = {
     "qwen3": "hf_paged.families.qwen3",
     "qwen3_moe": "hf_paged.families.qwen3_moe",
+    "qwen3_next": "hf_paged.families.qwen3_next",
+    "qwen3_5_text": "hf_paged.families.qwen3_5",
+    "qwen3_5_moe_text": "hf_paged.families.qwen3_5_moe",
 }
 
 

@@ -149,18 +149,24 @@ def swap_modules(model: nn.Module, attention_backend: str, max_positions: int,
 
 
 def swap_decoder(model: nn.Module, attention_backend: str, max_positions: int,
-                 tp: TensorParallel, feed_forward: Callable[[nn.Module], nn.Module]) -> None:
-    """Swap a Qwen3-style decoder (on meta) in place: Qwen3's attention and norms, the
-    embedding, RoPE and LM head, and each layer's feed-forward block for what
-    ``feed_forward(layer)`` builds from transformers' layer."""
+                 tp: TensorParallel, feed_forward: Callable[[nn.Module], nn.Module],
+                 token_mixer: Callable[[nn.Module], None] | None = None,
+                 zero_centred: bool = False) -> None:
+    """Swap a Qwen3-style decoder (on meta) in place: Qwen3's attention (or what
+    ``token_mixer(layer)`` swaps in, a hybrid model's) and norms (``zero_centred``: the
+    offset norms of Qwen3-Next and Qwen3.5), the embedding, RoPE and LM head, and each layer's
+    feed-forward block for what ``feed_forward(layer)`` builds from transformers' layer."""
     config, inner = model.config, model.model
     eps = config.rms_norm_eps
     for layer in inner.layers:
-        layer.self_attn = Qwen3PagedAttention(config, attention_backend, tp)
+        if token_mixer is None:
+            layer.self_attn = Qwen3PagedAttention(config, attention_backend, tp)
+        else:
+            token_mixer(layer)
         layer.mlp = feed_forward(layer)
-        layer.input_layernorm = RMSNorm(config.hidden_size, eps)
-        layer.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
-    inner.norm = RMSNorm(config.hidden_size, eps)
+        layer.input_layernorm = RMSNorm(config.hidden_size, eps, zero_centred)
+        layer.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zero_centred)
+    inner.norm = RMSNorm(config.hidden_size, eps, zero_centred)
     inner.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
     inner.rotary_emb = RotaryEmbedding(inner.rotary_emb, max_positions)
     model.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
@@ -172,14 +178,21 @@ class Qwen3PagedAttention(nn.Module):
     The caches ``k_cache``/``v_cache`` (``[num_blocks, block_size, kv_heads, head_dim]``) are
     attached by the model runner once it has sized them; an FP8 cache's float32 scales per KV
     head, ``k_scale``/``v_scale``, beside them (``worker.kv_cache``).
+
+    ``gated``: the gated attention of Qwen3-Next and Qwen3.5, whose ``q_proj`` gives each head
+    its query and an output gate: the attention output times ``sigmoid(gate)`` goes into
+    ``o_proj``. Their q/k norms are zero-centred (``RMSNorm(offset=True)``) and their RoPE
+    partial (the rotary table narrower than a head).
     """
 
-    def __init__(self, config: PretrainedConfig, backend: str, tp: TensorParallel = SINGLE):
+    def __init__(self, config: PretrainedConfig, backend: str, tp: TensorParallel = SINGLE,
+                 gated: bool = False):
         super().__init__()
         head_dim = _head_dim(config)
+        self.gated = gated
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size, head_dim, config.num_attention_heads,
-            config.num_key_value_heads, bias=config.attention_bias, tp=tp,
+            config.num_key_value_heads, bias=config.attention_bias, tp=tp, gated_query=gated,
         )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
@@ -189,8 +202,8 @@ class Qwen3PagedAttention(nn.Module):
             tp=tp,
         )
         keep_computing(self, "o_proj")
-        self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
-        self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps)
+        self.q_norm = RMSNorm(head_dim, eps=config.rms_norm_eps, offset=gated)
+        self.k_norm = RMSNorm(head_dim, eps=config.rms_norm_eps, offset=gated)
         self.attend = attention_function(backend)
         self.k_cache = self.v_cache = torch.empty(0)
         self.k_scale: torch.Tensor | None = None
@@ -211,29 +224,36 @@ class Qwen3PagedAttention(nn.Module):
         """The block's output for ``norm(hidden, residual)``, and the new residual stream."""
         qkv, residual = self.qkv_proj.normed(hidden, residual, norm)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q_rows = self.num_heads * self.qkv_proj.q_head_rows
+        q, k, v = qkv.split([q_rows, kv_size, kv_size], dim=-1)
+        q = q.reshape(-1, self.num_heads, self.qkv_proj.q_head_rows)
+        if self.gated:  # each head's query, then its gate
+            q, gate = q[..., :self.head_dim], q[..., self.head_dim:]
         q, _ = kernels.norm_rope_store(
-            q.reshape(-1, self.num_heads, self.head_dim),
-            k.reshape(-1, self.num_kv_heads, self.head_dim),
+            q, k.reshape(-1, self.num_kv_heads, self.head_dim),
             v.reshape(-1, self.num_kv_heads, self.head_dim),
             self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
             positions, rotary.cos_sin_cache, self.k_cache, self.v_cache, meta.slot_mapping,
-            self.k_scale, self.v_scale,
+            self.k_scale, self.v_scale, offset=self.q_norm.offset,
         )
         out = self.attend(
             q, self.k_cache, self.v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
             self.scale, max_query_len=meta.max_query_len, shared_prefix=meta.shared_prefix,
             order=meta.decode_order, k_scale=self.k_scale, v_scale=self.v_scale,
-        )
-        return self.compute["o_proj"](out.reshape(-1, q_size)), residual
+        ).reshape(-1, q_size)
+        if self.gated:  # in the model dtype, as transformers' attn_output * sigmoid(gate)
+            out = out * torch.sigmoid(gate.reshape(-1, q_size))
+        return self.compute["o_proj"](out), residual
 
 
 class Qwen3PagedMLP(nn.Module):
-    """The SwiGLU feed-forward block with the gate and up projections merged."""
+    """The SwiGLU feed-forward block with the gate and up projections merged, of
+    ``intermediate`` features (None: ``config.intermediate_size``)."""
 
-    def __init__(self, config: PretrainedConfig, tp: TensorParallel = SINGLE):
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel = SINGLE,
+                 intermediate: int | None = None):
         super().__init__()
-        inter = config.intermediate_size
+        inter = intermediate or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], tp=tp)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, tp=tp)
         keep_computing(self, "down_proj")

@@ -27,7 +27,7 @@ from transformers import PretrainedConfig
 from hf_paged.families import qwen3
 from hf_paged.families.qwen3 import Qwen3PagedMLP
 from hf_paged.modeling.linear import divide
-from hf_paged.modeling.loader import PREFIX
+from hf_paged.modeling.loader import PREFIX, PackedModules, target_of
 from hf_paged.modeling.moe import SparseMoEBlock
 from hf_paged.modeling.tp import SINGLE, TensorParallel, kv_head_layout
 from hf_paged.quantization.fp8 import Fp8Scheme
@@ -128,13 +128,14 @@ def saved_layout(state: dict[str, torch.Tensor], scheme: Fp8Scheme | None
     return out
 
 
-def weight_target(name: str) -> tuple[str, object]:
+def weight_target(name: str, packed_modules: PackedModules = PACKED_MODULES
+                  ) -> tuple[str, object]:
     """The parameter a checkpoint tensor fills and its shard id: one expert's matrix (or its
     FP8 scale grid) goes to its layer's fused experts parameter (or grid) as
-    ``(expert, part)``."""
+    ``(expert, part)``, a projection of ``packed_modules`` to its merged one."""
     per_expert = _PER_EXPERT.search(name)
     if per_expert is None:
-        return qwen3.weight_target(name)
+        return target_of(name, packed_modules)
     part = per_expert["part"]
     param = "down_proj" if part == "down" else "gate_up_proj"
     shard = (int(per_expert["expert"]), {"gate": 0, "up": 1, "down": None}[part])

@@ -27,7 +27,9 @@ def transformers_state_dict(state: dict[str, torch.Tensor],
         if merged not in parts:
             out[key] = tensor
             continue
-        split = sizes[merged]
+        # the most specific entry: "shared_expert.gate_up_proj" before "gate_up_proj"
+        split = next(sizes[name] for name in sorted(sizes, key=len, reverse=True)
+                     if module == name or module.endswith(f".{name}"))
         if leaf == "weight_scale_inv":  # each part's grid rows
             split = [-(-rows // scheme.block[0]) for rows in split]
         for name, piece in zip(parts[merged], tensor.split(split, dim=0)):

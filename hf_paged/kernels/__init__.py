@@ -112,18 +112,20 @@ def normed_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
     weight: torch.Tensor, bias: torch.Tensor | None = None, small_m_rows: int = 0,
     gated: bool = False, scales: BlockScales | None = None, w8a8_rows: int = 0,
+    offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The projection (``gated``: ``gated_linear``) of ``rms_norm(x + residual)``, and
-    ``x + residual`` (``x`` when ``residual`` is None), as ``add_rms_norm`` then the
-    projection compute them; where ``_small_m`` says, one small-M kernel does it all."""
-    if (_small_m(x, weight, bias, small_m_rows, scales) and norm_weight.dtype == x.dtype
-            and (residual is None or residual.stride(1) == 1)):
+    """The projection (``gated``: ``gated_linear``) of ``rms_norm(x + residual)`` (``offset``:
+    the zero-centred norm), and ``x + residual`` (``x`` when ``residual`` is None), as
+    ``add_rms_norm`` then the projection compute them; where ``_small_m`` says (and the norm is
+    Qwen3's), one small-M kernel does it all."""
+    if (not offset and _small_m(x, weight, bias, small_m_rows, scales)
+            and norm_weight.dtype == x.dtype and (residual is None or residual.stride(1) == 1)):
         return _triton_kernel("small_m", "normed_linear")(x, residual, norm_weight, eps, weight,
                                                           gated, scales)
     if residual is None:
-        x, residual = rms_norm(x, norm_weight, eps), x
+        x, residual = rms_norm(x, norm_weight, eps, offset=offset), x
     else:
-        x, residual = add_rms_norm(x, residual, norm_weight, eps)
+        x, residual = add_rms_norm(x, residual, norm_weight, eps, offset=offset)
     if gated:
         return gated_linear(x, weight, small_m_rows, scales, w8a8_rows), residual
     return linear(x, weight, bias, small_m_rows, scales, w8a8_rows), residual

@@ -108,10 +108,11 @@ def _conv_states_kernel(
 
 @triton.jit
 def _conv_decode_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, pool_ptr, slots_ptr,
+    x_ptr, w_ptr, b_ptr, out_ptr, pool_ptr, slots_ptr, initial_ptr,
     channels, x_s0, x_s1, w_s0, w_s1, o_s0, p_s0, p_s1, p_s2,
     STATE_LEN: tl.constexpr, WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
+    HAS_INITIAL: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
     seq = tl.program_id(0)
@@ -123,7 +124,11 @@ def _conv_decode_kernel(
     live = cmask & (slot >= 0)
     state = pool_ptr + slot.to(tl.int64) * p_s0 + cols * p_s1
     keep = live[None, :] & (j < STATE_LEN)
-    old = tl.load(state[None, :] + j * p_s2, mask=keep, other=0.0)
+    reads = keep
+    if HAS_INITIAL:  # a sequence's first token reads zeros, not the slot
+        reads = keep & ((tl.zeros([BLOCK_C], dtype=tl.int32)
+                         + tl.load(initial_ptr + seq).to(tl.int32)) != 0)[None, :]
+    old = tl.load(state[None, :] + j * p_s2, mask=reads, other=0.0)
     x = tl.load(x_ptr + seq.to(tl.int64) * x_s0 + cols * x_s1, mask=cmask, other=0.0)
     # The window is (state, x): state entry j meets tap j - (STATE_LEN + 1 - WIDTH).
     tap = j - (STATE_LEN + 1 - WIDTH)
@@ -172,19 +177,25 @@ def causal_conv_prefill(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 def causal_conv_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        conv_pool: torch.Tensor, slots: torch.Tensor,
-                       activation: str | None = "silu") -> torch.Tensor:
+                       activation: str | None = "silu",
+                       has_initial: torch.Tensor | None = None) -> torch.Tensor:
     """Triton twin of ``reference.causal_conv_decode``: one launch, the states rolled in
     place."""
-    check_conv("causal_conv_decode", x, weight, bias, conv_pool, slots, activation)
+    check_conv("causal_conv_decode", x, weight, bias, conv_pool, slots, activation,
+               has_initial=has_initial)
+    if has_initial is not None and has_initial.dtype == torch.bool:
+        has_initial = has_initial.view(torch.uint8)  # a view: no launch, no copy
     batch, channels = x.shape
     out = torch.empty(batch, channels, dtype=x.dtype, device=x.device)
     if batch == 0:
         return out
     launch(_conv_decode_kernel, (batch, triton.cdiv(channels, _BLOCK_C)),
            x, weight, bias if bias is not None else weight, out, conv_pool, slots,
+           slots if has_initial is None else has_initial,
            channels, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
            out.stride(0), conv_pool.stride(0), conv_pool.stride(1), conv_pool.stride(2),
            STATE_LEN=conv_pool.shape[2], WIDTH=weight.shape[1], HAS_BIAS=bias is not None,
-           SILU=activation is not None, BLOCK_S=triton.next_power_of_2(conv_pool.shape[2]),
+           SILU=activation is not None, HAS_INITIAL=has_initial is not None,
+           BLOCK_S=triton.next_power_of_2(conv_pool.shape[2]),
            BLOCK_C=_BLOCK_C, num_warps=4, **pdl_options(x))
     return out

@@ -147,10 +147,10 @@ def _prefill_kernel(
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, pool_ptr, slots_ptr, scale,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, pool_ptr, slots_ptr, initial_ptr, scale,
     q_s0, q_s1, k_s0, k_s1, v_s0, v_s1, g_s0, b_s0, o_s0, o_s1, p_s0, p_s1, p_s2,
     REPEATS: tl.constexpr, L2NORM: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, PDL: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, HAS_INITIAL: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
     seq, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
@@ -170,7 +170,10 @@ def _decode_kernel(
     s_ptrs = (pool_ptr + tl.maximum(slot, 0) * p_s0 + head * p_s1
               + (ks[:, None] * p_s2 + vs[None, :]))
     s_mask = tl.where(live, k_ok[:, None] & v_ok[None, :], False)
-    state = tl.load(s_ptrs, mask=s_mask, other=0.0) * tl.exp(g)
+    reads = s_mask
+    if HAS_INITIAL:  # a sequence's first token starts from zeros, not the slot
+        reads = tl.where(tl.load(initial_ptr + seq) != 0, s_mask, False)
+    state = tl.load(s_ptrs, mask=reads, other=0.0) * tl.exp(g)
     # transformers' order: decay, read the key's prediction, write the correction, read q
     delta = (v - tl.sum(state * k[:, None], axis=0)) * beta
     state += k[:, None] * delta[None, :]
@@ -229,16 +232,21 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
 
 def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                        beta: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
-                       use_qk_l2norm: bool = True, scale: float | None = None) -> torch.Tensor:
+                       use_qk_l2norm: bool = True, scale: float | None = None,
+                       has_initial: torch.Tensor | None = None) -> torch.Tensor:
     """Triton twin of ``reference.gated_delta_decode`` (same arguments and result)."""
-    check_gated_delta("gated_delta_decode", q, k, v, g, beta, state_pool, slots)
+    check_gated_delta("gated_delta_decode", q, k, v, g, beta, state_pool, slots,
+                      has_initial=has_initial)
+    if has_initial is not None and has_initial.dtype == torch.bool:
+        has_initial = has_initial.view(torch.uint8)  # a view: no launch, no copy
     out = torch.empty(v.shape, dtype=q.dtype, device=q.device)
     if slots.numel() == 0:
         return out
     shapes = _heads(q, v, _DECODE_BV)
     launch(_decode_kernel, (slots.numel(), v.shape[1], triton.cdiv(v.shape[2], shapes["BV"])),
            q, k, v, g, beta, out, state_pool, slots,
+           slots if has_initial is None else has_initial,
            q.shape[2] ** -0.5 if scale is None else scale,
            *_strides(q, k, v, g, beta, out, state_pool), L2NORM=use_qk_l2norm,
-           num_warps=4, **pdl_options(q), **shapes)
+           HAS_INITIAL=has_initial is not None, num_warps=4, **pdl_options(q), **shapes)
     return out

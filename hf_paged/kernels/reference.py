@@ -117,22 +117,29 @@ def paged_attention(
     return out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' Qwen3RMSNorm: normalise in float32, cast back, then scale."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False
+             ) -> torch.Tensor:
+    """transformers' Qwen3RMSNorm: normalise in float32, cast back, then scale. ``offset``:
+    the zero-centred norm of Qwen3-Next and Qwen3.5 (``Qwen3NextRMSNorm``), whose weight is
+    stored as an offset from one: the float32 row times ``1 + weight`` in float32, then cast
+    to ``x``'s dtype."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (xf * (1.0 + weight.float())).to(x.dtype)
     return weight * xf.to(x.dtype)
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual = x + residual`` (in the model dtype), then ``rms_norm(residual)``.
 
     Returns ``(normed, residual)``; the Triton twin writes both in place of its inputs.
     """
     residual = x + residual
-    return rms_norm(residual, weight, eps), residual
+    return rms_norm(residual, weight, eps, offset), residual
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
@@ -150,19 +157,23 @@ def rope(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding, rotate-half (NeoX) style, on ``[T, H, D]`` query and key.
 
-    ``cos_sin_cache`` is ``[max_positions, D]`` float32: ``cos`` in the first half of the last
-    dimension, ``sin`` in the second, each already duplicated the way transformers'
-    ``cat((freqs, freqs))`` does, so ``cos = cache[p, :D//2]`` repeated twice. As in
-    transformers, cos/sin are cast to the input dtype before the products.
+    ``cos_sin_cache`` is ``[max_positions, R]`` float32 (``R <= D``): ``cos`` in the first half
+    of the last dimension, ``sin`` in the second, each already duplicated the way
+    transformers' ``cat((freqs, freqs))`` does, so ``cos = cache[p, :R//2]`` repeated twice.
+    The first ``R`` dimensions of each head rotate, the rest pass (partial RoPE,
+    ``partial_rotary_factor``). As in transformers, cos/sin are cast to the input dtype before
+    the products.
     """
-    half = cos_sin_cache.shape[1] // 2
+    rotary = cos_sin_cache.shape[1]
+    half = rotary // 2
     cs = cos_sin_cache[positions.long()]
     cos = torch.cat((cs[:, :half], cs[:, :half]), -1).to(query.dtype)[:, None, :]
     sin = torch.cat((cs[:, half:], cs[:, half:]), -1).to(query.dtype)[:, None, :]
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
-        return x * cos + torch.cat((-x2, x1), -1) * sin
+        x, rest = x[..., :rotary], x[..., rotary:]
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x * cos + torch.cat((-x2, x1), -1) * sin, rest), -1)
 
     return rotate(query), rotate(key)
 
@@ -181,12 +192,14 @@ def norm_rope_store(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3's attention inputs: per-head ``rms_norm`` of query and key, ``rope`` on both, and
-    ``store_kv`` of the rotated key and the value (scaled into an FP8 cache). Returns
+    """Qwen3's attention inputs: per-head ``rms_norm`` of query and key (``offset``: the
+    zero-centred norm), ``rope`` on both (partial where the table is narrower than a head),
+    and ``store_kv`` of the rotated key and the value (scaled into an FP8 cache). Returns
     ``(query, key)``; the Triton twin writes them in place of its inputs."""
-    query = rms_norm(query, q_weight, eps)
-    key = rms_norm(key, k_weight, eps)
+    query = rms_norm(query, q_weight, eps, offset)
+    key = rms_norm(key, k_weight, eps, offset)
     query, key = rope(query, key, positions, cos_sin_cache)
     store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return query, key

@@ -102,13 +102,18 @@ def causal_conv_prefill(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 def causal_conv_decode(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        conv_pool: torch.Tensor, slots: torch.Tensor,
-                       activation: str | None = "silu") -> torch.Tensor:
+                       activation: str | None = "silu",
+                       has_initial: torch.Tensor | None = None) -> torch.Tensor:
     """One token a sequence, ``x [B, C]``: ``causal_conv_prefill`` of one-row sequences that
-    all continue from their slots (transformers' ``causal_conv1d_update``), states rolled in
-    place."""
-    check_conv("causal_conv_decode", x, weight, bias, conv_pool, slots, activation)
+    continue from their slots (transformers' ``causal_conv1d_update``), states rolled in
+    place; where ``has_initial [B]`` is given and False, the sequence starts from zeros (its
+    first token, a one-token prompt: a step of one token a sequence need not be all decode
+    rows)."""
+    check_conv("causal_conv_decode", x, weight, bias, conv_pool, slots, activation,
+               has_initial=has_initial)
     batch = slots.shape[0]
     cu_seqlens = torch.arange(batch + 1, dtype=torch.int32, device=x.device)
-    has_initial = torch.ones(batch, dtype=torch.bool, device=x.device)
+    if has_initial is None:
+        has_initial = torch.ones(batch, dtype=torch.bool, device=x.device)
     return causal_conv_prefill(x, weight, bias, cu_seqlens, conv_pool, slots, has_initial,
                                activation)

@@ -46,6 +46,7 @@ def check_gated_delta(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     if cu_seqlens is not None:
         problems["cu_seqlens"] = (f"{tuple(cu_seqlens.shape)} is not [{seqs + 1}]"
                                   if cu_seqlens.shape != (seqs + 1,) else None)
+    if has_initial is not None:
         problems["has_initial"] = (f"{tuple(has_initial.shape)} is not [{seqs}]"
                                    if has_initial.shape != (seqs,) else None)
     for arg, problem in problems.items():
@@ -139,19 +140,25 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
 
 def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                        beta: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
-                       use_qk_l2norm: bool = True, scale: float | None = None) -> torch.Tensor:
+                       use_qk_l2norm: bool = True, scale: float | None = None,
+                       has_initial: torch.Tensor | None = None) -> torch.Tensor:
     """One token of each sequence (``torch_recurrent_gated_delta_rule``): row ``b`` of ``q, k
     [B, Hk, K]``, ``v [B, Hv, V]``, ``g, beta [B, Hv]`` updates the state in
-    ``state_pool[slots[b]]`` in place and reads it. A negative slot is a padding row (of a
-    CUDA-graph batch): its output is zeros and no state is touched. Returns ``[B, Hv, V]`` in
-    q's dtype."""
-    check_gated_delta("gated_delta_decode", q, k, v, g, beta, state_pool, slots)
+    ``state_pool[slots[b]]`` in place and reads it; where ``has_initial [B]`` is given and
+    False it starts from zeros instead (a sequence's first token). A negative slot is a
+    padding row (of a CUDA-graph batch): its output is zeros and no state is touched. Returns
+    ``[B, Hv, V]`` in q's dtype."""
+    check_gated_delta("gated_delta_decode", q, k, v, g, beta, state_pool, slots,
+                      has_initial=has_initial)
     # [B, H, D] is [batch, heads, one token] already: no transpose (``_float_heads``' [H, T])
     hq, hk, hv, hg, hb = (x.transpose(0, 1) for x in _float_heads(q, k, v, g, beta,
                                                                    use_qk_l2norm))
     hq = hq / q.shape[-1] ** 0.5 if scale is None else hq * scale
     keep = slots >= 0
-    state = state_pool[slots.clamp(min=0).long()] * hg.exp()[..., None, None]
+    state = state_pool[slots.clamp(min=0).long()]
+    if has_initial is not None:
+        state = torch.where(has_initial.bool()[:, None, None, None], state, 0)
+    state = state * hg.exp()[..., None, None]
     kv_mem = (state * hk.unsqueeze(-1)).sum(dim=-2)
     delta = (hv - kv_mem) * hb.unsqueeze(-1)
     state = state + hk.unsqueeze(-1) * delta.unsqueeze(-2)

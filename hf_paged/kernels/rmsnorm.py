@@ -32,7 +32,8 @@ def normed(x, dim, eps):
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr,
     heads, x_s0, x_s1, r_s0, r_s1, o_s0, o_s1, dim, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
     i, j, cols, mask = norm_row(heads, dim, BLOCK_D)
@@ -45,7 +46,12 @@ def _rms_norm_kernel(
         # The sum is rounded to the model dtype, as the reference's plain ``x + residual``.
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(residual_ptrs, x, mask=mask)
-    tl.store(out_ptr + i * o_s0 + j * o_s1 + cols, normed(x, dim, eps) * weight, mask=mask)
+    if OFFSET:  # zero-centred: the float32 row times 1 + weight, rounded once at the store
+        xf = x.to(tl.float32)
+        out = xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / dim + eps) * (1.0 + weight)
+    else:
+        out = normed(x, dim, eps) * weight
+    tl.store(out_ptr + i * o_s0 + j * o_s1 + cols, out, mask=mask)
 
 
 def row_view(x: torch.Tensor) -> torch.Tensor:
@@ -56,7 +62,7 @@ def row_view(x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-            out: torch.Tensor, eps: float) -> None:
+            out: torch.Tensor, eps: float, offset: bool) -> None:
     x3, o3 = row_view(x), row_view(out)
     r3 = x3 if residual is None else row_view(residual)
     assert x3.stride(-1) == r3.stride(-1) == o3.stride(-1) == weight.stride(-1) == 1
@@ -69,20 +75,27 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         x3, r3, weight, o3,
         heads, x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
         o3.stride(0), o3.stride(1), dim, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK_D=block_d,
+        HAS_RESIDUAL=residual is not None, OFFSET=offset, BLOCK_D=block_d,
         num_warps=max(1, min(8, block_d // 256)), **pdl_options(x),
     )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _out_dtype(x: torch.Tensor, weight: torch.Tensor, offset: bool) -> torch.dtype:
+    """The reference's output dtype: the zero-centred norm casts to ``x``'s."""
+    return x.dtype if offset else torch.promote_types(x.dtype, weight.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False
+             ) -> torch.Tensor:
     """Triton twin of ``reference.rms_norm``; ``x`` may be a strided ``[T, H, D]`` view."""
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    _launch(x, None, weight, out, eps)
+    out = torch.empty(x.shape, dtype=_out_dtype(x, weight, offset), device=x.device)
+    _launch(x, None, weight, out, eps, offset)
     return out
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of ``reference.add_rms_norm``, in place: ``residual <- x + residual`` and
     ``x <- rms_norm(residual)``; returns ``(x, residual)``.
@@ -90,7 +103,7 @@ def add_rms_norm(
     Should ``weight`` have a wider dtype than ``x``, the normed output gets a new tensor of that
     dtype, as in the reference, rather than being rounded into ``x``.
     """
-    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    out_dtype = _out_dtype(x, weight, offset)
     out = x if out_dtype == x.dtype else torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    _launch(x, residual, weight, out, eps)
+    _launch(x, residual, weight, out, eps, offset)
     return out, residual

@@ -151,11 +151,12 @@ class ColumnParallelLinear(_ParallelLinear):
         ``RMSNorm``, whose launch that saves). In a step with adapter rows the projection
         keeps its fused norm but not its SwiGLU product, which comes after the deltas: the
         LoRA kernels normalise the residual stream themselves and, for gate/up, take the
-        product in their last launch."""
+        product in their last launch (adapters are served on families whose norms have no
+        offset)."""
         lora = self.lora is not None and self.lora.active()
         out, residual = kernels.normed_linear(
             x, residual, norm.weight, norm.eps, self.weight, self.bias, self.small_m_rows,
-            gated and not lora, scales=self.scales, w8a8_rows=self.w8a8_rows)
+            gated and not lora, scales=self.scales, w8a8_rows=self.w8a8_rows, offset=norm.offset)
         if lora:
             out = self.lora.add_to(out, residual, (norm.weight, norm.eps), gated)
         return out, residual
@@ -196,26 +197,47 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self._copy(param, loaded, 0, offset, self.tp.rank * size, size)
 
 
+class StackedColumnParallelLinear(MergedColumnParallelLinear):
+    """Column-parallel outputs stored side by side where a checkpoint tensor may hold several
+    of them (Qwen3.5's ``in_proj_qkv``: every head's query rows, then key, then value, each
+    split over the ranks on its own): ``groups[i]`` are the sizes of the parts of checkpoint
+    tensor (shard id) ``i``. Each rank holds its slice of every part, in order."""
+
+    def __init__(self, in_features: int, groups: list[list[int]], bias: bool = False,
+                 tp: TensorParallel = SINGLE):
+        self.groups = groups
+        super().__init__(in_features, [size for group in groups for size in group], bias, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: int) -> None:
+        first = sum(len(group) for group in self.groups[:shard_id])
+        start = 0
+        for part, size in enumerate(self.groups[shard_id], first):
+            super().weight_loader(param, narrow(loaded, 0, start, size), part)
+            start += size
+
+
 class QKVParallelLinear(ColumnParallelLinear):
     """Query, key and value projections in one matrix; each rank holds whole heads. With
     fewer KV heads than ranks, each KV head is replicated on ``size / num_kv_heads`` ranks
-    (the ranks whose query heads read it)."""
+    (the ranks whose query heads read it). ``gated_query``: each query head's rows are
+    followed by as many rows of its output gate (Qwen3-Next's and Qwen3.5's ``q_proj``)."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False, tp: TensorParallel = SINGLE):
+                 bias: bool = False, tp: TensorParallel = SINGLE, gated_query: bool = False):
         self.num_heads, self.num_kv_heads = kv_head_layout(num_heads, num_kv_heads, tp.size)
         self.kv_shard = tp.rank * num_kv_heads // tp.size // self.num_kv_heads
         self.head_dim = head_dim
-        local = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        self.q_head_rows = head_dim * (2 if gated_query else 1)
+        local = self.num_heads * self.q_head_rows + 2 * self.num_kv_heads * head_dim
         super().__init__(hidden, local * tp.size, bias, tp)
 
     @property
     def parts(self) -> list[int]:
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, kv = self.num_heads * self.q_head_rows, self.num_kv_heads * self.head_dim
         return [q, kv, kv]
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: str) -> None:
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, kv = self.num_heads * self.q_head_rows, self.num_kv_heads * self.head_dim
         offset, size, index = {
             "q": (0, q, self.tp.rank), "k": (q, kv, self.kv_shard), "v": (q + kv, kv, self.kv_shard)
         }[shard_id]
@@ -248,9 +270,14 @@ class RowParallelLinear(_ParallelLinear):
         return narrow(a, 1, self.tp.rank * size, size), b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the output, before the all-reduce (a block that sums several
+        shares reduces them once)."""
         bias = self.bias if self.tp.rank == 0 else None
         out = kernels.linear(x, self.weight, bias, self.small_m_rows, scales=self.scales,
                              w8a8_rows=self.w8a8_rows)
         if self.lora is not None:  # a rank's share of the delta, summed with the products
             out = self.lora.add_to(out, x)
-        return self.tp.all_reduce(out)
+        return out

@@ -135,8 +135,12 @@ class SparseMoEBlock(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """The block's output for ``norm(x, residual)``, and the new residual stream."""
         x, residual = norm(x, residual)
+        return self.tp.all_reduce(self.routed(x)), residual
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum for normed ``x``: this rank's share, before the
+        all-reduce."""
         logits = kernels.linear(x, self.gate.weight)
         weights, ids = kernels.moe_route(logits, self.top_k, self.norm_topk_prob)
-        out = kernels.moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj,
-                                  weights, ids, **self.experts.scales)
-        return self.tp.all_reduce(out), residual
+        return kernels.moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj,
+                                   weights, ids, **self.experts.scales)

@@ -12,7 +12,9 @@ residual stream, norming their input with the layer's ``input_layernorm`` /
 ``post_attention_layernorm`` (``self_attn`` also holds the layer's ``k_cache`` / ``v_cache``
 and an FP8 cache's ``k_scale`` / ``v_scale``, and takes a checkpoint's in ``set_kv_scales``);
 ``model.norm(hidden, residual)``, ``model.rotary_emb`` (a ``RotaryEmbedding``) and
-``lm_head`` (a ``ParallelLMHead``).
+``lm_head`` (a ``ParallelLMHead``). A hybrid model's linear-attention layers have
+``linear_attn(hidden, residual, norm, meta)`` in place of ``self_attn``, holding that layer's
+state pools (``conv_state``, ``recurrent_state``; ``modeling.gated_deltanet``).
 """
 
 from __future__ import annotations
@@ -54,8 +56,12 @@ class PagedModel:
         device that replace ``input_ids`` where ``src >= 0`` (``kernels.embed``)."""
         hidden, residual = self.embed_tokens(input_ids, *(pending or ())), None
         for layer in self.layers:  # each block norms its input (fused into its projection)
-            hidden, residual = layer.self_attn(positions, hidden, residual,
-                                               layer.input_layernorm, meta, self.rotary)
+            if hasattr(layer, "linear_attn"):
+                hidden, residual = layer.linear_attn(hidden, residual, layer.input_layernorm,
+                                                     meta)
+            else:
+                hidden, residual = layer.self_attn(positions, hidden, residual,
+                                                   layer.input_layernorm, meta, self.rotary)
             hidden, residual = layer.mlp(hidden, residual, layer.post_attention_layernorm)
         return self.norm(hidden, residual)[0]
 

@@ -173,6 +173,25 @@ def test_triton_matches_reference(dtype, state_len, bias):
         assert torch.equal(pool, expected_pool)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_decode_of_first_tokens_starts_from_zeros(dtype):
+    """One token a sequence where some start (``has_initial`` False): those read zeros, not
+    their slot, as a one-row prefill does; the Triton kernel agrees."""
+    weight, pool = rand(CHANNELS, WIDTH, dtype=dtype), rand(4, CHANNELS, WIDTH, dtype=dtype)
+    step, slots = rand(3, CHANNELS, dtype=dtype), int32([2, 0, -1])
+    has_initial = flags([False, True, False])
+    prefill_pool, twin_pool = pool.clone(), pool.clone()
+    expected = reference.causal_conv_prefill(step, weight, None, int32([0, 1, 2, 3]),
+                                             prefill_pool, slots, has_initial)
+    twin = reference.causal_conv_decode(step, weight, None, twin_pool, slots,
+                                        has_initial=has_initial)
+    assert_close(twin, expected)
+    assert torch.equal(twin_pool, prefill_pool)
+    assert_close(causal_conv_decode(step, weight, None, pool, slots, has_initial=has_initial),
+                 expected)
+    assert torch.equal(pool, prefill_pool)
+
+
 def test_triton_inputs_wider_than_the_weight():
     # transformers casts the inputs to the weight's dtype for the convolution, the result back.
     weight, bias = rand(CHANNELS, WIDTH, dtype=HALF), rand(CHANNELS, dtype=HALF)

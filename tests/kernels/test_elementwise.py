@@ -40,10 +40,12 @@ def test_rms_norm_per_head_on_strided_view(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_add_rms_norm_in_place(dtype):
+@pytest.mark.parametrize("offset", [False, True])
+def test_add_rms_norm_in_place(dtype, offset):
     x, residual, weight = rand(9, 96, dtype=dtype), rand(9, 96, dtype=dtype), rand(96, dtype=dtype)
-    expected_normed, expected_residual = reference.add_rms_norm(x, residual, weight, 1e-5)
-    normed, new_residual = add_rms_norm(x, residual, weight, 1e-5)
+    expected_normed, expected_residual = reference.add_rms_norm(x, residual, weight, 1e-5,
+                                                                offset)
+    normed, new_residual = add_rms_norm(x, residual, weight, 1e-5, offset)
     assert normed is x and new_residual is residual
     assert_close(new_residual, expected_residual)
     assert_close(normed, expected_normed)
@@ -56,15 +58,30 @@ def test_rms_norm_wide_weight_promotes_like_reference():
     assert_close(out, reference.rms_norm(x, weight, 1e-6))
 
 
+def test_zero_centred_rms_norm_is_transformers_and_keeps_the_input_dtype():
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
+
+    x, weight = rand(5, 64, dtype=HALF), rand(64, dtype=torch.float32)
+    norm = Qwen3NextRMSNorm(64, eps=1e-6).to(DEVICE)
+    norm.weight.data.copy_(weight)
+    expected = norm(x).detach()
+    for out in (rms_norm(x, weight, 1e-6, offset=True),
+                reference.rms_norm(x, weight, 1e-6, offset=True)):
+        assert out.dtype == HALF
+        assert_close(out, expected)
+
+
 def cos_sin_cache(max_positions: int, head_dim: int) -> torch.Tensor:
     inv_freq = 1.0 / 10000 ** (torch.arange(0, head_dim, 2, device=DEVICE) / head_dim)
     freqs = torch.arange(max_positions, device=DEVICE)[:, None] * inv_freq[None, :]
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
 
-def attention_inputs(tokens, heads, kv_heads, head_dim, page, num_blocks, dtype):
+def attention_inputs(tokens, heads, kv_heads, head_dim, page, num_blocks, dtype,
+                     rotary=None):
     """q, k, v as strided views of one fused projection (as the attention layer passes them),
-    norm weights, positions, a RoPE table, NaN-filled caches and slots with padding rows."""
+    norm weights, positions, a RoPE table (of ``rotary`` dimensions: partial RoPE), NaN-filled
+    caches and slots with padding rows."""
     qkv = rand(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
     q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
     q, k = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim)
@@ -75,19 +92,23 @@ def attention_inputs(tokens, heads, kv_heads, head_dim, page, num_blocks, dtype)
                          device=DEVICE) for _ in range(2)]
     slots = torch.randperm(num_blocks * page, device=DEVICE)[:tokens]
     slots[::5] = -1  # padding rows: not stored
-    return qkv, (q, k, v, *weights, 1e-6, positions, cos_sin_cache(512, head_dim), *caches, slots)
+    table = cos_sin_cache(512, rotary or head_dim)
+    return qkv, (q, k, v, *weights, 1e-6, positions, table, *caches, slots)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,head_dim,page", [(4, 2, 64, 16), (6, 6, 48, 8)])
-def test_norm_rope_store_in_place(dtype, heads, kv_heads, head_dim, page):
-    qkv, args = attention_inputs(11, heads, kv_heads, head_dim, page, 4, dtype)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,page,rotary,offset", [
+    (4, 2, 64, 16, None, False), (6, 6, 48, 8, None, False),
+    (4, 2, 64, 16, 16, True),  # Qwen3-Next's: a quarter of each head rotates, offset norms
+    (3, 1, 48, 8, 24, False), (2, 2, 32, 8, None, True)])
+def test_norm_rope_store_in_place(dtype, heads, kv_heads, head_dim, page, rotary, offset):
+    qkv, args = attention_inputs(11, heads, kv_heads, head_dim, page, 4, dtype, rotary)
     q, k, v = args[:3]
     v_before = v.clone()
     expected_caches = [c.clone() for c in args[8:10]]
     ref_args = (*[a.clone() for a in args[:3]], *args[3:8], *expected_caches, args[10])
-    expected_q, expected_k = reference.norm_rope_store(*ref_args)
-    out_q, out_k = norm_rope_store(*args)
+    expected_q, expected_k = reference.norm_rope_store(*ref_args, offset=offset)
+    out_q, out_k = norm_rope_store(*args, offset=offset)
     assert out_q is q and out_k is k
     assert_close(q, expected_q)
     assert_close(k, expected_k)

@@ -174,6 +174,23 @@ def test_decode_kernel_matches_twin(dtype):
     assert torch.equal(args["state_pool"][[1, 2, 4, 6]], before[[1, 2, 4, 6]])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+def test_decode_of_first_tokens_starts_from_zeros(dtype):
+    """A step of one token a sequence may start sequences (one-token prompts): where
+    ``has_initial`` is False the decode rule ignores the slot's state, as the prefill twin
+    does, and both kernels agree."""
+    args = dict(decode_args(inputs([1] * 4, dtype), [5, -1, 0, 3]),
+                has_initial=torch.tensor([False, True, True, False], device=DEVICE))
+    kernel_and_twin(gated_delta_decode, reference.gated_delta_decode, args)
+    fresh = {name: args[name][[0, 3]] for name in ("q", "k", "v", "g", "beta")}
+    prefill_pool = args["state_pool"].clone()
+    expected = reference.gated_delta_prefill(**prefill_args(
+        dict(fresh, cu_seqlens=torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)),
+        prefill_pool, [5, 3], [False, False]))
+    out = reference.gated_delta_decode(**args)
+    assert_close(out[[0, 3]], expected, 1e-4 if dtype == torch.float32 else 2e-3)
+
+
 def test_kernels_continue_a_prefill_then_decode():
     """The Triton kernels alone: a 100-token prefill in two calls (split inside a chunk),
     then two decode steps, against transformers' rules over the whole sequence."""

@@ -24,7 +24,11 @@ from hf_paged.integrations.model_call import PagedInnerModel, inner_model_class
 from tests.conftest import TINY_CONFIGS
 
 QWEN3 = ("Qwen3 checkpoints (model_type 'qwen3', Qwen3ForCausalLM) and Qwen3-MoE checkpoints "
-         "(model_type 'qwen3_moe', Qwen3MoeForCausalLM)")
+         "(model_type 'qwen3_moe', Qwen3MoeForCausalLM) and Qwen3-Next checkpoints (model_type "
+         "'qwen3_next', Qwen3NextForCausalLM) and Qwen3.5 checkpoints (model_type "
+         "'qwen3_5_text', Qwen3_5ForCausalLM) and Qwen3.5-MoE checkpoints (model_type "
+         "'qwen3_5_moe_text', Qwen3_5MoeForCausalLM)")
+SERVED = ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 # What a family module provides (see families/qwen3.py).
 FAMILY_INTERFACE = ("NAME", "MODEL_TYPES", "ARCHITECTURE", "INNER_MODEL", "OUTPUT",
                     "PACKED_MODULES",
@@ -37,7 +41,7 @@ TINY_LLAMA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidde
 def test_a_qwen3_config_picks_the_qwen3_family():
     assert families.family_for(Qwen3Config()) is qwen3
     assert families.family_for("qwen3") is qwen3
-    assert families.supported_model_types() == ("qwen3", "qwen3_moe")
+    assert families.supported_model_types() == SERVED
     assert families.family_for(Qwen3MoeConfig()) is qwen3_moe
     families.check_model(Qwen3Config(**TINY_CONFIGS["gqa_tied"]), 2)
 
@@ -69,8 +73,10 @@ def test_every_registered_family_claims_its_model_types(model_type):
         assert hasattr(family, name), name
     assert issubclass(getattr(transformers, family.ARCHITECTURE), transformers.PreTrainedModel)
     assert issubclass(getattr(transformers, family.INNER_MODEL), transformers.PreTrainedModel)
-    assert set(family.packed_sizes(Qwen3Config())) == {m for m, _ in
-                                                       family.PACKED_MODULES.values()}
+    config = transformers.AutoConfig.for_model(model_type)
+    # a key may name the merged module's parent too ("shared_expert.gate_up_proj")
+    assert {key.rpartition(".")[2] for key in family.packed_sizes(config)} <= {
+        m for m, _ in family.PACKED_MODULES.values()}
 
 
 def test_the_drop_in_classes_are_transformers_own():
@@ -114,7 +120,7 @@ def llama_family(monkeypatch):
 
 def test_the_registry_imports_a_family_only_when_asked(monkeypatch):
     monkeypatch.setitem(families.REGISTRY, "llama", "tests.unit.no_such_family")
-    assert families.supported_model_types() == ("qwen3", "qwen3_moe", "llama")
+    assert families.supported_model_types() == (*SERVED, "llama")
     assert families.family_for("qwen3") is qwen3
     with pytest.raises(ModuleNotFoundError):
         families.family_for("llama")

@@ -1,0 +1,43 @@
+"""The hybrid families under tensor parallelism on CPU over gloo (two spawned ranks, in a
+subprocess with a timeout): each rank holds half the attention heads, half the Gated DeltaNet
+key and value heads with their state pools, half of every MLP and expert; float32 tokens
+against stock transformers', through chunked prefill and preemption, and beams."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from tests.conftest import left_padded
+from tests.parallel.test_tensor_parallel import BEAMS, CPU, TIGHT, run_jobs
+
+NAMES = ["next_dense1", "qwen3.5_one_value_head_a_key"]
+CALL = dict(lengths=[20, 25, 30, 35], seed=2, generate=dict(max_new_tokens=8))
+
+
+def reference(path: str, call: dict) -> list:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids, mask = left_padded(call["lengths"], model.config.vocab_size, seed=call["seed"])
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=0,
+                              **call["generate"]).tolist()
+
+
+@pytest.fixture(scope="module")
+def results(hybrid_checkpoints, tmp_path_factory) -> list[dict]:
+    jobs = [dict(checkpoint=hybrid_checkpoints[name],
+                 engine=dict(CPU, **TIGHT, tensor_parallel_size=2), calls=[CALL, BEAMS])
+            for name in NAMES]
+    out = tmp_path_factory.mktemp("hybrid_tp") / "results.json"
+    run_jobs(jobs, out)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("index", range(len(NAMES)))
+def test_tp2_matches_transformers(results, hybrid_checkpoints, index):
+    path, result = hybrid_checkpoints[NAMES[index]], results[index]
+    assert result["outputs"] == [reference(path, CALL), reference(path, BEAMS)]
+    assert result["stats"]["num_preemptions"] > 0, result["stats"]
