@@ -72,6 +72,33 @@ def test_prefix_hits_resume_from_state_snapshots(stock, hybrid_checkpoints):
         assert tokens == expected[0, len(prompt):].tolist()
 
 
+@pytest.mark.parametrize("name,shared_blocks", [("qwen3.5_tied", 1),
+                                                 ("next_tied_attention_first", 3)])
+def test_requests_sharing_a_system_prompt_resume_at_its_end(stock, hybrid_checkpoints, name,
+                                                             shared_blocks):
+    """A, then B, then C and D together, sharing A's first blocks and differing after them:
+    B stops at the shared prefix's end and snapshots it, C and D resume there."""
+    block_size = SMALL["block_size"]
+    tokens = torch.randint(3, 1000, (80,), generator=torch.Generator().manual_seed(9)).tolist()
+    system = tokens[:shared_blocks * block_size]
+    # B's own last full block ends past the system prompt: only the new stop snapshots there
+    tails = [tokens[40:51], tokens[51:64], tokens[64:71], tokens[71:74]]
+    prompts = [system + tail for tail in tails]
+    params = hf_paged.SamplingParams(max_new_tokens=6)
+    with hf_paged.from_pretrained(hybrid_checkpoints[name], device="cpu", dtype=torch.float32,
+                                  num_state_snapshots=4, **SMALL) as engine:
+        got = engine.generate_tokens(prompts[:1], params) + engine.generate_tokens(
+            prompts[1:2], params)
+        assert engine.stats()["prefix_cache_hits"] == 0
+        got += engine.generate_tokens(prompts[2:], params)
+        assert engine.stats()["prefix_cache_hits"] == 2 * len(system)
+    for prompt, tokens in zip(prompts, got):
+        with torch.no_grad():
+            expected = stock[name].generate(torch.tensor([prompt]), max_new_tokens=6,
+                                            do_sample=False, pad_token_id=0)
+        assert tokens == expected[0, len(prompt):].tolist()
+
+
 def test_beam_search(stock, hybrid_checkpoints):
     """Beams fork their parent's state slot (copies on the device before the step)."""
     name = "next_tied_attention_first"

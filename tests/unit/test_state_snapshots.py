@@ -152,3 +152,105 @@ def test_shared_prefixes_resume_from_snapshots_through_preemption_and_eviction(
     assert slots.snapshots.num_used <= snapshots
     if sched.prefix_cache_hits:
         assert device.num_resumed
+
+
+@pytest.mark.parametrize("shared_blocks", [1, 2])
+def test_requests_sharing_a_system_prompt_resume_from_its_end(shared_blocks):
+    """The second request sharing only a prefix with the first stops there and snapshots it;
+    from the third on every one resumes there, and LRU keeps that snapshot, which each hit
+    uses, over the prompts' own."""
+    sched = hybrid(block_size=4, snapshots=2)
+    device = FakeDevice(sched)
+    system = [100 + t for t in range(4 * shared_blocks)]
+    first = seq(system + [1] * 11)  # snapshots after its own last full block only
+    sched.add(first)
+    run_to_end(sched, device=device)
+    second = seq(system + [2] * 6)
+    sched.add(second)
+    batch = sched.schedule()
+    assert second.num_cached_tokens == 0 and batch.num_tokens == [len(system)]
+    device(batch.plan())
+    sched.postprocess(batch, [])
+    run_to_end(sched, device=device)
+    snaps = sched.block_manager.state_slots.snapshots
+    shared = second.block_hashes[shared_blocks - 1]
+    assert snaps.has(shared)
+    later = [seq(system + [3 + i] * (5 + i)) for i in range(4)]
+    for s in later:
+        sched.add(s)
+        run_to_end(sched, device=device)
+        assert s.num_cached_tokens == len(system) and snaps.has(shared)
+    assert device.num_resumed == len(later)
+    assert sched.prefix_cache_hits == len(later) * len(system)
+
+
+def test_prompts_admitted_together_snapshot_their_shared_prefix_once():
+    sched = hybrid(block_size=4, snapshots=4)
+    device = FakeDevice(sched)
+    system = list(range(100, 108))
+    sched.add(seq(system + [1] * 9, new=1))
+    run_to_end(sched, device=device)
+    pair = [seq(system + [2] * 3), seq(system + [3] * 3)]  # last full blocks end at 8 too
+    for s in pair:
+        sched.add(s)
+    batch = sched.schedule()
+    assert batch.num_tokens == [8, 8] and [s.num_cached_tokens for s in pair] == [0, 0]
+    snaps = sched.block_manager.state_slots.snapshots
+    assert len(snaps.pending) == 1  # one snapshot of the shared prefix, the first's
+    device(batch.plan())
+    sched.postprocess(batch, [])
+    run_to_end(sched, device=device)
+    last = seq(system + [4])
+    sched.add(last)
+    run_to_end(sched, device=device)
+    assert last.num_cached_tokens == 8 and device.num_resumed == 1
+
+
+def test_a_shared_prefix_snapshot_leaves_with_its_block():
+    sched = hybrid(num_blocks=8, block_size=4, snapshots=2)
+    device = FakeDevice(sched)
+    system = list(range(100, 108))
+    for tail in ([1] * 9, [2] * 2):
+        last = seq(system + tail, new=1)
+        sched.add(last)
+        run_to_end(sched, device=device)
+    snaps = sched.block_manager.state_slots.snapshots
+    shared = last.block_hashes[1]
+    assert snaps.has(shared) and snaps.num_used == 2  # the first prompt's own and this one
+    sched.add(seq(range(200, 229), new=1))  # 8 blocks: every cached block is evicted
+    run_to_end(sched, device=device)
+    assert shared not in sched.block_manager.hash_to_block
+    assert not snaps.has(shared) and snaps.num_used == 1  # the new prompt's own
+    assert sorted(snaps.free_slots + list(snaps.by_hash.values())) == [8, 9]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    requests=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 14), st.integers(1, 9)),
+                      min_size=1, max_size=8),
+    budget=st.integers(4, 48),
+)
+def test_hits_resume_at_every_prefix_two_prompts_shared(requests, budget):
+    """Requests one after another, memory to spare: each resumes from the longest prefix of
+    full blocks that an earlier prompt's prefill stopped at, and stops itself at the end of
+    its longest cached prefix and of its last full block before its last token."""
+    bs = 4
+    sched = hybrid(256, bs, 6, budget, snapshots=64)
+    device = FakeDevice(sched)
+    stems = [[(5 * p + t) % 9 for t in range(16)] for p in range(3)]
+    cached: set[tuple] = set()  # token prefixes of the published blocks
+    stopped: set[tuple] = set()  # token prefixes a prefill stopped and snapshotted at
+    for i, (p, shared, tail) in enumerate(requests):
+        prompt = stems[p][:shared] + [20 + i] * tail
+        s = seq(prompt, new=1)
+        sched.add(s)
+        run_to_end(sched, device=device)
+        ends = range(bs, len(prompt), bs)  # block ends before the last token
+        matched = max((b for b in ends if tuple(prompt[:b]) in cached), default=0)
+        hit = max((b for b in ends if b <= matched and tuple(prompt[:b]) in stopped),
+                  default=0)
+        assert s.num_cached_tokens == hit
+        stopped |= {tuple(prompt[:b]) for b in (matched, (len(prompt) - 1) // bs * bs)
+                    if b > hit}
+        cached |= {tuple(prompt[:b]) for b in range(bs, len(prompt) + 1, bs)}
+    assert sched.block_manager.state_slots.snapshots.num_used == len(stopped)
