@@ -13,7 +13,7 @@ from hf_paged.engine.sequence import Sequence
 from hf_paged.engine.state_snapshots import StateSnapshots
 from hf_paged.sampling_params import SamplingParams
 from tests.unit.test_scheduler import fake_tokens, run_to_end, run_with_groups
-from tests.unit.test_state_slots import FakeDevice, ToyGroup, hybrid
+from tests.unit.test_state_slots import FakeDevice, ToyGroup, assert_no_snapshot_leaks, hybrid
 
 
 def seq(tokens, new=3) -> Sequence:
@@ -149,7 +149,7 @@ def test_shared_prefixes_resume_from_snapshots_through_preemption_and_eviction(
     slots = sched.block_manager.state_slots
     assert slots.num_free == slots.num_slots and not slots.restores
     assert sched.block_manager.num_free_blocks == num_blocks
-    assert slots.snapshots.num_used <= snapshots
+    assert_no_snapshot_leaks(sched)
     if sched.prefix_cache_hits:
         assert device.num_resumed
 
