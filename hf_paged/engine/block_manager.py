@@ -175,6 +175,16 @@ class BlockManager:
             return seq.shared_stop
         return (seq.num_prompt_tokens - 1) // self.block_size * self.block_size
 
+    def awaits_state(self, seq: Sequence, hits: list[int]) -> bool:
+        """Whether a hybrid model's snapshot that the step being scheduled fills would serve
+        more of ``seq``'s prompt than its ``hits`` (from ``match_prefix``) do: admitted a
+        step later, it resumes there instead of computing that prefix again."""
+        slots = self.state_slots
+        if slots is None or slots.snapshots is None:
+            return False
+        shared = seq.block_hashes[len(hits):seq.shared_stop // self.block_size]
+        return any(h in slots.snapshots.pending for h in shared)
+
     def save_state(self, seq: Sequence, num_tokens: int) -> None:
         """Snapshot ``seq``'s state after its first ``num_tokens`` tokens (a block boundary,
         computed by the step being scheduled), under the hash of the block they end, while

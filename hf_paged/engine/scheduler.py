@@ -97,6 +97,8 @@ class Scheduler(RequestQueues):
             if self.num_seq_slots + slots > self.max_num_seqs:
                 break
             hits = self.block_manager.match_prefix(seq)
+            if self.block_manager.awaits_state(seq, hits):
+                break  # a hybrid model's snapshot this step fills serves it from the next
             cached = len(hits) * self.block_manager.block_size
             n = self._chunk(seq, cached, min(len(seq) - cached, budget))
             if not self.block_manager.allocate(seq, n, hits):

@@ -21,7 +21,9 @@ as large as a running sequence's state, and one at a boundary no second prompt r
 only push out one that serves.
 
 A snapshot taken while a step is scheduled is filled before the next step runs, so it serves
-hits from the next ``schedule`` on (``publish``).
+hits from the next ``schedule`` on (``publish``); a waiting prompt it would serve more of
+than the published ones waits for that step (``BlockManager.awaits_state``), so prompts
+added together that share a prefix compute it twice, not each.
 """
 
 from __future__ import annotations

@@ -72,12 +72,14 @@ def test_prefix_hits_resume_from_state_snapshots(stock, hybrid_checkpoints):
         assert tokens == expected[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("name,shared_blocks", [("qwen3.5_tied", 1),
-                                                 ("next_tied_attention_first", 3)])
+@pytest.mark.parametrize("name,shared_blocks,together", [
+    ("qwen3.5_tied", 1, False), ("next_tied_attention_first", 3, False),
+    ("qwen3.5_tied", 2, True)])
 def test_requests_sharing_a_system_prompt_resume_at_its_end(stock, hybrid_checkpoints, name,
-                                                             shared_blocks):
-    """A, then B, then C and D together, sharing A's first blocks and differing after them:
-    B stops at the shared prefix's end and snapshots it, C and D resume there."""
+                                                             shared_blocks, together):
+    """A, B, C and D share A's first blocks and differ after them, added one call after
+    another (C and D in one) or ``together`` in one call: B stops at the shared prefix's end
+    and snapshots it, C and D resume there (admitted a step later when together)."""
     block_size = SMALL["block_size"]
     tokens = torch.randint(3, 1000, (80,), generator=torch.Generator().manual_seed(9)).tolist()
     system = tokens[:shared_blocks * block_size]
@@ -87,10 +89,13 @@ def test_requests_sharing_a_system_prompt_resume_at_its_end(stock, hybrid_checkp
     params = hf_paged.SamplingParams(max_new_tokens=6)
     with hf_paged.from_pretrained(hybrid_checkpoints[name], device="cpu", dtype=torch.float32,
                                   num_state_snapshots=4, **SMALL) as engine:
-        got = engine.generate_tokens(prompts[:1], params) + engine.generate_tokens(
-            prompts[1:2], params)
-        assert engine.stats()["prefix_cache_hits"] == 0
-        got += engine.generate_tokens(prompts[2:], params)
+        if together:
+            got = engine.generate_tokens(prompts, params)
+        else:
+            got = engine.generate_tokens(prompts[:1], params) + engine.generate_tokens(
+                prompts[1:2], params)
+            assert engine.stats()["prefix_cache_hits"] == 0
+            got += engine.generate_tokens(prompts[2:], params)
         assert engine.stats()["prefix_cache_hits"] == 2 * len(system)
     for prompt, tokens in zip(prompts, got):
         with torch.no_grad():

@@ -1,7 +1,9 @@
 """Prefix caching for a hybrid model, on the host: state snapshots at cached block boundaries
 (taken, published a step later, used, evicted least recently used first, dropped with their
-blocks), prefill chunks ending at the snapshot boundary, and hits resuming from the last
-snapshot, checked step by step against the fake device of ``test_state_slots``."""
+blocks), prefill chunks ending where snapshots are taken (a prompt's last full block, the end
+of a cached prefix it shares), prompts waiting a step for a snapshot being filled, and hits
+resuming from the last snapshot, checked step by step against the fake device of
+``test_state_slots``."""
 
 from __future__ import annotations
 
@@ -89,17 +91,22 @@ def test_a_snapshot_leaves_the_cache_with_its_block():
     assert not snaps.has(first.block_hashes[1]) and snaps.num_used == 1  # the new one's
 
 
-def test_a_snapshot_serves_no_hit_in_the_step_that_fills_it():
+def test_a_prompt_waits_a_step_for_the_snapshot_it_would_resume_from():
     sched = hybrid(block_size=4, snapshots=2)
-    first, second = seq(range(14)), seq(range(14))
-    sched.add(first)
-    sched.add(second)
-    batch = sched.schedule()  # both admitted: the first's snapshot is not filled yet
-    assert batch.seqs == [first, second] and second.num_cached_tokens == 0
+    first, second, third = seq(range(14)), seq(range(14)), seq(range(100, 105))
+    for s in (first, second, third):
+        sched.add(s)
     device = FakeDevice(sched)
+    batch = sched.schedule()  # the first's snapshot after 12 tokens is not filled yet
+    assert batch.seqs == [first] and list(sched.waiting) == [second, third]
     device(batch.plan())
     sched.postprocess(batch, [])
+    batch = sched.schedule()  # filled: the second resumes there, the third comes along
+    assert batch.seqs == [first, second, third] and second.num_cached_tokens == 12
+    device(batch.plan())
+    sched.postprocess(batch, fake_tokens(batch))
     run_to_end(sched, device=device)
+    assert device.num_resumed == 1
 
 
 def test_a_slot_is_saved_before_a_restore_rewrites_it():
@@ -185,25 +192,23 @@ def test_requests_sharing_a_system_prompt_resume_from_its_end(shared_blocks):
 
 
 def test_prompts_admitted_together_snapshot_their_shared_prefix_once():
+    """The first of prompts sharing a prefix with a finished one stops there to snapshot it;
+    the others wait a step and resume from it."""
     sched = hybrid(block_size=4, snapshots=4)
     device = FakeDevice(sched)
     system = list(range(100, 108))
     sched.add(seq(system + [1] * 9, new=1))
     run_to_end(sched, device=device)
-    pair = [seq(system + [2] * 3), seq(system + [3] * 3)]  # last full blocks end at 8 too
-    for s in pair:
+    together = [seq(system + [2 + i] * 7) for i in range(3)]
+    for s in together:
         sched.add(s)
     batch = sched.schedule()
-    assert batch.num_tokens == [8, 8] and [s.num_cached_tokens for s in pair] == [0, 0]
-    snaps = sched.block_manager.state_slots.snapshots
-    assert len(snaps.pending) == 1  # one snapshot of the shared prefix, the first's
+    assert batch.seqs == together[:1] and batch.num_tokens == [8]
+    assert len(sched.block_manager.state_slots.snapshots.pending) == 1
     device(batch.plan())
     sched.postprocess(batch, [])
     run_to_end(sched, device=device)
-    last = seq(system + [4])
-    sched.add(last)
-    run_to_end(sched, device=device)
-    assert last.num_cached_tokens == 8 and device.num_resumed == 1
+    assert [s.num_cached_tokens for s in together] == [0, 8, 8] and device.num_resumed == 2
 
 
 def test_a_shared_prefix_snapshot_leaves_with_its_block():
