@@ -104,6 +104,27 @@ def test_requests_sharing_a_system_prompt_resume_at_its_end(stock, hybrid_checkp
         assert tokens == expected[0, len(prompt):].tolist()
 
 
+def test_shared_system_prompt_through_chunks_preemption_and_snapshot_eviction(
+        stock, hybrid_checkpoints):
+    """Five prompts on a two-block system prompt, eight blocks, sixteen tokens a step, two
+    snapshots: chunked prefills stop where prompts part, sequences are preempted and
+    recomputed, snapshots are evicted, and hits resume from the survivors."""
+    name = "next_dense1"
+    tokens = torch.randint(3, 1000, (80,), generator=torch.Generator().manual_seed(10)).tolist()
+    prompts = [tokens[:16] + tokens[20 + 9 * i:20 + 9 * i + 3 + 2 * i] for i in range(5)]
+    with hf_paged.from_pretrained(hybrid_checkpoints[name], device="cpu", dtype=torch.float32,
+                                  **{**SMALL, "num_kv_blocks": 8, "max_num_batched_tokens": 16},
+                                  num_state_snapshots=2) as engine:
+        got = engine.generate_tokens(prompts, hf_paged.SamplingParams(max_new_tokens=8))
+        stats = engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    for prompt, tokens in zip(prompts, got):
+        with torch.no_grad():
+            expected = stock[name].generate(torch.tensor([prompt]), max_new_tokens=8,
+                                            do_sample=False, pad_token_id=0)
+        assert tokens == expected[0, len(prompt):].tolist()
+
+
 def test_beam_search(stock, hybrid_checkpoints):
     """Beams fork their parent's state slot (copies on the device before the step)."""
     name = "next_tied_attention_first"
