@@ -15,8 +15,9 @@ the scheduler hands to the model runner to copy on the device before the step's 
 A hybrid model's sequences also hold a state slot (``state_slots``): taken with their first
 blocks, forked with them, given back with them. Cached blocks hold the full-attention layers'
 K/V of a prefix, but not the linear layers' state after it: a hit resumes after the last
-cached block whose state a snapshot kept (``engine.state_snapshots``), and without snapshots
-the prefix cache serves such a model no hits.
+cached block whose state a snapshot kept (``engine.state_snapshots``; ``state_stop`` says where
+a prefill stops to take one), and without snapshots the prefix cache serves such a model no
+hits.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ class BlockManager:
 
         The last token is never served from the cache: its logits are needed. The blocks are
         not taken yet; ``allocate`` takes them. A hybrid model's end at the last block with a
-        state snapshot (see the module).
+        state snapshot (see the module); where the cache holds more of the prompt than that,
+        ``seq.shared_stop`` marks the end of it (``state_stop``).
         """
         slots = self.state_slots
         if not self.enable_prefix_caching or (slots is not None and slots.snapshots is None):
@@ -93,6 +95,7 @@ class BlockManager:
                 break
             hits.append(block_id)
         if slots is not None:
+            seq.shared_stop = len(hits) * self.block_size
             while hits and not slots.snapshots.has(seq.block_hashes[len(hits) - 1]):
                 hits.pop()
         return hits
@@ -160,13 +163,27 @@ class BlockManager:
         child.block_hashes = list(parent.block_hashes)
         child.num_published_blocks = parent.num_published_blocks
 
-    def snapshot_boundary(self, seq: Sequence) -> int:
-        """Where a hybrid model's prefill of ``seq`` leaves a state snapshot: the end of the
-        last full block before its last prompt token (0: none)."""
+    def state_stop(self, seq: Sequence, start: int) -> int:
+        """Where a hybrid model's prefill of ``seq``, past its first ``start`` tokens, next
+        stops to snapshot its state (0: never): at the end of the longest cached prefix it
+        matched at admission (``seq.shared_stop``: another prompt's, whose state there no
+        snapshot kept), then at the end of its last full block before its last prompt token."""
         slots = self.state_slots
         if slots is None or slots.snapshots is None:
             return 0
+        if start < seq.shared_stop:
+            return seq.shared_stop
         return (seq.num_prompt_tokens - 1) // self.block_size * self.block_size
+
+    def awaits_state(self, seq: Sequence, hits: list[int]) -> bool:
+        """Whether a hybrid model's snapshot that the step being scheduled fills would serve
+        more of ``seq``'s prompt than its ``hits`` (from ``match_prefix``) do: admitted a
+        step later, it resumes there instead of computing that prefix again."""
+        slots = self.state_slots
+        if slots is None or slots.snapshots is None:
+            return False
+        shared = seq.block_hashes[len(hits):seq.shared_stop // self.block_size]
+        return any(h in slots.snapshots.pending for h in shared)
 
     def save_state(self, seq: Sequence, num_tokens: int) -> None:
         """Snapshot ``seq``'s state after its first ``num_tokens`` tokens (a block boundary,

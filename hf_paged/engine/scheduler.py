@@ -97,6 +97,8 @@ class Scheduler(RequestQueues):
             if self.num_seq_slots + slots > self.max_num_seqs:
                 break
             hits = self.block_manager.match_prefix(seq)
+            if self.block_manager.awaits_state(seq, hits):
+                break  # a hybrid model's snapshot this step fills serves it from the next
             cached = len(hits) * self.block_manager.block_size
             n = self._chunk(seq, cached, min(len(seq) - cached, budget))
             if not self.block_manager.allocate(seq, n, hits):
@@ -268,8 +270,8 @@ class Scheduler(RequestQueues):
     def _chunk(self, seq: Sequence, start: int, n: int) -> int:
         """``n`` tokens from ``start``, or fewer: a hybrid model's prefill chunk ends where a
         state snapshot is taken."""
-        boundary = self.block_manager.snapshot_boundary(seq)
-        return boundary - start if start < boundary < start + n else n
+        stop = self.block_manager.state_stop(seq, start)
+        return stop - start if start < stop < start + n else n
 
     def _add_to_batch(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
         """Count the chunk as computed (the step will have stored its K/V before any later
@@ -283,7 +285,7 @@ class Scheduler(RequestQueues):
                 and self.speculator.needs_tokens(seq, len(self.running)):
             batch.speculative = True  # its next step may draft: it needs this one's tokens
         seq.num_computed_tokens = start + n
-        if start + n == self.block_manager.snapshot_boundary(seq):
+        if start + n == self.block_manager.state_stop(seq, start):
             self.block_manager.save_state(seq, start + n)
         seq.num_pending += sample and seq.group is None
         if sample and seq.followers:

@@ -46,6 +46,7 @@ class Sequence:
         self.block_hashes: list[int] = []  # chained hashes of the full blocks, in order
         self.num_published_blocks = 0  # leading blocks of block_table already offered for reuse
         self.state_slot = -1  # a hybrid model's state slot while it runs (``StateSlots``)
+        self.shared_stop = 0  # a hybrid model's prefill snapshots here too (``match_prefix``)
         self.finish_reason: str | None = None
         # Requests added together that share this one's prompt: forked from it when its
         # prompt's logits are first sampled, each then draws its own token from them.

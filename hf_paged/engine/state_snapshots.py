@@ -4,16 +4,26 @@ cached block boundaries.
 A cached block holds the full-attention layers' K/V of a prefix; resuming after it also needs
 the linear layers' state after that prefix. A snapshot is that state, in a slot of the state
 pools past the running sequences' (``first_slot`` on), named by the hash of the prefix's last
-block (``BlockManager``'s chained hash). It is taken where a prompt's prefill reaches the end
-of its last full block before its last token (the longest prefix the cache could serve the
-same prompt again; the scheduler ends a prefill chunk there): the sequence's slot is copied
-into the snapshot's before the next step, like a fork's copy. A hit resumes from the last
-cached block that has a snapshot: the snapshot is copied into the sequence's slot before the
-step that computes its first chunk. A snapshot goes when its block leaves the prefix cache
-(evicted, or unpublished), or, the least recently used first, when a new one needs its slot.
+block (``BlockManager``'s chained hash). A prompt's prefill stops (the scheduler ends a chunk
+there) and snapshots its state at up to two block boundaries (``BlockManager.state_stop``):
+the end of the longest prefix of it the cache held at admission when no snapshot kept the
+state there (where it parts from an earlier prompt: a shared system prompt's end, so that
+the second request sharing it pays for the snapshot and the third on resume there), and the
+end of its last full block before its last token (the longest prefix the cache could serve
+the same prompt again, or a conversation's next turn). The sequence's slot is copied into
+the snapshot's before the next step, like a fork's copy. A hit resumes from the last cached
+block that has a snapshot: the snapshot is copied into the sequence's slot before the step
+that computes its first chunk. A snapshot goes when its block leaves the prefix cache
+(evicted, or unpublished), or, the least recently used first, when a new one needs its slot:
+each hit makes its snapshot the most recently used, so a prefix many requests share outlives
+the prompts' own. Other block boundaries (a chunk's end, say) are not kept: each snapshot is
+as large as a running sequence's state, and one at a boundary no second prompt reached would
+only push out one that serves.
 
 A snapshot taken while a step is scheduled is filled before the next step runs, so it serves
-hits from the next ``schedule`` on (``publish``).
+hits from the next ``schedule`` on (``publish``); a waiting prompt it would serve more of
+than the published ones waits for that step (``BlockManager.awaits_state``), so prompts
+added together that share a prefix compute it twice, not each.
 """
 
 from __future__ import annotations

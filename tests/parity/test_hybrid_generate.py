@@ -72,6 +72,59 @@ def test_prefix_hits_resume_from_state_snapshots(stock, hybrid_checkpoints):
         assert tokens == expected[0, len(prompt):].tolist()
 
 
+@pytest.mark.parametrize("name,shared_blocks,together", [
+    ("qwen3.5_tied", 1, False), ("next_tied_attention_first", 3, False),
+    ("qwen3.5_tied", 2, True)])
+def test_requests_sharing_a_system_prompt_resume_at_its_end(stock, hybrid_checkpoints, name,
+                                                             shared_blocks, together):
+    """A, B, C and D share A's first blocks and differ after them, added one call after
+    another (C and D in one) or ``together`` in one call: B stops at the shared prefix's end
+    and snapshots it, C and D resume there (admitted a step later when together)."""
+    block_size = SMALL["block_size"]
+    tokens = torch.randint(3, 1000, (80,), generator=torch.Generator().manual_seed(9)).tolist()
+    system = tokens[:shared_blocks * block_size]
+    # B's own last full block ends past the system prompt: only the new stop snapshots there
+    tails = [tokens[40:51], tokens[51:64], tokens[64:71], tokens[71:74]]
+    prompts = [system + tail for tail in tails]
+    params = hf_paged.SamplingParams(max_new_tokens=6)
+    with hf_paged.from_pretrained(hybrid_checkpoints[name], device="cpu", dtype=torch.float32,
+                                  num_state_snapshots=4, **SMALL) as engine:
+        if together:
+            got = engine.generate_tokens(prompts, params)
+        else:
+            got = engine.generate_tokens(prompts[:1], params) + engine.generate_tokens(
+                prompts[1:2], params)
+            assert engine.stats()["prefix_cache_hits"] == 0
+            got += engine.generate_tokens(prompts[2:], params)
+        assert engine.stats()["prefix_cache_hits"] == 2 * len(system)
+    for prompt, tokens in zip(prompts, got):
+        with torch.no_grad():
+            expected = stock[name].generate(torch.tensor([prompt]), max_new_tokens=6,
+                                            do_sample=False, pad_token_id=0)
+        assert tokens == expected[0, len(prompt):].tolist()
+
+
+def test_shared_system_prompt_through_chunks_preemption_and_snapshot_eviction(
+        stock, hybrid_checkpoints):
+    """Five prompts on a two-block system prompt, eight blocks, sixteen tokens a step, two
+    snapshots: chunked prefills stop where prompts part, sequences are preempted and
+    recomputed, snapshots are evicted, and hits resume from the survivors."""
+    name = "next_dense1"
+    tokens = torch.randint(3, 1000, (80,), generator=torch.Generator().manual_seed(10)).tolist()
+    prompts = [tokens[:16] + tokens[20 + 9 * i:20 + 9 * i + 3 + 2 * i] for i in range(5)]
+    with hf_paged.from_pretrained(hybrid_checkpoints[name], device="cpu", dtype=torch.float32,
+                                  **{**SMALL, "num_kv_blocks": 8, "max_num_batched_tokens": 16},
+                                  num_state_snapshots=2) as engine:
+        got = engine.generate_tokens(prompts, hf_paged.SamplingParams(max_new_tokens=8))
+        stats = engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
+    for prompt, tokens in zip(prompts, got):
+        with torch.no_grad():
+            expected = stock[name].generate(torch.tensor([prompt]), max_new_tokens=8,
+                                            do_sample=False, pad_token_id=0)
+        assert tokens == expected[0, len(prompt):].tolist()
+
+
 def test_beam_search(stock, hybrid_checkpoints):
     """Beams fork their parent's state slot (copies on the device before the step)."""
     name = "next_tied_attention_first"

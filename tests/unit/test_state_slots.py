@@ -181,14 +181,16 @@ def test_preempted_sequences_restart_from_a_zero_state_and_slots_never_leak():
     num_blocks=st.integers(16, 40),
     budget=st.integers(4, 48),
     aborted=st.integers(-1, 5),
+    snapshots=st.integers(0, 3),
 )
 def test_forks_groups_preemptions_and_aborts_keep_every_state(kinds, num_blocks, budget,
-                                                               aborted):
-    sched = hybrid(num_blocks, 4, 6, budget, caching=False)
+                                                               aborted, snapshots):
+    """With snapshots, prompt i is a prefix of prompt i + 3: prefills stop where they part."""
+    sched = hybrid(num_blocks, 4, 6, budget, caching=bool(snapshots), snapshots=snapshots)
     requests = []
     for i, kind in enumerate(kinds):
         params = SamplingParams(max_new_tokens=6)
-        s = Sequence([(i + t) % 5 for t in range(5 + 3 * i)], params)
+        s = Sequence([(i % 3 + t) % 5 for t in range(5 + 3 * i)], params)
         if kind == "group":
             ToyGroup(s, width=3, length=6)
             sched.add(s)
@@ -202,3 +204,14 @@ def test_forks_groups_preemptions_and_aborts_keep_every_state(kinds, num_blocks,
     slots = sched.block_manager.state_slots
     assert slots.num_free == slots.num_slots == 6
     assert sched.block_manager.num_free_blocks == num_blocks
+    if snapshots:
+        assert_no_snapshot_leaks(sched)
+
+
+def assert_no_snapshot_leaks(sched: Scheduler) -> None:
+    """Every snapshot slot is free or serves a block the prefix cache still names."""
+    snaps = sched.block_manager.state_slots.snapshots
+    assert not snaps.pending and set(snaps.by_hash) <= set(sched.block_manager.hash_to_block)
+    first = sched.block_manager.state_slots.num_slots
+    assert sorted(snaps.free_slots + list(snaps.by_hash.values())) == list(
+        range(first, first + snaps.num_snapshots))
