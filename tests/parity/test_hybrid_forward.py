@@ -2,9 +2,10 @@
 Qwen3.5, Qwen3.5-MoE) against stock transformers' forward, float32 on CPU: rows padded on the
 left and on the right, holes in the mask, a row the mask keeps nothing of, rows longer than
 the delta rule's 64-token chunk, a width of one; ``logits_to_keep``, ``labels``, the inner
-model's hidden state, and the engine's own state pools left alone. Every position is compared,
-the padding's too: transformers runs each row whole through the linear-attention layers with
-the padding's input zeroed, and so does hf_paged.
+model's hidden state, the engine's own state pools left alone; generate over a fully masked
+row (its first token comes from the model call). Every position is compared, the padding's
+too: transformers runs each row whole through the linear-attention layers with the padding's
+input zeroed, and so does hf_paged.
 
 Tolerances are those of ``test_hybrid_families``: 5e-5 of the logits' size in float32."""
 
@@ -15,10 +16,11 @@ import torch
 import transformers
 
 import hf_paged
-from tests.conftest import HYBRID_CONFIGS, SMALL
+from tests.conftest import HYBRID_CONFIGS, SMALL, left_padded
 from tests.parity.test_hybrid_families import assert_logits_close
 
 WIDTH = 70  # longer than one 64-token chunk of the delta rule
+BOS = 1
 
 
 def padded_batch(width: int = WIDTH) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,3 +123,19 @@ def test_forward_leaves_the_engine_state_alone(pairs):
         assert module.conv_state is conv and module.recurrent_state is recurrent
         assert torch.equal(conv, conv_before) and torch.equal(recurrent, recurrent_before)
     assert torch.equal(model.generate(prompt, max_new_tokens=5, do_sample=False), expected)
+
+
+@pytest.mark.parametrize("name", ["next_dense1", "qwen3.5_tied"])
+def test_generate_with_a_masked_row(pairs, name):
+    """generate draws a fully masked row's first token from the model call (``masked_rows``),
+    then the engine continues from a zero state, as transformers' zeroed padding leaves it. A
+    one-token prompt is not zeroed by transformers, so masking it is refused by name."""
+    model, stock = pairs(name)
+    ids, mask = left_padded([6, 9], 1000, pad=BOS, seed=2)
+    ids = torch.cat([ids, torch.full((1, ids.shape[1]), BOS)])
+    mask = torch.cat([mask, torch.zeros(1, ids.shape[1], dtype=mask.dtype)])
+    options = dict(pad_token_id=BOS, bos_token_id=BOS, max_new_tokens=8, do_sample=False)
+    expected = stock.generate(ids, attention_mask=mask, **options)
+    assert torch.equal(model.generate(ids, attention_mask=mask, **options), expected)
+    with pytest.raises(ValueError, match="^attention_mask: row 0 keeps no token of a one-token"):
+        model.generate(torch.tensor([[BOS]]), **options)
