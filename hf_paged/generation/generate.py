@@ -64,6 +64,13 @@ def generate(
     prompts = _unpadded_rows(resolved.input_ids, resolved.attention_mask.bool())
     adapters = row_adapters(adapter_names, len(prompts), inputs)
     empty = [row for row, prompt in enumerate(prompts) if not prompt]
+    if empty and resolved.input_ids.shape[1] == 1 \
+            and engine.block_manager.state_slots is not None:
+        # transformers zeroes no padding in a one-token forward: the masked token enters the
+        # linear layers' state, while attention leaves it out; the engine runs one or the other
+        raise ValueError(f"attention_mask: row {empty[0]} keeps no token of a one-token prompt; "
+                         f"{engine.hf_config.model_type}'s linear-attention layers would still "
+                         "read that token in transformers, which hf_paged does not follow")
     if empty and adapters is not None and any(adapters[row] for row in empty):
         raise ValueError(f"attention_mask: row {empty[0]} keeps no token; a fully masked row "
                          "cannot run on a LoRA adapter")

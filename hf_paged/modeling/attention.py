@@ -28,6 +28,8 @@ class AttentionMetadata:
     int32, each sequence's slot of the state pools (-1: a CUDA-graph padding row);
     ``has_initial_state [B]`` bool, whether the slot holds the state after the sequence's
     tokens before this step (False: it starts from zeros, its first chunk or a recompute).
+    ``padded_rows``: the model call's rows as the linear-attention layers read them
+    (``PaddedRows``; None in the engine's steps).
     """
 
     slot_mapping: torch.Tensor
@@ -39,6 +41,37 @@ class AttentionMetadata:
     decode_order: torch.Tensor | None = None
     state_slots: torch.Tensor | None = None
     has_initial_state: torch.Tensor | None = None
+    padded_rows: PaddedRows | None = None
+
+
+@dataclass
+class PaddedRows:
+    """The model call's padded ``[batch, width]`` rows (``modeling.full_forward``) as a
+    linear-attention layer reads them. transformers runs each row whole, padding included,
+    from a zero state, and zeroes the padding's input to the layer
+    (``apply_mask_to_padding_states``); the attention layers' packing orders the tokens apart.
+
+    ``to_rows [batch * width]``: the packed token at each row-major position; ``to_packed``:
+    the row-major position of each packed token; ``keep [batch * width, 1]``: 1 for a token
+    the mask keeps, 0 for padding, in the model dtype (None: nothing is zeroed, as
+    transformers skips the mask for a width of one or a mask of ones); ``meta``: each row as
+    one sequence starting from zeros in state slot ``row`` (``state_slots``,
+    ``has_initial_state``), storing nothing in the KV cache.
+    """
+
+    to_rows: torch.Tensor
+    to_packed: torch.Tensor
+    keep: torch.Tensor | None
+    meta: AttentionMetadata
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Packed ``x [T, ...]`` in row-major order, the padding zeroed."""
+        x = x[self.to_rows]
+        return x if self.keep is None else x * self.keep
+
+    def scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """Row-major ``x`` back in the packed order."""
+        return x[self.to_packed]
 
 
 def decode_order(seq_lens: Sequence[int]) -> np.ndarray:

@@ -9,6 +9,11 @@ own), so it runs as a one-token sequence over the first ``c`` keys of its row, s
 nothing; with ``c == 0`` SDPA's attention output is zero, which a context of one all-zero
 block (key and value zero) reproduces. Every layer runs over all tokens before the next one
 starts, so the layers share one scratch cache.
+
+A hybrid model's linear-attention layers run as transformers' do: each row whole, padding
+included, as one sequence from a zero state, the padding's input to the layer zeroed
+(``PaddedRows``); row ``r`` runs in state slot ``r``, so the caller points their pools at
+scratch ones of ``batch`` slots (``worker.state_cache.StateCache.scratch``).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_paged.kernels.lora_tiles import LoraTiles
-from hf_paged.modeling.attention import AttentionMetadata
+from hf_paged.modeling.attention import AttentionMetadata, PaddedRows
 from hf_paged.modeling.lora import LoraBatch
 from hf_paged.modeling.paged_model import PagedModel
 
@@ -35,11 +40,6 @@ def full_forward(
 ) -> torch.Tensor:
     """Final hidden states ``[batch, seq_len, hidden]``, as transformers' model computes them;
     ``lora``: the model's adapter batch and each row's adapter slot (-1: none)."""
-    if model.state_modules:
-        # Packing dropped tokens as one-token sequences serves attention, not a recurrence.
-        raise NotImplementedError(
-            f"{model.config.model_type}: the model call over padded rows (hidden states, "
-            "logits) is not supported on models with linear-attention layers; use generate()")
     device = model.embed_tokens.weight.device
     batch, width = input_ids.shape
     keep = attention_mask.to(device).bool()
@@ -69,6 +69,8 @@ def full_forward(
         max_query_len=max(int(lengths.max()), 1),
     )
     order = torch.cat([kept, dropped])
+    if model.state_modules:
+        meta.padded_rows = _padded_rows(order, keep, model.embed_tokens.weight.dtype)
     tokens = input_ids.to(device, torch.long).flatten()[order]
     positions = position_ids.to(device, torch.long).expand(batch, width).flatten()[order]
     out = torch.empty(batch * width, model.config.hidden_size,
@@ -77,6 +79,28 @@ def full_forward(
             lora, meta, lengths, row_of_dropped, device):
         out[order] = model.forward(tokens, positions, meta)
     return out.view(batch, width, -1)
+
+
+def _padded_rows(order: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype) -> PaddedRows:
+    """The rows of ``keep [batch, width]`` for the linear-attention layers; ``order``: the
+    row-major position of each packed token."""
+    (batch, width), device = keep.shape, keep.device
+    to_rows = torch.empty_like(order)
+    to_rows[order] = torch.arange(order.numel(), device=device)
+    # transformers' create_recurrent_attention_mask: no mask for one token or a mask of ones
+    zeroed = width > 1 and not bool(keep.all())
+    full = torch.full((batch,), width, dtype=torch.int32, device=device)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full_like(order, -1),
+        cu_seqlens_q=F.pad(full.cumsum(0, dtype=torch.int32), (1, 0)),
+        seq_lens=full,
+        block_tables=torch.zeros(batch, 1, dtype=torch.int32, device=device),
+        max_query_len=width,
+        state_slots=torch.arange(batch, dtype=torch.int32, device=device),
+        has_initial_state=torch.zeros(batch, dtype=torch.bool, device=device),
+    )
+    return PaddedRows(to_rows, order, keep.flatten()[:, None].to(dtype) if zeroed else None,
+                      meta)
 
 
 @contextlib.contextmanager

@@ -10,7 +10,8 @@ RMSNorm and ``out_proj``. Each sequence keeps its state in a slot of two pools t
 attaches, ``conv_state [slots, channels, kernel]`` (model dtype) and ``recurrent_state
 [slots, value_heads, key_dim, value_dim]`` (float32); a step's
 ``AttentionMetadata.state_slots`` names each sequence's slot and ``has_initial_state``
-whether the slot holds its earlier tokens' state.
+whether the slot holds its earlier tokens' state. The model call's padded rows
+(``AttentionMetadata.padded_rows``) run in their own order, each row one sequence.
 
 Under tensor parallelism a rank holds whole key heads and the value heads that read them: its
 rows of every input projection, its channels of the convolution (its query, key and value
@@ -147,6 +148,9 @@ class GatedDeltaNet(nn.Module):
         """The block's output for ``norm(hidden, residual)``, and the new residual stream; the
         slots ``meta.state_slots`` of the pools advance past this step's tokens."""
         x, residual = norm(hidden, residual) if residual is not None else (norm(hidden), hidden)
+        padded = meta.padded_rows
+        if padded is not None:  # the model call: each padded row whole, its padding zeroed
+            x, meta = padded.gather(x), padded.meta
         s, rows = self.shape, x.shape[0]
         qkv, z, b, a = self._project(x)
         slots, weight = meta.state_slots, self.conv1d.weight[:, 0]
@@ -175,4 +179,5 @@ class GatedDeltaNet(nn.Module):
                                               self.recurrent_state, slots, initial,
                                               use_qk_l2norm=True)
         out = kernels.gated_rms_norm(out, z, self.norm.weight, self.norm.eps)
-        return self.compute["out_proj"](out.reshape(rows, -1)), residual
+        out = self.compute["out_proj"](out.reshape(rows, -1))
+        return (out if padded is None else padded.scatter(out)), residual

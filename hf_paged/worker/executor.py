@@ -9,6 +9,7 @@ until rank 0 sends the results, so that every rank returns the same outputs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import weakref
@@ -74,10 +75,13 @@ class Executor:
                       ) -> torch.Tensor:
         """transformers' model forward over padded ``[batch, seq_len]`` rows: the final
         hidden states, on a scratch KV cache (the engine's is left alone); ``lora_slots``:
-        each row's adapter slot (-1: none)."""
+        each row's adapter slot (-1: none); a hybrid model's state pools: scratch ones, a slot
+        per row."""
         lora = None if lora_slots is None else (self.runner.lora.batch, lora_slots)
-        return full_forward(self.model, input_ids, attention_mask, position_ids,
-                            self.runner.config.block_size, lora)
+        states = self.runner.states
+        with states.scratch(input_ids.shape[0]) if states else contextlib.nullcontext():
+            return full_forward(self.model, input_ids, attention_mask, position_ids,
+                                self.runner.config.block_size, lora)
 
     def load_lora(self, slot: int, adapter: LoraAdapter) -> None:
         """Put ``adapter`` in ``slot`` of every projection it adapts."""

@@ -14,6 +14,7 @@ CUDA graphs read them by address.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -62,6 +63,25 @@ class StateCache:
                 for name in self.shapes:
                     pool = getattr(module, name)
                     pool.index_copy_(0, dst, pool.index_select(0, src))
+
+    @contextlib.contextmanager
+    def scratch(self, num_slots: int):
+        """Point every layer at one zeroed set of pools of ``num_slots`` slots while the
+        model call runs (``modeling.full_forward``), then back at the engine's, which it
+        leaves alone. The layers share the set: each runs over every row, from zeros, before
+        the next starts."""
+        saved = [{name: getattr(module, name) for name in self.shapes} for module in self.modules]
+        pools = {name: torch.zeros((num_slots, *shape), dtype=dtype, device=self.device)
+                 for name, (shape, dtype) in self.shapes.items()}
+        try:
+            for module in self.modules:
+                for name, pool in pools.items():
+                    setattr(module, name, pool)
+            yield
+        finally:
+            for module, own in zip(self.modules, saved):
+                for name, pool in own.items():
+                    setattr(module, name, pool)
 
     def close(self) -> None:
         for module in self.modules:

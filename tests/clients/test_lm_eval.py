@@ -1,7 +1,8 @@
 """lm-evaluation-harness's ``HFLM`` over an hf_paged model gives the results it gives over
 stock transformers: loglikelihoods, rolling loglikelihoods, and batched ``generate_until``
-with stop sequences. hf_paged enters HFLM both ways a user hands it a model: as the model
-object, and as a checkpoint path loaded under ``hf_paged.patch_transformers()``."""
+with stop sequences; the hybrid families' loglikelihoods too. hf_paged enters HFLM both ways
+a user hands it a model: as the model object, and as a checkpoint path loaded under
+``hf_paged.patch_transformers()``."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 
 import hf_paged
+from hf_paged.random_checkpoint import make_checkpoint
 from tests.conftest import FLOAT32_RTOL, SMALL
 
 # A window shorter than the rolling texts, so loglikelihood_rolling scores several windows.
@@ -123,3 +125,25 @@ def test_generate_until(stock_lm, paged_lm, stops, which):
     cut = sum(len(e) < len(f) for e, f in zip(expected, stops["free"]))
     assert cut >= (3 if which == "words" else len(PROMPTS)), (until, expected)
     assert paged_lm().generate_until(generation_requests(until), disable_tqdm=True) == expected
+
+
+@pytest.mark.parametrize("shape", ["tiny-next", "tiny-qwen3.5"])
+def test_hybrid_loglikelihoods(tmp_path, shape):
+    """Qwen3-Next and Qwen3.5 (linear-attention layers beside attention): lm-eval's padded
+    batches score as over stock, the rolling windows too."""
+    path = make_checkpoint(shape, str(tmp_path), dtype="float32")
+    stock = HFLM(pretrained=path, dtype="float32", device="cpu", **LM_ARGS)
+    with hf_paged.AutoModelForCausalLM.from_pretrained(path, **SMALL) as model:
+        paged = HFLM(pretrained=model, tokenizer=path, **LM_ARGS)
+        expected = stock.loglikelihood(requests("loglikelihood", LOGLIKELIHOOD), True)
+        got = paged.loglikelihood(requests("loglikelihood", LOGLIKELIHOOD), True)
+        rolling = [(text,) for text in ROLLING]
+        expected_rolling = stock.loglikelihood_rolling(
+            requests("loglikelihood_rolling", rolling), True)
+        got_rolling = paged.loglikelihood_rolling(
+            requests("loglikelihood_rolling", rolling), True)
+    assert [greedy for _, greedy in got] == [greedy for _, greedy in expected]
+    torch.testing.assert_close(
+        torch.tensor([lp for lp, _ in got] + got_rolling, dtype=torch.float64),
+        torch.tensor([lp for lp, _ in expected] + expected_rolling, dtype=torch.float64),
+        atol=1e-4, rtol=FLOAT32_RTOL)

@@ -2,15 +2,19 @@
 loss and logits. The examples differ in length, so batches are padded (labels -100 there), and
 some mask their prompt out of the labels while others score every token: a loss normalised
 differently (per row, over padding, or over a token count that forgets the causal shift) shows.
+A hybrid checkpoint (Qwen3.5) predicts as stock too.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 import transformers
 
-from tests.conftest import FLOAT32_RTOL
+import hf_paged
+from hf_paged.random_checkpoint import make_checkpoint
+from tests.conftest import FLOAT32_RTOL, SMALL
 
 TEXTS = [
     ("Once upon a time", " there was a cat who lived by the river."),
@@ -57,3 +61,20 @@ def test_evaluate_and_predict(paged_model, stock_model, tokenizer, tmp_path):
     assert got.metrics["test_loss"] == pytest.approx(expected.metrics["test_loss"], rel=1e-4)
     np.testing.assert_array_equal(got.label_ids, expected.label_ids)
     np.testing.assert_allclose(got.predictions, expected.predictions, atol=1e-4, rtol=FLOAT32_RTOL)
+
+
+@pytest.mark.usefixtures("fresh_accelerate_state")
+def test_a_hybrid_model_evaluates_as_stock(tmp_path):
+    """Qwen3.5 (linear-attention layers beside attention) over the same left-padded batches;
+    logits within 5e-5 of their size (``tests/parity/test_hybrid_forward.py``)."""
+    path = make_checkpoint("tiny-qwen3.5", str(tmp_path / "checkpoint"), dtype="float32")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    stock_model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with hf_paged.AutoModelForCausalLM.from_pretrained(path, **SMALL) as paged_model:
+        stock = trainer(stock_model.eval(), tokenizer, tmp_path / "stock")
+        paged = trainer(paged_model, tokenizer, tmp_path / "paged")
+        expected, got = stock.predict(examples(tokenizer)), paged.predict(examples(tokenizer))
+    assert got.metrics["test_loss"] == pytest.approx(expected.metrics["test_loss"], rel=1e-4)
+    scored = expected.label_ids != -100  # predictions beyond a row's end are -100 padding
+    want, have = expected.predictions[scored], got.predictions[scored]
+    np.testing.assert_allclose(have, want, atol=5e-5 * np.abs(want).max(), rtol=0)

@@ -1,7 +1,8 @@
 """The hybrid families with every op sent to Triton (the interpreter, on CPU): the causal
 convolution, the delta rule (prefill and decode), the gated and zero-centred norms, the gated
 attention's partial RoPE and the Triton attention backend, as the layers wire them, against the
-plain-torch twins over a prefill of mixed lengths and decode steps."""
+plain-torch twins over a prefill of mixed lengths and decode steps, and over the model call's
+padded rows."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import transformers
 
 from hf_paged import kernels
 from hf_paged.families.build import build_model
+from hf_paged.modeling.full_forward import full_forward
 from tests.hybrid_steps import HybridSteps
 from tests.kernels.conftest import HALF
 from tests.parity.test_hybrid_families import prompts
+from tests.parity.test_hybrid_forward import padded_batch
 
 
 def logits_of_steps(monkeypatch, path: str, dtype: torch.dtype, through_triton: bool
@@ -48,3 +51,26 @@ def test_a_hybrid_model_on_the_kernels_gives_the_twins_logits(hybrid_checkpoints
     for got, want in zip(logits_of_steps(monkeypatch, path, dtype, through_triton=True), twins):
         scale = want.abs().max().item()
         torch.testing.assert_close(got, want, atol=tolerance * scale, rtol=0)
+
+
+def model_call_logits(monkeypatch, path: str, through_triton: bool) -> torch.Tensor:
+    """The float32 model call's logits over ``padded_batch``'s rows padded left, right, in
+    holes and throughout, its state pools' every slot garbage (rows start from zeros)."""
+    monkeypatch.setattr(kernels, "_TRITON_ON_CPU", through_triton)
+    config = transformers.AutoConfig.from_pretrained(path)
+    model = build_model(config, path, torch.float32, torch.device("cpu"),
+                        "triton" if through_triton else "sdpa", 256)
+    ids, mask = (t[1:5] for t in padded_batch())
+    HybridSteps(model, len(ids))  # a KV cache to take the dtype of, garbage state pools
+    hidden = full_forward(model, ids, mask, torch.arange(ids.shape[1])[None], 8)
+    return model.compute_logits(hidden)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the kernels always run")
+def test_the_model_call_on_the_kernels_gives_the_twins_logits(hybrid_checkpoints, monkeypatch):
+    """The padded rows' metadata as the Triton convolution and delta rule read it: within
+    5e-5 of the logits' size, as above."""
+    path = hybrid_checkpoints["qwen3.5_one_value_head_a_key"]
+    want = model_call_logits(monkeypatch, path, through_triton=False)
+    got = model_call_logits(monkeypatch, path, through_triton=True)
+    torch.testing.assert_close(got, want, atol=5e-5 * want.abs().max().item(), rtol=0)

@@ -104,8 +104,7 @@ def test_forks_and_beams_copy_their_parents_state(tiny_checkpoint, hybrid_flag):
     engine.close()
 
 
-def test_no_prefix_cache_hits_no_speculation_no_padded_model_call(tiny_checkpoint,
-                                                                   hybrid_flag):
+def test_no_prefix_cache_hits_no_speculation(tiny_checkpoint, hybrid_flag):
     engine = load(tiny_checkpoint)
     prompt = list(range(1, 40))
     engine.generate_tokens([prompt], SamplingParams(max_new_tokens=2))
@@ -113,12 +112,33 @@ def test_no_prefix_cache_hits_no_speculation_no_padded_model_call(tiny_checkpoin
     assert engine.stats()["prefix_cache_hits"] == 0
     with pytest.raises(ValueError, match="^speculation .*not supported"):
         engine.generate(torch.tensor([prompt]), max_new_tokens=2, prompt_lookup_num_tokens=3)
-    ids = torch.tensor([prompt])
-    with pytest.raises(NotImplementedError, match="model call over padded rows"):
-        engine.hidden_states(ids, torch.ones_like(ids), torch.arange(len(prompt))[None])
     engine.close()
     with pytest.raises(ValueError, match="^speculative_method: .*not supported"):
         load(tiny_checkpoint, speculative_method="ngram")
+
+
+def test_the_model_call_runs_on_scratch_state_pools(tiny_checkpoint, hybrid_flag):
+    """The model call's rows take slots 0.. of zeroed pools of their own, from zeros; the
+    engine's pools are put back after it."""
+    engine = load(tiny_checkpoint)
+    model = engine.executor.runner.model
+    module, plain_forward = model.state_modules[0], model.forward.forward
+    pool, seen = module.conv_state, []
+
+    def spy(input_ids, positions, meta, pending=None):
+        seen.append((module.conv_state.clone(), meta.padded_rows))
+        return plain_forward(input_ids, positions, meta, pending)
+
+    model.forward = spy
+    ids = torch.tensor(prompts(2)[0][:5]).repeat(2, 1)
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    assert engine.hidden_states(ids, mask, torch.arange(5)[None]).shape[:2] == (2, 5)
+    (scratch, rows), = seen
+    assert scratch.shape == (2, *pool.shape[1:]) and not scratch.any()
+    assert module.conv_state is pool
+    assert rows.meta.state_slots.tolist() == [0, 1] and not rows.meta.has_initial_state.any()
+    assert rows.keep.flatten().tolist() == mask.flatten().tolist()
+    engine.close()
 
 
 def test_prefix_hits_resume_from_state_snapshots(tiny_checkpoint, hybrid_flag):
