@@ -53,8 +53,9 @@ def shape_config(shape: str, dtype: str = "float32", layers: int | None = None
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
     kwargs = dict(SHAPES[shape], dtype=dtype)
-    text = kwargs["text_config"] = dict(kwargs["text_config"], dtype=dtype) \
-        if "text_config" in kwargs else kwargs  # a vision-language release's text model
+    text = kwargs
+    if "text_config" in kwargs:  # a vision-language release: its text model's keywords
+        text = kwargs["text_config"] = dict(kwargs["text_config"], dtype=dtype)
     if layers is not None:
         if layers < 1:
             raise ValueError(f"layers must be at least 1, got {layers}")
