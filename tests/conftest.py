@@ -87,9 +87,13 @@ HYBRID_CONFIGS = {
 
 # The vision-language releases' layout (Qwen3_5ForConditionalGeneration, ...: the text model
 # under model.language_model beside a vision tower) of a dense hybrid with an untied LM head
-# and a sparse one with tied embeddings (the release holds no lm_head.weight).
+# (its RoPE parameters the releases' kind: multimodal sections, interleaved) and a sparse one
+# with tied embeddings (the release holds no lm_head.weight).
 VISION_LANGUAGE_CONFIGS = {
-    "qwen3.5_vl": dict(SHAPES["tiny-qwen3.5-vl"]),
+    "qwen3.5_vl": dict(SHAPES["tiny-qwen3.5-vl"], text_config=dict(
+        SHAPES["tiny-qwen3.5"], rope_parameters=dict(
+            rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
+            mrope_section=[1, 1, 0], mrope_interleaved=True))),
     "qwen3.5_moe_vl_tied": dict(
         SHAPES["tiny-qwen3.5-moe-vl"], tie_word_embeddings=True,
         text_config=dict(SHAPES["tiny-qwen3.5-moe"], tie_word_embeddings=True)),

@@ -29,7 +29,9 @@ logger = logging.getLogger(__name__)
 
 # Key prefixes of the releases' parts the causal LM does not hold -> what they are.
 SKIPPED_PARTS = {"model.visual.": "the vision tower", "mtp.": "the multi-token prediction layers"}
-# generate() / model-call arguments of the releases' image and video inputs.
+# generate() / model-call arguments of the releases' image and video inputs (and the token
+# types their processor returns beside them): transformers' causal LM refuses them in generate
+# and drops them in its forward without a word.
 VISION_INPUTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw",
                  "mm_token_type_ids")
 
@@ -101,5 +103,5 @@ def refuse_vision_inputs(arguments: Collection[str], call: str) -> None:
     given = [name for name in VISION_INPUTS if name in arguments]
     if given:
         raise ValueError(f"{call} got {given[0]}: image and video inputs are not supported; "
-                         "hf_paged serves a vision-language checkpoint's text model, as "
-                         "transformers' AutoModelForCausalLM does")
+                         "hf_paged serves text models (of a vision-language checkpoint, its "
+                         "text model, as transformers' AutoModelForCausalLM does)")
