@@ -105,10 +105,13 @@ class Checkpoint:
 
     def renamed(self, rename: Callable[[str], str], back: Callable[[str], str]) -> Checkpoint:
         """The same tensors, each by the name ``rename`` gives its name; ``back`` names a
-        model key in the file's layout."""
+        model key in the file's layout. Two tensors of one new name are an error naming both."""
         out = Checkpoint(self.path, stored_as=back)
         for name in self.shapes:
             new = rename(name)
+            if new in out.shapes:
+                raise ValueError(f"checkpoint {self.path} holds both {out.key(new)} and "
+                                 f"{self.key(name)}, which are the same tensor {new}")
             out.files[new], out.shapes[new] = self.files[name], self.shapes[name]
             out.dtypes[new] = self.dtypes[name]
             if new != self.key(name):

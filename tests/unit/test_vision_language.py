@@ -70,6 +70,17 @@ def test_missing_and_mis_shaped_language_keys_are_named_as_the_file_names_them(
         assert LINEAR + key in message
 
 
+def test_a_tensor_in_both_layouts_is_refused_naming_both(vision_language_checkpoints,
+                                                          tmp_path):
+    key = "model.layers.0.linear_attn.A_log"
+
+    def edit(tensors):
+        tensors[key] = tensors[LINEAR + "A_log"].clone()
+
+    with pytest.raises(ValueError, match=f"holds both {LINEAR}A_log and {key}, which"):
+        load(rewrite(vision_language_checkpoints["qwen3.5_vl"], tmp_path, edit))
+
+
 def test_an_extra_language_key_is_logged_by_name(vision_language_checkpoints, tmp_path, caplog):
     def edit(tensors):
         tensors[LINEAR + "spare.weight"] = torch.zeros(2)
