@@ -14,7 +14,20 @@ _TINY_HYBRID = dict(
     max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
     bos_token_id=1, eos_token_id=2, pad_token_id=0,
 )
-# Each shape's config keywords; ``model_type`` (default "qwen3") picks the config class.
+# A vision tower of one block for the vision-language releases' tiny shapes (never run: it
+# fills the release's layout).
+_TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                    out_hidden_size=64, num_position_embeddings=16)
+
+
+def _release(model_type: str, text: dict) -> dict:
+    """A vision-language release's keywords around a text model's (its ``text_config``)."""
+    return dict(model_type=model_type, text_config=text, vision_config=_TINY_VISION,
+                tie_word_embeddings=text["tie_word_embeddings"])
+
+
+# Each shape's config keywords; ``model_type`` (default "qwen3") picks the config class; a
+# vision-language release's text model is its ``text_config``.
 SHAPES: dict[str, dict] = {
     "tiny": dict(_QWEN3, vocab_size=1024, hidden_size=64, intermediate_size=128,
                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -47,3 +60,7 @@ SHAPES: dict[str, dict] = {
                              moe_intermediate_size=32, shared_expert_intermediate_size=48,
                              num_experts=8, num_experts_per_tok=2),
 }
+# Qwen3.5's releases as the hub ships them (Qwen3_5ForConditionalGeneration, ...): the text
+# model under model.language_model, beside a vision tower.
+SHAPES["tiny-qwen3.5-vl"] = _release("qwen3_5", SHAPES["tiny-qwen3.5"])
+SHAPES["tiny-qwen3.5-moe-vl"] = _release("qwen3_5_moe", SHAPES["tiny-qwen3.5-moe"])

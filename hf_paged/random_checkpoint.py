@@ -9,7 +9,9 @@ offline. ``quantize="fp8"`` writes the layout of Qwen's fine-grained FP8 release
 projection and expert in float8_e4m3fn with a float32 ``weight_scale_inv`` per 128x128 block
 (transformers' ``Fp8Quantize`` math; a block cut short by a dimension that is not a multiple
 of 128 takes the max of its own elements), the LM head and the MoE routers in the model
-dtype (``modules_to_not_convert``).
+dtype (``modules_to_not_convert``). A shape of a vision-language release (a config with a
+``vision_config``: Qwen3.5's ``Qwen3_5ForConditionalGeneration``) is written in its layout: the
+random text model's weights under ``model.language_model``, beside a random vision tower.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from safetensors.torch import save_file
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     GenerationConfig,
     PretrainedConfig,
     PreTrainedModel,
@@ -50,10 +53,13 @@ def shape_config(shape: str, dtype: str = "float32", layers: int | None = None
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
     kwargs = dict(SHAPES[shape], dtype=dtype)
+    text = kwargs
+    if "text_config" in kwargs:  # a vision-language release: its text model's keywords
+        text = kwargs["text_config"] = dict(kwargs["text_config"], dtype=dtype)
     if layers is not None:
         if layers < 1:
             raise ValueError(f"layers must be at least 1, got {layers}")
-        kwargs["num_hidden_layers"] = layers
+        text["num_hidden_layers"] = layers
     return AutoConfig.for_model(kwargs.pop("model_type", "qwen3"), **kwargs)
 
 
@@ -161,8 +167,24 @@ def make_checkpoint(
     """Write a random checkpoint of a named shape (``SHAPES``; ``layers`` overrides its layer
     count), with its generation config and tokenizer, to ``out_dir``; the weights are drawn on
     ``device``; ``quantize="fp8"``: in the fine-grained FP8 layout."""
-    return save_checkpoint(random_qwen3(shape_config(shape, dtype, layers), seed, device=device),
-                           out_dir, quantize, device=device)
+    config = shape_config(shape, dtype, layers)
+    model = random_qwen3(config.get_text_config(), seed, device=device)
+    if hasattr(config, "vision_config"):
+        model = vision_language_release(model, config, seed)
+    return save_checkpoint(model, out_dir, quantize, device=device)
+
+
+@torch.no_grad()
+def vision_language_release(text: PreTrainedModel, config: PretrainedConfig, seed: int = 0
+                            ) -> PreTrainedModel:
+    """The vision-language model of ``config`` (``Qwen3_5ForConditionalGeneration``, ...)
+    holding ``text``'s weights (a model of ``config``'s text config) and a vision tower of
+    seeded weights."""
+    torch.manual_seed(seed)  # transformers' own initialisation draws the vision tower
+    model = AutoModelForImageTextToText.from_config(config, dtype=text.dtype)
+    model.model.language_model.load_state_dict(text.model.state_dict())
+    model.lm_head.load_state_dict(text.lm_head.state_dict())
+    return model.eval()
 
 
 def save_checkpoint(model: PreTrainedModel, out_dir: str, quantize: str | None = None,
@@ -172,7 +194,10 @@ def save_checkpoint(model: PreTrainedModel, out_dir: str, quantize: str | None =
     FP8 layout of ``block``, quantized on ``device``."""
     if quantize not in (None, *QUANTIZE):
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, got {quantize!r}")
-    config = model.config
+    if quantize and hasattr(model.config, "vision_config"):
+        raise ValueError(f"quantize={quantize!r}: a vision-language release is written in "
+                         "float only")
+    config = model.config.get_text_config()  # a vision-language release's: its text model's
     model.save_pretrained(out_dir)
     if quantize == "fp8":
         quantize_fp8(out_dir, config, block, device)

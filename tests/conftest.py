@@ -9,7 +9,13 @@ import torch
 import transformers
 from transformers import PretrainedConfig, Qwen3Config, Qwen3ForCausalLM
 
-from hf_paged.random_checkpoint import SHAPES, make_checkpoint, quantize_fp8, random_qwen3
+from hf_paged.random_checkpoint import (
+    SHAPES,
+    make_checkpoint,
+    quantize_fp8,
+    random_qwen3,
+    vision_language_release,
+)
 
 # Float32 results against stock transformers': the paged kernels sum in another order, so they
 # differ by rounding that grows with the value. Comparisons take an absolute tolerance for values
@@ -79,6 +85,20 @@ HYBRID_CONFIGS = {
     "qwen3.5_moe": dict(SHAPES["tiny-qwen3.5-moe"]),
 }
 
+# The vision-language releases' layout (Qwen3_5ForConditionalGeneration, ...: the text model
+# under model.language_model beside a vision tower) of a dense hybrid with an untied LM head
+# (its RoPE parameters the releases' kind: multimodal sections, interleaved) and a sparse one
+# with tied embeddings (the release holds no lm_head.weight).
+VISION_LANGUAGE_CONFIGS = {
+    "qwen3.5_vl": dict(SHAPES["tiny-qwen3.5-vl"], text_config=dict(
+        SHAPES["tiny-qwen3.5"], rope_parameters=dict(
+            rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25,
+            mrope_section=[1, 1, 0], mrope_interleaved=True))),
+    "qwen3.5_moe_vl_tied": dict(
+        SHAPES["tiny-qwen3.5-moe-vl"], tie_word_embeddings=True,
+        text_config=dict(SHAPES["tiny-qwen3.5-moe"], tie_word_embeddings=True)),
+}
+
 # Engine options small enough for a fast CPU cache; every model built from
 # ``tiny_checkpoint`` loads with these.
 SMALL = dict(max_model_len=128, num_kv_blocks=64, block_size=8)
@@ -124,12 +144,26 @@ def hybrid_checkpoints(tmp_path_factory) -> dict[str, str]:
             for name, shape in HYBRID_CONFIGS.items()}
 
 
+@pytest.fixture(scope="session")
+def vision_language_checkpoints(tmp_path_factory) -> dict[str, str]:
+    """name -> folder of a float32 random vision-language release
+    (``VISION_LANGUAGE_CONFIGS``)."""
+    return {name: float32_checkpoint(tmp_path_factory.mktemp(name), shape)[0]
+            for name, shape in VISION_LANGUAGE_CONFIGS.items()}
+
+
 def float32_checkpoint(folder, shape: dict, seed: int = 0) -> tuple[str, PretrainedConfig]:
     """A random float32 checkpoint of ``shape`` (a Qwen3 one unless it names its
-    ``model_type``) written to ``folder``; the folder and its config."""
+    ``model_type``; a vision-language release's layout when it has a ``text_config``) written
+    to ``folder``; the folder and its config."""
     config = transformers.AutoConfig.for_model(**{"model_type": "qwen3", **shape},
                                                dtype="float32")
-    random_qwen3(config, seed=seed).save_pretrained(folder)
+    text = config.get_text_config()
+    text.dtype = torch.float32
+    model = random_qwen3(text, seed=seed)
+    if text is not config:
+        model = vision_language_release(model, config, seed)
+    model.save_pretrained(folder)
     return str(folder), config
 
 

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 from hf_paged.config import EngineConfig
+from hf_paged.families.vision_language import causal_lm_config
 from hf_paged.step import WorkerSpec
 from hf_paged.worker.executor import Executor, check_spec, create_executor
 
@@ -101,7 +102,7 @@ def load(path_or_id: str, dtype: torch.dtype | str | None, device: torch.device 
     path = resolve_checkpoint(path_or_id)
     if hf_config is None:
         check_has_config(path)
-        hf_config = AutoConfig.from_pretrained(path)
+        hf_config = causal_lm_config(AutoConfig.from_pretrained(path))
     device = resolve_device(device)
     spec = WorkerSpec(hf_config, path, None, device, config, config.max_model_len)
     # the model, its quantization and tensor_parallel_size first: they decide the rest

@@ -10,6 +10,7 @@ import transformers
 from transformers import PretrainedConfig
 
 from hf_paged import families
+from hf_paged.families.vision_language import language_model_keys
 from hf_paged.modeling.kv_scale_keys import PATTERN as KV_SCALE_KEYS
 from hf_paged.modeling.kv_scale_keys import read_kv_scales
 from hf_paged.modeling.loader import (
@@ -35,10 +36,12 @@ def build_model(
     quantization: Fp8Scheme | None = None,
 ) -> PagedModel:
     """transformers' skeleton of the family on meta -> the keys it expects (in the
-    checkpoint's layout) -> the family's swap (FP8 weights where ``quantization`` makes
-    transformers' modules FP8) -> check the checkpoint's keys -> allocate on ``device`` -> load
-    this rank's weights, and the KV-cache scales where the checkpoint ships them
-    (``modeling.kv_scale_keys``). ``config`` has passed ``families.check_model``."""
+    checkpoint's layout; a vision-language release's language-model keys renamed as
+    transformers renames them, ``families.vision_language``) -> the family's swap (FP8
+    weights where ``quantization`` makes transformers' modules FP8) -> check the checkpoint's
+    keys -> allocate on ``device`` -> load this rank's weights, and the KV-cache scales where
+    the checkpoint ships them (``modeling.kv_scale_keys``). ``config`` has passed
+    ``families.check_model``."""
     family = families.family_for(config)
     converted, skip, kept = set(), [], set()
     with torch.device("meta"):
@@ -48,7 +51,8 @@ def build_model(
             converted, skip = fp8_model.converted_modules(hf, quantization)
         family.swap_modules(hf, attention_backend, max_positions, tp)
     # Every rank checks (and fails alike); rank 0 alone logs.
-    weights = Checkpoint.open(checkpoint)
+    weights, conversions = language_model_keys(Checkpoint.open(checkpoint), config.model_type,
+                                                  expected.ignored, log=tp.rank == 0)
     shapes, dtypes = family.checkpoint_keys(expected.shapes, weights.shapes.keys()), {}
     if quantization is not None:
         shapes, dtypes, kept = fp8_model.checkpoint_keys(shapes, converted, quantization)
@@ -77,4 +81,6 @@ def build_model(
         hf.model.layers[layer].self_attn.set_kv_scales(k_scale.to(device), v_scale.to(device))
     if quantized_on_load:  # now an FP8 model, saved as one (as in transformers)
         config.quantization_config = fp8_model.saved_config(quantization, skip, converted - kept)
+    if conversions:  # saved back in the checkpoint's layout, as transformers does
+        hf._weight_conversions = conversions
     return PagedModel(hf)

@@ -19,6 +19,8 @@ from transformers import GenerationConfig, LogitsProcessorList, PretrainedConfig
 from transformers.generation import GenerationMixin, StoppingCriteriaList
 from transformers.generation.configuration_utils import GenerationMode
 
+from hf_paged.families.vision_language import refuse_vision_inputs
+
 # Modes hf_paged decodes; the values are the names transformers gives them.
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE,
                    GenerationMode.BEAM_SEARCH, GenerationMode.ASSISTED_GENERATION)
@@ -161,6 +163,7 @@ def resolve(
 
     input_ids = model_kwargs.pop("input_ids", None) if inputs is None else inputs
     attention_mask = model_kwargs.pop("attention_mask", None)
+    refuse_vision_inputs(model_kwargs, "generate()")
     if model_kwargs:
         raise ValueError(
             "generate() got argument(s) hf_paged does not support: "

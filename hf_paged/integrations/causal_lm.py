@@ -57,6 +57,8 @@ class PagedCausalLM:
         inner.engine_ref = weakref.ref(engine)  # not a strong one: the engine holds ``inner``
         model.model = inner
         model.lm_head = engine.model.hf_model.lm_head
+        # A vision-language release's keys: saved in their layout (transformers' attribute)
+        model._weight_conversions = getattr(engine.model.hf_model, "_weight_conversions", None)
         peft_parts.install(model)
         torch.nn.Module.train(model, False)
         return model

@@ -20,6 +20,7 @@ from transformers.utils import find_adapter_config_file, logging
 
 from hf_paged.config import EngineConfig
 from hf_paged.engine.loading import check_has_config, resolve_checkpoint
+from hf_paged.families.vision_language import causal_lm_config
 from hf_paged.generation.paged_engine import PagedEngine
 
 # transformers' own hub keywords, passed to huggingface_hub to find a checkpoint by id
@@ -105,7 +106,8 @@ def model_config(path: str, config: PretrainedConfig | str | None,
     """The model config as transformers' ``from_pretrained`` makes it: the checkpoint's own (or
     a passed config object, copied, or a path to one) with keyword ``overrides`` applied to its
     attributes; a keyword that is no attribute of it is a ``TypeError``, as transformers' model
-    constructor raises."""
+    constructor raises. A vision-language release's is its text config, as transformers'
+    ``AutoModelForCausalLM`` takes it (``families.vision_language``)."""
     if isinstance(config, PretrainedConfig):
         config, unused = copy.deepcopy(config), dict(overrides)
     elif config is not None and not isinstance(config, (str, os.PathLike)):
@@ -116,6 +118,7 @@ def model_config(path: str, config: PretrainedConfig | str | None,
         check_has_config(config)
         config, unused = AutoConfig.from_pretrained(config, return_unused_kwargs=True,
                                                     **overrides)
+    config = causal_lm_config(config)
     if unused:
         raise TypeError(
             f"from_pretrained() got keyword(s) that are neither transformers' loading options, "

@@ -9,6 +9,7 @@ from types import ModuleType
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
+from hf_paged.families.vision_language import refuse_vision_inputs
 from hf_paged.integrations import peft_sync
 from hf_paged.integrations.family_classes import class_by_name, family_class
 
@@ -102,6 +103,7 @@ def refuse_forward_options(past_key_values, inputs_embeds, use_cache, kwargs,
                          "whole sequences, or decode with generate()")
     if inputs_embeds is not None:
         raise ValueError("inputs_embeds is not supported by hf_paged's forward; pass input_ids")
+    refuse_vision_inputs([n for n, v in kwargs.items() if v is not None], "forward()")
     refused = sorted(n for n, v in kwargs.items()
                      if n not in allowed and v is not None and v is not False)
     if refused:

@@ -12,6 +12,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from hf_paged import families, quantization
 from hf_paged.config import EngineConfig
+from hf_paged.families.vision_language import causal_lm_config
 from hf_paged.integrations.causal_lm import AutoModelForCausalLM
 
 # Keywords that help read a checkpoint's config.json from the hub.
@@ -107,14 +108,15 @@ def _loader(patched_cls: type, stock):
 
 
 def _config(path_or_id, kwargs: dict) -> PretrainedConfig | None:
-    """The config passed (an object or a path) or else the checkpoint's, or None when it
-    cannot be read (stock transformers then reports why)."""
+    """The config passed (an object or a path) or else the checkpoint's, a vision-language
+    release's text config as transformers takes it, or None when it cannot be read (stock
+    transformers then reports why)."""
     config = kwargs.get("config")
     if isinstance(config, PretrainedConfig):
-        return config
+        return causal_lm_config(config)
     hub = {name: kwargs[name] for name in _CONFIG_KEYWORDS if name in kwargs}
     try:
-        return AutoConfig.from_pretrained(config or path_or_id, **hub)
+        return causal_lm_config(AutoConfig.from_pretrained(config or path_or_id, **hub))
     except (OSError, ValueError, KeyError):
         return None
 

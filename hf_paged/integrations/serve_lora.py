@@ -40,6 +40,7 @@ def load_with_adapters(loras: dict[str, str]) -> Callable[[], None]:
     from transformers.cli.serving.model_manager import ModelManager
     from transformers.cli.serving.utils import split_model_id
 
+    from hf_paged.families.vision_language import causal_lm_config
     from hf_paged.integrations.serve_compat import split_revision
 
     stock = ModelManager.__dict__["_load_model"]
@@ -50,7 +51,8 @@ def load_with_adapters(loras: dict[str, str]) -> Callable[[], None]:
                 split_model_id(pinned)[0]):
             return stock(self, model_id_and_revision, *args, **kwargs)
         model_id, revision = split_revision(model_id_and_revision)
-        check_loras(loras, AutoConfig.from_pretrained(model_id, revision=revision))
+        check_loras(loras, causal_lm_config(AutoConfig.from_pretrained(model_id,
+                                                                      revision=revision)))
         model = stock(self, model_id_and_revision, *args, **kwargs)
         try:
             _load_into(model, loras)

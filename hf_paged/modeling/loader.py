@@ -64,12 +64,16 @@ def checkpoint_files(path: str) -> list[str]:
 @dataclass
 class Checkpoint:
     """A checkpoint folder's tensors, from the file headers only: the file holding each and
-    its full shape."""
+    its full shape, by the name the model knows it by (``stored``: the name in the file of a
+    tensor ``renamed`` gave another; ``stored_as``: the name a tensor the file lacks would
+    have there)."""
 
     path: str
     files: dict[str, str] = field(default_factory=dict)
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     dtypes: dict[str, str] = field(default_factory=dict)  # safetensors' names: "BF16", ...
+    stored: dict[str, str] = field(default_factory=dict)
+    stored_as: Callable[[str], str] | None = None
 
     @classmethod
     def open(cls, path: str) -> Checkpoint:
@@ -90,7 +94,29 @@ class Checkpoint:
     def tensor(self, name: str) -> torch.Tensor:
         """The whole tensor ``name``, read on the CPU."""
         with safe_open(self.files[name], framework="pt") as f:
-            return f.get_tensor(name)
+            return f.get_tensor(self.key(name))
+
+    def key(self, name: str) -> str:
+        """The name in the file of the tensor ``name`` (or that it would have there): what
+        errors and logs show."""
+        if name in self.stored:
+            return self.stored[name]
+        return self.stored_as(name) if self.stored_as and name not in self.shapes else name
+
+    def renamed(self, rename: Callable[[str], str], back: Callable[[str], str]) -> Checkpoint:
+        """The same tensors, each by the name ``rename`` gives its name; ``back`` names a
+        model key in the file's layout. Two tensors of one new name are an error naming both."""
+        out = Checkpoint(self.path, stored_as=back)
+        for name in self.shapes:
+            new = rename(name)
+            if new in out.shapes:
+                raise ValueError(f"checkpoint {self.path} holds both {out.key(new)} and "
+                                 f"{self.key(name)}, which are the same tensor {new}")
+            out.files[new], out.shapes[new] = self.files[name], self.shapes[name]
+            out.dtypes[new] = self.dtypes[name]
+            if new != self.key(name):
+                out.stored[new] = self.key(name)
+        return out
 
 
 @dataclass(frozen=True)
@@ -203,14 +229,14 @@ def match_keys(
     # that) or it fills it.
     used = set(sources.values()) | ({LM_HEAD} if tied else set())
     report = KeyReport(
-        missing=sorted((k for k in shapes if k not in sources), key=_natural),
-        mismatched=sorted(((src, checkpoint.shapes[src], shapes[k])
+        missing=sorted((checkpoint.key(k) for k in shapes if k not in sources), key=_natural),
+        mismatched=sorted(((checkpoint.key(src), checkpoint.shapes[src], shapes[k])
                            for k, src in sources.items() if checkpoint.shapes[src] != shapes[k]),
                           key=lambda m: _natural(m[0])),
-        unexpected=sorted((n for n in checkpoint.shapes
+        unexpected=sorted((checkpoint.key(n) for n in checkpoint.shapes
                            if n not in used and not expected.ignored.search(n)), key=_natural),
         wrong_dtype=sorted(
-            ((src, checkpoint.dtypes[src], expected.dtypes.get(k, ()))
+            ((checkpoint.key(src), checkpoint.dtypes[src], expected.dtypes.get(k, ()))
              for k, src in sources.items() if not _dtype_fits(checkpoint.dtypes.get(src),
                                                                expected.dtypes.get(k))),
             key=lambda m: _natural(m[0])),
@@ -262,7 +288,7 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, sources: dict[str, st
                 # Loaders live on the modules: parameters are re-created when materialised.
                 module = model.get_submodule(target.rpartition(".")[0])
                 loader = getattr(module, "weight_loader", None)
-                tensor = f.get_slice(sources[key])
+                tensor = f.get_slice(checkpoint.key(sources[key]))
                 if loader is None:  # replicated on every rank
                     params[target].copy_(tensor[()])
                 elif shard_id is None:

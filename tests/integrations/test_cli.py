@@ -108,6 +108,20 @@ def test_a_qwen3_moe_checkpoint_with_fewer_layers_generates_as_transformers(caps
     assert "parity with transformers: identical tokens" in capsys.readouterr().out
 
 
+def test_a_qwen3_5_vision_language_release_generates_as_transformers(capsys, tmp_path):
+    """The layout the hub ships Qwen3.5 in: its text model served, as transformers' causal LM
+    serves it."""
+    out_dir = str(tmp_path / "vl")
+    assert main(["make-checkpoint", "--shape", "tiny-qwen3.5-vl", "--dtype", "float32",
+                 out_dir]) == 0
+    with open(f"{out_dir}/config.json") as f:
+        config = json.load(f)
+    assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    assert main(["generate", "--model", out_dir, "--prompt", "Hello there", "--prompt",
+                 "The river", "--max-new-tokens", "6", "--check", "--device", "cpu"]) == 0
+    assert "parity with transformers: identical tokens" in capsys.readouterr().out
+
+
 def _copy(checkpoint: str, folder) -> str:
     shutil.copytree(checkpoint, folder)
     return str(folder)

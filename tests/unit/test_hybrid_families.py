@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from hf_paged import families
 from hf_paged.families.build import build_model
+from hf_paged.families.vision_language import causal_lm_config
 from hf_paged.integrations.state_dict import transformers_state_dict
 from hf_paged.modeling.tp import SINGLE, TensorParallel
 from tests.conftest import HYBRID_CONFIGS
@@ -32,7 +33,7 @@ def config_of(name: str, **override) -> transformers.PretrainedConfig:
 
 
 def build(path: str, tp: TensorParallel = SINGLE):
-    config = transformers.AutoConfig.from_pretrained(path)
+    config = causal_lm_config(transformers.AutoConfig.from_pretrained(path))
     return build_model(config, path, torch.float32, torch.device("cpu"), "sdpa", 256, tp)
 
 
@@ -158,7 +159,16 @@ class ThreadSum:
 def test_two_ranks_compute_what_one_does(hybrid_checkpoints, name):
     """Each rank holds half the heads (and experts' features) with its own state pools: the
     final hidden states of a prefill and a decode step equal the whole model's."""
-    path, batch = hybrid_checkpoints[name], prompts(2, (9, 3))
+    assert_two_ranks_compute_what_one_does(hybrid_checkpoints[name])
+
+
+def test_two_ranks_of_a_vision_language_release(vision_language_checkpoints):
+    """Each rank reads its slices of the release's ``model.language_model.*`` tensors."""
+    assert_two_ranks_compute_what_one_does(vision_language_checkpoints["qwen3.5_moe_vl_tied"])
+
+
+def assert_two_ranks_compute_what_one_does(path: str) -> None:
+    batch = prompts(2, (9, 3))
     whole = HybridSteps(build(path), len(batch))
     expected = [whole.step(list(enumerate(batch)), hidden=True),
                 whole.step([(0, [7]), (1, [8])], hidden=True)]

@@ -279,12 +279,13 @@ def test_folder_without_config_json_is_named(checkpoints, tmp_path):
 
 
 def test_a_family_hf_paged_does_not_serve_is_refused_before_its_fields_are_read(tmp_path):
-    """Qwen3.5's vision-language config has no ``max_position_embeddings`` at its top level:
-    the family check names its model_type before anything reads it."""
-    config_class = getattr(transformers, "Qwen3_5Config", None)
+    """Qwen3-VL's vision-language config (its text model not served) has no
+    ``max_position_embeddings`` at its top level: the family check names its model_type
+    before anything reads it."""
+    config_class = getattr(transformers, "Qwen3VLConfig", None)
     if config_class is None:
-        pytest.skip("this transformers has no Qwen3_5Config")
+        pytest.skip("this transformers has no Qwen3VLConfig")
     config_class().save_pretrained(tmp_path)
     for load in LOADERS:
-        with pytest.raises(ValueError, match="this checkpoint has model_type 'qwen3_5'$"):
+        with pytest.raises(ValueError, match="this checkpoint has model_type 'qwen3_vl'$"):
             load(str(tmp_path), **SMALL)

@@ -21,6 +21,7 @@ from transformers import AutoConfig, PretrainedConfig
 from hf_paged.config import EngineConfig
 from hf_paged.engine.loading import resolve_checkpoint
 from hf_paged.engine.speculation.draft_proposer import DraftEngine
+from hf_paged.families.vision_language import causal_lm_config
 from hf_paged.step import WorkerSpec
 from hf_paged.worker.executor import check_spec
 
@@ -57,7 +58,7 @@ def draft_engine_from_checkpoint(path: str, build: Callable[..., DraftEngine], *
     made by ``build`` (``EngineCore.from_pretrained``). ``vocab_size``: the target's, checked
     when given."""
     path = resolve_checkpoint(path)
-    hf_config = AutoConfig.from_pretrained(path)
+    hf_config = causal_lm_config(AutoConfig.from_pretrained(path))
     check_vocab("speculative_model", hf_config, vocab_size)
     options = draft_options(config, draft_length(hf_config, max_model_len), num_blocks,
                             torch.device(device))
