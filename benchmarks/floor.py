@@ -18,6 +18,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from benchmarks.common import device_name, timed
 from benchmarks.workloads import Workload
+from hf_paged.modeling.gated_deltanet import GatedDeltaNetShape
 
 # Peak HBM bandwidth used for the floor, by a substring of the device name.
 PEAK_BANDWIDTH = {"H200": 4.3e12, "H100": 3.0e12}
@@ -45,6 +46,16 @@ MOE_FLOOR_MODEL = (
     "each routes to k of the E uniformly (k at b = 1, near E at large b). A random checkpoint's "
     "router routes near-uniformly; a trained one's skew touches fewer, so for it this is an "
     "estimate rather than a bound."
+)
+# Appended to FLOOR_MODEL for a hybrid checkpoint (Gated DeltaNet layers beside attention).
+HYBRID_FLOOR_MODEL = (
+    "Hybrid model: only the full-attention layers keep a KV cache, so K counts those layers; "
+    "each linear-attention (Gated DeltaNet) layer keeps a state per sequence instead, which "
+    "every decode step of a request reads and writes back whole: sum_i o_i * 2 * R more bytes, "
+    "R = the linear layers' state bytes of one sequence as the engine stores them (the "
+    "recurrent state value_heads * key_dim * value_dim in float32 and the convolution's "
+    "channels * kernel in the served dtype, each layer). Prefix caching does not share it: "
+    "a sequence resumed from a snapshot has a state of its own."
 )
 # Appended to FLOOR_MODEL for requests on LoRA adapters.
 LORA_FLOOR_MODEL = (
@@ -94,11 +105,13 @@ class Experts:
 @dataclass(frozen=True)
 class MemoryCost:
     """Bytes one decode step must read: the dense weights (every weight of a dense checkpoint),
-    the experts its tokens route to (a mixture of experts), and the KV cache per cached token."""
+    the experts its tokens route to (a mixture of experts), the KV cache per cached token, and
+    of a hybrid model each sequence's linear-attention state, read and written."""
 
     dense_bytes: int
     kv_bytes_per_token: int
     experts: Experts | None = None
+    state_bytes_per_seq: int = 0  # one sequence's linear-layer state, read + written a step
 
     @classmethod
     def from_checkpoint(cls, path: str, dtype: torch.dtype,
@@ -123,10 +136,14 @@ class MemoryCost:
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
         kv_size = size if kv_cache_dtype == "auto" else 1
-        kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * kv_size
+        types = getattr(config, "layer_types", None) or ["full_attention"] * len(range(
+            config.num_hidden_layers))
+        linear = types.count("linear_attention")
+        kv = 2 * (len(types) - linear) * config.num_key_value_heads * head_dim * kv_size
         experts = _experts(config, nbytes, path)
         dense = total - (0 if experts is None else experts.total_bytes)
-        return cls(dense_bytes=dense, kv_bytes_per_token=kv, experts=experts)
+        return cls(dense_bytes=dense, kv_bytes_per_token=kv, experts=experts,
+                   state_bytes_per_seq=2 * linear * _state_bytes(config, size))
 
     def weight_bytes(self, batch: int) -> float:
         """Weight bytes a step of ``batch`` tokens reads: all of them, for a dense checkpoint."""
@@ -146,7 +163,8 @@ class MemoryCost:
         kv_tokens = sum(o * len(p) + o * (o - 1) // 2 for p, o in zip(workload.prompts, outputs))
         if prefix_caching:
             kv_tokens -= workload.common_prefix_len() * (sum(outputs) - steps)
-        return weights + kv_tokens * self.kv_bytes_per_token
+        return (weights + kv_tokens * self.kv_bytes_per_token
+                + sum(outputs) * self.state_bytes_per_seq)
 
 
 @dataclass(frozen=True)
@@ -173,6 +191,16 @@ class AdapterCost:
     def floor_bytes(self, workload: Workload, prefix_caching: bool = False) -> float:
         return (self.cost.floor_bytes(workload, prefix_caching)
                 + self.adapter_floor_bytes(workload))
+
+
+def _state_bytes(config: PretrainedConfig, size: int) -> int:
+    """One linear-attention layer's state of one sequence, as the engine's state pools hold
+    it (``GatedDeltaNetShape.state_shapes``: float32 or the served dtype of ``size`` bytes);
+    0 for a model without such layers."""
+    if not hasattr(config, "linear_num_value_heads"):
+        return 0
+    return sum(math.prod(shape) * (size if dtype is None else dtype.itemsize)
+               for shape, dtype in GatedDeltaNetShape(config).state_shapes().values())
 
 
 def _experts(config: PretrainedConfig, nbytes: dict[str, int], path: str) -> Experts | None:
@@ -230,8 +258,12 @@ def floor_settings(device: torch.device, given: float | None, cost: MemoryCost) 
         weights: dict[str, Any] = {"weight_bytes_per_step": cost.dense_bytes}
     else:
         weights = {"dense_weight_bytes_per_step": cost.dense_bytes, **asdict(cost.experts)}
+    if cost.state_bytes_per_seq:
+        weights["state_bytes_per_sequence_step"] = cost.state_bytes_per_seq
+    models = [FLOOR_MODEL, *([MOE_FLOOR_MODEL] if cost.experts else []),
+              *([HYBRID_FLOOR_MODEL] if cost.state_bytes_per_seq else [])]
     return {
-        "floor_model": FLOOR_MODEL + ("" if cost.experts is None else " " + MOE_FLOOR_MODEL),
+        "floor_model": " ".join(models),
         "bandwidth_bytes_per_s": bandwidth,
         "bandwidth_source": source,
         "measured_copy_bandwidth_bytes_per_s": measured,

@@ -60,6 +60,27 @@ SHAPES: dict[str, dict] = {
                              moe_intermediate_size=32, shared_expert_intermediate_size=48,
                              num_experts=8, num_experts_per_tok=2),
 }
+# Qwen3.5's text models at their releases' widths (Qwen/Qwen3.5-9B, Qwen/Qwen3.5-35B-A3B):
+# every size below is transformers' Qwen3_5TextConfig / Qwen3_5MoeTextConfig default, which
+# those classes take from these releases (hidden 4096 / 2048, 32 / 40 layers, 16 attention
+# heads of 256 with a quarter rotary, 4 / 2 KV heads, 16 key and 32 value Gated DeltaNet heads
+# of 128, kernel 4, vocabulary 248,320; the MoE 256 experts of 512, 8 a token, a shared expert
+# of 512), spelled out so that a later default cannot move them. Not taken from the releases'
+# own config.json (no hub here): the special-token ids (Qwen's layout, <|endoftext|> then
+# <|im_start|>, <|im_end|>, at the released vocabulary's 248,044), the RoPE base (the default)
+# and the context length (32,768) are assumptions; none changes a step's bytes.
+_QWEN3_5 = dict(
+    vocab_size=248320, num_attention_heads=16, head_dim=256, linear_num_key_heads=16,
+    linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_conv_kernel_dim=4, max_position_embeddings=32768, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, bos_token_id=248044, eos_token_id=248046, pad_token_id=248044,
+)
+SHAPES["qwen3.5-9b"] = dict(_QWEN3_5, model_type="qwen3_5_text", hidden_size=4096,
+                            intermediate_size=12288, num_hidden_layers=32, num_key_value_heads=4)
+SHAPES["qwen3.5-35b-a3b"] = dict(
+    _QWEN3_5, model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40,
+    num_key_value_heads=2, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+    num_experts=256, num_experts_per_tok=8)
 # Qwen3.5's releases as the hub ships them (Qwen3_5ForConditionalGeneration, ...): the text
 # model under model.language_model, beside a vision tower.
 SHAPES["tiny-qwen3.5-vl"] = _release("qwen3_5", SHAPES["tiny-qwen3.5"])

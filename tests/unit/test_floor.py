@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from benchmarks.floor import (
     FLOOR_MODEL,
+    HYBRID_FLOOR_MODEL,
     MOE_FLOOR_MODEL,
     AdapterCost,
     Experts,
@@ -138,3 +139,42 @@ def test_fp8_weights_count_a_byte_and_their_scales_four(tmp_path):
     assert cost.dense_bytes == plain.dense_bytes - attention * 3 + 2 * 4 * 4
     kv8 = MemoryCost.from_checkpoint(path, torch.float32, "fp8")
     assert kv8.kv_bytes_per_token * 4 == plain.kv_bytes_per_token == cost.kv_bytes_per_token
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hybrid_steps_read_and_write_each_sequence_state(tmp_path, dtype):
+    """tiny-qwen3.5: layers 0-2 Gated DeltaNet, layer 3 full attention. K: that one layer's
+    K and V, 2 KV heads of 16. Each linear layer's state of a sequence: the recurrent state,
+    4 value heads x 16 x 16 in float32, and the convolution's 2 * 2 * 16 + 4 * 16 = 128
+    channels x kernel 4 in the served dtype; read and written at each of a request's steps."""
+    path = make_checkpoint("tiny-qwen3.5", str(tmp_path), dtype="float32")
+    cost = MemoryCost.from_checkpoint(path, dtype)
+    size = dtype.itemsize
+    assert cost.experts is None and cost.kv_bytes_per_token == 2 * 1 * 2 * 16 * size
+    assert cost.state_bytes_per_seq == 2 * 3 * (4 * 16 * 16 * 4 + 128 * 4 * size)
+    assert cost.state_bytes_per_seq == {4: 36864, 2: 30720}[size]
+    # Outputs 1 and 3: four request steps, each reading and writing its state.
+    assert cost.floor_bytes(WORK) == (3 * cost.dense_bytes + KV_TOKENS * cost.kv_bytes_per_token
+                                      + 4 * cost.state_bytes_per_seq)
+    # Prefix caching shares the prefix's KV, never a sequence's state.
+    shared = Workload([[7, 8, 9, 1], [7, 8, 9, 2, 3]], [2, 2])
+    saved = cost.floor_bytes(shared) - cost.floor_bytes(shared, prefix_caching=True)
+    assert saved == 3 * (4 - 2) * cost.kv_bytes_per_token
+    settings = floor_settings(CPU, 1e9, cost)
+    assert settings["floor_model"] == FLOOR_MODEL + " " + HYBRID_FLOOR_MODEL
+    assert settings["state_bytes_per_sequence_step"] == cost.state_bytes_per_seq
+
+
+def test_hybrid_moe_counts_experts_beside_the_state(tmp_path):
+    """tiny-qwen3.5-moe: all 4 layers sparse (8 experts of 32, 2 a token; the shared expert
+    is dense), beside the hybrid KV and state of tiny-qwen3.5; the untied embedding is read as
+    rows, not whole (the LM head is)."""
+    path = make_checkpoint("tiny-qwen3.5-moe", str(tmp_path), dtype="float32")
+    cost = MemoryCost.from_checkpoint(path, torch.float32)
+    assert cost.experts == Experts(sparse_layers=4, experts=8, top_k=2,
+                                   bytes_per_expert=3 * 32 * 64 * 4)
+    assert cost.dense_bytes == parameter_bytes(path) - 4 * 8 * 3 * 32 * 64 * 4 - 1024 * 64 * 4
+    assert cost.kv_bytes_per_token == 2 * 2 * 16 * 4 and cost.state_bytes_per_seq == 36864
+    settings = floor_settings(CPU, 1e9, cost)
+    assert settings["floor_model"] == " ".join(
+        [FLOOR_MODEL, MOE_FLOOR_MODEL, HYBRID_FLOOR_MODEL])
