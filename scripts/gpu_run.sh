@@ -3,8 +3,8 @@
 #
 #   scripts/gpu_run.sh [STEP...]      STEP: tests w1 w2 w3 preempt profile w1-split dropin w4
 #                                     beam tp-tests startup lm-eval serving moe moe-w1 moe-w2
-#                                     moe-prof moe-kernels speculation quantized lora (default:
-#                                     the first four)
+#                                     moe-prof moe-kernels speculation quantized lora hybrid
+#                                     hybrid-tests hybrid-bench (default: the first four)
 #
 # Everything printed also goes to $OUT/run.log, and this run's result JSONs, README-table.md and
 # throughput.png are copied into $OUT, when OUT is set. Each step runs under a time limit (a
@@ -90,6 +90,24 @@
 #       generate as the baseline per BASELINES (T_LORA=480; LORA_ARGS). On an H100 an
 #       estimated 1-2 minutes for the tests and 4-5 for the benchmark with its baselines
 #       (about 3 with BASELINES=reuse); results tagged with $SHAPE (lora-0.6b-<device>.json)
+#   hybrid: the hybrid GPU tests (tests/gpu/test_hybrid_gpu.py, not in the tests step: bf16
+#       parity with transformers on four layers of the Qwen3.5-9B and Qwen3.5-35B-A3B shapes,
+#       graphs over reused state slots, snapshot hits, the Gated DeltaNet kernels at real head
+#       sizes; T_HYBRID_TESTS=300), then bench_hybrid on each of HYBRID_SHAPES (default
+#       "qwen3.5-9b qwen3.5-35b-a3b"): the checkpoint built once under
+#       HYBRID_CKPTS=/tmp/ckpt as <shape>-<layers>l (drawn on the GPU, written aside and moved in
+#       whole; T_HYBRID_CKPT=180), all 32 layers of the 9B (HYBRID_9B_LAYERS; 18 GB) and 16 of
+#       the 35B-A3B's 40 (HYBRID_MOE_LAYERS; 29 GB: its 40, 68 GB, fit no 64 GiB disk; keep a
+#       multiple of 4, the 3:1 layer pattern), each layer of its real shape; then W1 and
+#       batch-1 decode against their floors (weights, full-attention KV, each sequence's
+#       linear-layer state read and written a step) and stock generate on W1's first 16
+#       requests cut to 128 new tokens and at batch 1 (64 tokens), and W3 with prefix caching
+#       on (num_state_snapshots=64) and off (T_HYBRID=420 a shape; HYBRID_ARGS). Results tagged
+#       <shape>-<layers>l (hybrid-qwen3.5-9b-32l-<device>.json). hybrid-tests and hybrid-bench
+#       run one half. Not yet measured: an estimated 3 minutes for the tests and 5-6 a shape
+#       (five engine starts, the stock model loaded twice, the build), so one shape a call:
+#       `HYBRID_SHAPES=qwen3.5-9b scripts/gpu_run.sh hybrid`, then
+#       `HYBRID_SHAPES=qwen3.5-35b-a3b scripts/gpu_run.sh hybrid-bench`
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
@@ -185,6 +203,35 @@ quantized() {  # W8 on each shape of QUANT_SHAPES, its FP8 copy built once
   done
 }
 
+hybrid() {  # hybrid PART...: the hybrid GPU tests (tests) and bench_hybrid on HYBRID_SHAPES (bench)
+  local part shape layers ckpt
+  for part in "$@"; do
+    if [[ $part == tests ]]; then
+      step hybrid-tests "${T_HYBRID_TESTS:-300}" python -m pytest tests/gpu/test_hybrid_gpu.py -q \
+        --durations=8 "${EACH_TEST[@]}"
+      continue
+    fi
+    for shape in ${HYBRID_SHAPES:-qwen3.5-9b qwen3.5-35b-a3b}; do
+      case $shape in
+        qwen3.5-9b) layers=${HYBRID_9B_LAYERS:-32} ;;
+        qwen3.5-35b-a3b) layers=${HYBRID_MOE_LAYERS:-16} ;;
+        *) echo "HYBRID_SHAPES: unknown shape $shape (qwen3.5-9b qwen3.5-35b-a3b)"
+           STATUS+=("hybrid-$shape unknown"); continue ;;
+      esac
+      ckpt=${HYBRID_CKPTS:-/tmp/ckpt}/$shape-${layers}l
+      if [[ ! -d $ckpt ]]; then
+        rm -rf "$ckpt.partial"
+        step "hybrid-ckpt-$shape" "${T_HYBRID_CKPT:-180}" python -m benchmarks.make_checkpoint \
+          --shape "$shape" --layers "$layers" --out "$ckpt.partial" --dtype bfloat16
+        [[ $LAST_RC -ne 0 ]] || mv "$ckpt.partial" "$ckpt"
+      fi
+      [[ -d $ckpt ]] || continue  # the build failed: its step says so
+      CKPT=$ckpt bench "hybrid-$shape" "${T_HYBRID:-420}" bench_hybrid "${HYBRID_ARGS:-}" \
+        --tag "$shape-${layers}l" "${BASELINE_ARGS[@]}"
+    done
+  done
+}
+
 STARTED=$(mktemp)  # the JSONs written after it are this run's
 
 main() {
@@ -199,6 +246,7 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
     case $s in
       tests) step tests "${T_TESTS:-420}" python -m pytest tests/gpu tests/kernels -m gpu -q \
             --ignore tests/gpu/test_dropin_gpu.py --ignore tests/gpu/test_lora_gpu.py \
+            --ignore tests/gpu/test_hybrid_gpu.py \
             --durations=12 "${EACH_TEST[@]}" ;;
       w1) bench w1 "${T_W1:-270}" bench_throughput "${W1_ARGS:-}" "${BASELINE_ARGS[@]}" ;;
       w2) bench w2 "${T_W2:-150}" bench_latency "${W2_ARGS:-}" "${BASELINE_ARGS[@]}" \
@@ -251,9 +299,11 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
             --durations=5 "${EACH_TEST[@]}"
         bench lora "${T_LORA:-480}" bench_lora "${LORA_ARGS:-}" --tag "$SHAPE" \
             "${BASELINE_ARGS[@]}" ;;
+      hybrid) hybrid tests bench ;;
+      hybrid-tests|hybrid-bench) hybrid "${s#hybrid-}" ;;
       *) echo "unknown step $s (steps: tests w1 w2 w3 preempt profile w1-split dropin w4 beam tp-tests" \
               "startup lm-eval serving moe moe-w1 moe-w2 moe-prof moe-kernels fp8-kernels speculation"\
-              "quantized lora)"
+              "quantized lora hybrid hybrid-tests hybrid-bench)"
          STATUS+=("$s unknown") ;;
     esac
   done

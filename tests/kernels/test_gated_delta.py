@@ -24,25 +24,29 @@ from tests.kernels.conftest import DEVICE, HALF
 LENS = [1, 5, 64, 130]
 SLOTS = [4, 0, 2, 5]  # out of 7: slots 1, 3 and 6 belong to sequences not in the batch
 INITIAL = [True, False, True, False]
-KV_HEADS, HEADS, K_DIM, V_DIM = 2, 4, 32, 16
+SIZES = 2, 4, 32, 16  # key heads, value heads, key and value head dims
+_, HEADS, K_DIM, V_DIM = SIZES
 
 
-def inputs(lens: list[int], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def inputs(lens: list[int], dtype: torch.dtype = torch.float32,
+           sizes: tuple[int, int, int, int] = SIZES) -> dict[str, torch.Tensor]:
     """q, k, v, g, beta for ``lens`` packed, as the model makes them: q, k, v views of one
     projection's rows (strided), ``g`` a negative log decay in float32, ``beta`` a sigmoid;
-    and their ``cu_seqlens``."""
+    and their ``cu_seqlens``. ``sizes``: key heads, value heads, key and value head dims."""
+    kv_heads, heads, k_dim, v_dim = sizes
     tokens = sum(lens)
-    sizes = [KV_HEADS * K_DIM, KV_HEADS * K_DIM, HEADS * V_DIM]
-    q, k, v = torch.randn(tokens, sum(sizes)).to(DEVICE, dtype).split(sizes, dim=1)
-    return dict(q=q.view(tokens, KV_HEADS, K_DIM), k=k.view(tokens, KV_HEADS, K_DIM),
-                v=v.view(tokens, HEADS, V_DIM),
-                g=F.logsigmoid(torch.randn(tokens, HEADS) + 2).to(DEVICE),  # decays 0.5-1 mostly
-                beta=torch.randn(tokens, HEADS).sigmoid().to(DEVICE, dtype),
+    widths = [kv_heads * k_dim, kv_heads * k_dim, heads * v_dim]
+    q, k, v = torch.randn(tokens, sum(widths)).to(DEVICE, dtype).split(widths, dim=1)
+    return dict(q=q.view(tokens, kv_heads, k_dim), k=k.view(tokens, kv_heads, k_dim),
+                v=v.view(tokens, heads, v_dim),
+                g=F.logsigmoid(torch.randn(tokens, heads) + 2).to(DEVICE),  # decays 0.5-1 mostly
+                beta=torch.randn(tokens, heads).sigmoid().to(DEVICE, dtype),
                 cu_seqlens=torch.tensor([0, *lens]).cumsum(0).to(DEVICE, torch.int32))
 
 
-def pool(num_slots: int = 7) -> torch.Tensor:
-    return torch.randn(num_slots, HEADS, K_DIM, V_DIM, device=DEVICE) * 0.1
+def pool(num_slots: int = 7, sizes: tuple[int, int, int, int] = SIZES) -> torch.Tensor:
+    _, heads, k_dim, v_dim = sizes
+    return torch.randn(num_slots, heads, k_dim, v_dim, device=DEVICE) * 0.1
 
 
 def prefill_args(args: dict, state_pool: torch.Tensor, slots: list[int], initial: list[bool]
