@@ -20,13 +20,16 @@ Parts (``--parts``, default all):
   --snapshots`` (a hybrid model's prefix cache hits only where a snapshot of the linear
   layers' state sits), then with prefix caching off; their ratio is ``prefix_caching_speedup``.
 
-The stock model loads straight onto the device (``device_map``). Writes
+The stock model loads straight onto the device (``device_map``); its linear layers run
+flash-linear-attention's and causal-conv1d's kernels where those are installed, else
+transformers' torch fallbacks (``linear_attention_path`` in its result says which). Writes
 ``hybrid-<tag>-<device>.json``; the time on an H100 is in ``scripts/gpu_run.sh``'s header.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 from functools import partial
 from typing import Any
 
@@ -135,8 +138,10 @@ def main(argv: list[str] | None = None) -> None:
             short = w2_decode(args.repeats, args.prompt_len, args.baseline_new_tokens, top)
             measured["batch1"] = common.guarded("transformers generate, batch1", partial(
                 bench_latency.measure, partial(stock, 1), short, None, device))
+        kernels = [name for name in ("fla", "causal_conv1d") if importlib.util.find_spec(name)]
         result["baselines"]["transformers_generate"] = common.parts_baseline(
-            measured, ("output_tokens_per_s", "decode_ms_per_token"))
+            measured, ("output_tokens_per_s", "decode_ms_per_token"),
+            linear_attention_path=", ".join(kernels) or "transformers' torch fallbacks")
     common.finish(result)
 
 

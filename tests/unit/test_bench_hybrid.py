@@ -39,6 +39,7 @@ def test_every_part_against_its_floor_and_stock(shape, tmp_path):
     assert paged["hf_paged@baseline_requests"]["output_tokens"] == 2 * 4
     stock = data["baselines"]["transformers_generate"]
     assert stock["w1"]["output_tokens"] == 2 * 4 and stock["batch1"]["decode_ms_per_token"] > 0
+    assert stock["linear_attention_path"] == "transformers' torch fallbacks"  # none installed
     cost = MemoryCost.from_checkpoint(path, torch.float32)
     assert data["floor"]["state_bytes_per_sequence_step"] == cost.state_bytes_per_seq > 0
     on, off = (paged[label] for label in bench_hybrid.W3_LINES)
