@@ -97,7 +97,7 @@
 #       "qwen3.5-9b qwen3.5-35b-a3b"): the checkpoint built once under
 #       HYBRID_CKPTS=/tmp/ckpt as <shape>-<layers>l (drawn on the GPU, written aside and moved in
 #       whole; T_HYBRID_CKPT=180), all 32 layers of the 9B (HYBRID_9B_LAYERS; 18 GB) and 16 of
-#       the 35B-A3B's 40 (HYBRID_MOE_LAYERS; 29 GB: its 40, 68 GB, fit no 64 GiB disk; keep a
+#       the 35B-A3B's 40 (HYBRID_MOE_LAYERS; 29 GB: its 40, 69 GB, fit no 64 GiB disk; keep a
 #       multiple of 4, the 3:1 layer pattern), each layer of its real shape; then W1 and
 #       batch-1 decode against their floors (weights, full-attention KV, each sequence's
 #       linear-layer state read and written a step) and stock generate on W1's first 16
