@@ -153,18 +153,20 @@ def _norm_rope_store_kernel(
     k1, k2, k3 = _norm_rope(k1, k2, k3, kw1, kw2, kw3, cos, sin, eps, HALF, REST, OFFSET)
     _store(k_base, k1, k2, k3, kv_mask, kv_rest_mask, HALF, BLOCK_HALF, BLOCK_REST)
     if slot >= 0:  # a negative slot: padding row of a graph batch, not stored
-        row = (slot // PAGE) * cache_s0 + (slot % PAGE) * cache_s1 + heads * cache_s2
-        # New names, not k1 = ...: a variable keeps its type across the branch (an FP8 cache's
-        # values are float8, the row's bf16).
-        k_dtype, v_dtype = k_cache_ptr.dtype.element_ty, v_cache_ptr.dtype.element_ty
-        _store(k_cache_ptr + row, _cache_value(k1, k_scale, FP8).to(k_dtype),
-               _cache_value(k2, k_scale, FP8).to(k_dtype),
-               _cache_value(k3, k_scale, FP8).to(k_dtype), kv_mask, kv_rest_mask, HALF,
-               BLOCK_HALF, BLOCK_REST)
-        _store(v_cache_ptr + row, _cache_value(v1, v_scale, FP8).to(v_dtype),
-               _cache_value(v2, v_scale, FP8).to(v_dtype),
-               _cache_value(v3, v_scale, FP8).to(v_dtype), kv_mask, kv_rest_mask, HALF,
-               BLOCK_HALF, BLOCK_REST)
+        # A name keeps its type across the branch: ``cache``, not ``row`` (the rotary table's
+        # pointer), and new values, not k1 = ... (an FP8 cache's are float8, the row's bf16);
+        # the cache's dtype is spelled out, as the compiler names no dtype inside a branch.
+        cache = (slot // PAGE) * cache_s0 + (slot % PAGE) * cache_s1 + heads * cache_s2
+        _store(k_cache_ptr + cache,
+               _cache_value(k1, k_scale, FP8).to(k_cache_ptr.dtype.element_ty),
+               _cache_value(k2, k_scale, FP8).to(k_cache_ptr.dtype.element_ty),
+               _cache_value(k3, k_scale, FP8).to(k_cache_ptr.dtype.element_ty), kv_mask,
+               kv_rest_mask, HALF, BLOCK_HALF, BLOCK_REST)
+        _store(v_cache_ptr + cache,
+               _cache_value(v1, v_scale, FP8).to(v_cache_ptr.dtype.element_ty),
+               _cache_value(v2, v_scale, FP8).to(v_cache_ptr.dtype.element_ty),
+               _cache_value(v3, v_scale, FP8).to(v_cache_ptr.dtype.element_ty), kv_mask,
+               kv_rest_mask, HALF, BLOCK_HALF, BLOCK_REST)
 
 
 def norm_rope_store(
