@@ -111,42 +111,34 @@ def test_kernels_give_the_twins_tokens(dense, monkeypatch):
     assert torch.equal(*outs)
 
 
-def test_decode_graphs_add_the_adapters(dense):
-    """The decode graphs over their padded inputs (each replay recomputed eagerly, as
-    test_graph_inputs does): a batch mixing adapters and the base replays the graphs that add
-    the deltas, each row's adapter slot in the graph's inputs, and gives peft's tokens."""
+# Each graph kind as eager stand-ins, the position of "adapters" in its graphs' keys, and the
+# fewest replays a generate of NEW tokens makes of each kind's graphs.
+GRAPHS = {
+    "decode": (lambda engine: with_eager_decode_graphs(engine, max_bs=4, adapters=True), 2,
+               NEW - 1),
+    "prefill": (lambda engine: with_eager_prefill_graphs(engine, 64, 4, adapters=True), 1, NEW),
+}
+
+
+@pytest.mark.parametrize("kind", list(GRAPHS))
+def test_graphs_add_the_adapters(dense, kind):
+    """The decode and prefill graphs over their padded inputs (each replay recomputed eagerly,
+    as test_graph_inputs does): a batch mixing adapters and the base replays the graphs that
+    add the deltas, each row's adapter in the graph's inputs (a prefill's padding tokens on no
+    adapter), and gives peft's tokens; the base model's steps keep the plain graphs."""
     base, adapters, stock = dense
+    stand_ins, adapters_key, fewest = GRAPHS[kind]
     ids, mask = left_padded([4, 11, 7], 1024, seed=9)
     kwargs = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False)
     names = ["all", "__base__", "qv"]
     expected = stock.generate(input_ids=ids, adapter_names=names, **kwargs)
     with engine_with(base, adapters) as engine:
-        replays = with_eager_decode_graphs(engine, max_bs=4, adapters=True)
+        replays = stand_ins(engine)
         assert torch.equal(engine.generate(ids, adapter_names=names, **kwargs), expected)
-        on_adapters = sum(r.replays for r in replays if r.key[2])
-        assert on_adapters >= NEW - 1
+        assert sum(r.replays for r in replays if r.key[adapters_key]) >= fewest
         plain = stock.generate(input_ids=ids, adapter_names=["__base__"] * 3, **kwargs)
         assert torch.equal(engine.generate(ids, **kwargs), plain)
-        assert sum(r.replays for r in replays if not r.key[2]) >= NEW - 1
-
-
-def test_prefill_graphs_add_the_adapters(dense):
-    """The prefill graphs over their padded inputs (eager stand-ins): steps with rows on
-    adapters replay the graphs that add the deltas, the rows' tiles in the graph's inputs
-    (its padding tokens on no adapter), and give peft's tokens; the base model's steps keep
-    the plain graphs."""
-    base, adapters, stock = dense
-    ids, mask = left_padded([4, 11, 7], 1024, seed=9)
-    kwargs = dict(attention_mask=mask, max_new_tokens=NEW, do_sample=False)
-    names = ["all", "__base__", "qv"]
-    expected = stock.generate(input_ids=ids, adapter_names=names, **kwargs)
-    with engine_with(base, adapters) as engine:
-        replays = with_eager_prefill_graphs(engine, 64, 4, adapters=True)
-        assert torch.equal(engine.generate(ids, adapter_names=names, **kwargs), expected)
-        assert sum(r.replays for r in replays if r.key[1]) >= NEW
-        plain = stock.generate(input_ids=ids, adapter_names=["__base__"] * 3, **kwargs)
-        assert torch.equal(engine.generate(ids, **kwargs), plain)
-        assert sum(r.replays for r in replays if not r.key[1]) >= NEW
+        assert sum(r.replays for r in replays if not r.key[adapters_key]) >= fewest
 
 
 def test_prefix_cache_is_keyed_by_adapter(dense):
