@@ -59,11 +59,11 @@ def parity_gaps(tokens, reference, model, batch) -> list[tuple[float, str]]:
     step; and, fed our tokens (teacher forcing), the largest gap between transformers' best
     and our token anywhere, even after parting. Each gap with where it was."""
     ref_tokens, ref_logits = reference
-    gaps = []
+    gaps, parts = [], {}
     for row in range(ref_tokens.shape[0]):
         diff = (tokens[row] != ref_tokens[row]).nonzero()
         if len(diff):
-            j = int(diff[0])
+            j = parts[row] = int(diff[0])
             gap = float(ref_logits[row, j, ref_tokens[row, j]] - ref_logits[row, j, tokens[row, j]])
             gaps.append((gap, f"row {row} parts at step {j} with a logit gap of {gap:.3f}"))
     ids, mask = batch
@@ -76,8 +76,12 @@ def parity_gaps(tokens, reference, model, batch) -> list[tuple[float, str]]:
     teacher = chooser.max(-1).values - chosen
     worst = divmod(int(teacher.argmax()), NEW)
     gap = float(teacher.max())
+    # Before the row parts, our token is transformers' own generate's choice there: a gap then
+    # is transformers' teacher-forced pass disagreeing with its own decode.
+    parted = parts.get(worst[0])
     gaps.append((gap, f"row {worst[0]} step {worst[1]}: transformers ranks our token "
-                      f"{gap:.3f} below its best"))
+                      f"{gap:.3f} below its best (the row parts from transformers' generate "
+                      f"{'never' if parted is None else f'at step {parted}'})"))
     return gaps
 
 
