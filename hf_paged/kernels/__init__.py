@@ -144,7 +144,7 @@ moe_experts = _dispatch("moe_gemm", "moe_experts")
 add_lora = _dispatch("lora", "add_lora")
 causal_conv_prefill = _dispatch("causal_conv", "causal_conv_prefill")
 causal_conv_decode = _dispatch("causal_conv", "causal_conv_decode")
-gated_delta_prefill = _dispatch("gated_delta", "gated_delta_prefill")
+gated_delta_prefill = _dispatch("gated_delta_chunked", "gated_delta_prefill")
 gated_delta_decode = _dispatch("gated_delta", "gated_delta_decode")
 
 __all__ = [

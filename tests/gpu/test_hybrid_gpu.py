@@ -21,7 +21,8 @@ import torch
 import hf_paged
 from hf_paged.kernels import reference
 from hf_paged.kernels.causal_conv import causal_conv_decode, causal_conv_prefill
-from hf_paged.kernels.gated_delta import gated_delta_decode, gated_delta_prefill
+from hf_paged.kernels.gated_delta import gated_delta_decode
+from hf_paged.kernels.gated_delta_chunked import gated_delta_prefill
 from hf_paged.kernels.gated_norm import gated_rms_norm
 from hf_paged.random_checkpoint import make_checkpoint
 from tests.gpu.test_gpu_parity import (

@@ -3,6 +3,7 @@ a padded batch (sequences of 1, 5, 64 and 130 tokens packed by ``cu_seqlens``, t
 a key head, q/k/v strided views of one projection, states from and to pool slots), a prefill
 continued across calls (split inside a chunk and at a chunk's end), decode steps after a
 prefill; the Triton kernels against the twins (float32, and half inputs with float32 states;
+more sequences than the prefill's chunk kernel reads at once;
 without the L2 norm, with a scale) and, alone, a continued prefill then decode against
 transformers; slots of sequences not in the batch, and of padding rows and sequences,
 untouched."""
@@ -17,8 +18,9 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
     torch_recurrent_gated_delta_rule,
 )
 
-from hf_paged.kernels import reference
-from hf_paged.kernels.gated_delta import gated_delta_decode, gated_delta_prefill
+from hf_paged.kernels import gated_delta_chunked, reference
+from hf_paged.kernels.gated_delta import gated_delta_decode
+from hf_paged.kernels.gated_delta_chunked import gated_delta_prefill
 from tests.kernels.conftest import DEVICE, HALF
 
 LENS = [1, 5, 64, 130]
@@ -170,6 +172,15 @@ def test_a_prefill_sequence_on_a_negative_slot_starts_from_zeros_and_keeps_nothi
     args = prefill_args(inputs([70], dtype), pool(), [-1], [True])
     zeros = prefill_args(args, pool(), [0], [False])
     assert_close(gated_delta_prefill(**args), reference.gated_delta_prefill(**zeros), 2e-3)
+
+
+def test_prefill_kernel_finds_each_chunks_sequence_past_one_block_of_sequences(monkeypatch):
+    """More sequences than the chunk kernel reads at once (64 in use, 2 here), one empty:
+    every chunk maps to its own sequence and offset."""
+    monkeypatch.setattr(gated_delta_chunked, "_SEQ_BLOCK", 2)
+    args = prefill_args(inputs([1, 5, 0, 64, 130]), pool(), [4, 0, 1, 2, 5],
+                        [True, False, True, True, False])
+    kernel_and_twin(gated_delta_prefill, reference.gated_delta_prefill, args)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
