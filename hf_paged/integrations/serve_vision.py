@@ -75,8 +75,11 @@ def _served_as_text(manager, model_id_and_revision: str) -> bool:
     from hf_paged.integrations.serve_compat import split_revision
 
     model_id, revision = split_revision(model_id_and_revision)
-    config = AutoConfig.from_pretrained(model_id, revision=revision,
-                                        trust_remote_code=manager.trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(model_id, revision=revision,
+                                            trust_remote_code=manager.trust_remote_code)
+    except (OSError, ValueError, KeyError):
+        return False  # transformers' own loaders then report why
     text = causal_lm_config(config)
     if text is config:
         return False
