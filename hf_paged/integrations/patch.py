@@ -56,13 +56,18 @@ def patch_transformers(**engine_options: object) -> TransformersPatch:
     _engine_defaults.clear()
     _engine_defaults.update(engine_options)
     for name in patched_names():
-        cls = getattr(transformers, name)
-        if cls in _saved:
-            continue
-        _saved[cls] = cls.__dict__.get("from_pretrained", _ABSENT)
-        stock = inspect.getattr_static(cls, "from_pretrained")  # the classmethod, maybe inherited
-        cls.from_pretrained = classmethod(_loader(cls, stock))
+        patch_loader(getattr(transformers, name))
     return TransformersPatch()
+
+
+def patch_loader(cls: type) -> None:
+    """Make ``cls.from_pretrained`` return hf_paged's drop-in class for the checkpoints hf_paged
+    supports and hand the rest to its own (``unpatch_transformers`` gives it back)."""
+    if cls in _saved:
+        return
+    _saved[cls] = cls.__dict__.get("from_pretrained", _ABSENT)
+    stock = inspect.getattr_static(cls, "from_pretrained")  # the classmethod, maybe inherited
+    cls.from_pretrained = classmethod(_loader(cls, stock))
 
 
 def patched_names() -> tuple[str, ...]:
@@ -74,12 +79,17 @@ def patched_names() -> tuple[str, ...]:
 def unpatch_transformers() -> None:
     """Give transformers back its own ``from_pretrained``."""
     _engine_defaults.clear()
-    for cls, original in list(_saved.items()):
-        if original is _ABSENT:
-            del cls.from_pretrained
-        else:
-            cls.from_pretrained = original
-        del _saved[cls]
+    for cls in list(_saved):
+        unpatch_loader(cls)
+
+
+def unpatch_loader(cls: type) -> None:
+    """Give ``cls`` back its own ``from_pretrained`` (nothing when it is not patched)."""
+    original = _saved.pop(cls, None)
+    if original is _ABSENT:
+        del cls.from_pretrained
+    elif original is not None:
+        cls.from_pretrained = original
 
 
 def _loader(patched_cls: type, stock):
@@ -91,7 +101,7 @@ def _loader(patched_cls: type, stock):
             config = _config(pretrained_model_name_or_path, kwargs)
             model_type = getattr(config, "model_type", None)
             supported = model_type in families.supported_model_types()
-            refused = supported and _quantization_refused(config, kwargs)
+            refused = supported and quantization_refused(config, kwargs)
             if supported and not model_args and not refused:
                 return AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path,
                                                             **{**_engine_defaults, **kwargs})
@@ -121,7 +131,7 @@ def _config(path_or_id, kwargs: dict) -> PretrainedConfig | None:
         return None
 
 
-def _quantization_refused(config: PretrainedConfig, kwargs: dict) -> str | None:
+def quantization_refused(config: PretrainedConfig, kwargs: dict) -> str | None:
     """Why hf_paged would refuse the checkpoint's (or the passed) quantization_config, which
     stock transformers may load; None when it serves it."""
     try:

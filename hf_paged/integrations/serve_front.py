@@ -17,7 +17,9 @@ starts) so that every app it builds gets, in front of its own routes:
   engine is broken (a tensor-parallel worker died) or the continuous-batching loop died of an
   error, and ``/metrics`` (``serve_metrics``);
 - streamed responses' per-token work made cheap (``serve_stream``);
-- with ``--lora NAME=PATH``, adapters selected by the requests' model names (``serve_lora``).
+- with ``--lora NAME=PATH``, adapters selected by the requests' model names (``serve_lora``);
+- a vision-language release hf_paged serves loaded as its text model, and image, video and
+  audio parts of requests to hf_paged's models refused by name (``serve_vision``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hf_paged.integrations import serve_errors, serve_lora, serve_metrics, serve_stream
+from hf_paged.integrations import (
+    serve_errors,
+    serve_lora,
+    serve_metrics,
+    serve_stream,
+    serve_vision,
+)
 from hf_paged.lora.named import LORA_FLAG, parse_loras
 
 API_KEY_ENV = "HF_PAGED_API_KEY"
@@ -147,6 +155,7 @@ def install(options: FrontOptions) -> Callable[[], None]:
         app = stock(*args, **kwargs)
         bound = signature.bind(*args, **kwargs).arguments
         extend(app, bound["model_manager"], bound["generation_state"], options)
+        serve_vision.refuse_media(bound)
         if options.loras:
             serve_lora.extend(bound["model_manager"], bound["generation_state"], bound,
                               dict(options.loras))
@@ -164,6 +173,7 @@ def install(options: FrontOptions) -> Callable[[], None]:
         restore = load_in_engine_process()
     else:
         restore = lambda: None  # noqa: E731
+    restore_processor = serve_vision.load_text_models()
     # after the engine process's loader: adapters go into whichever engine it loads
     restore_loader = (serve_lora.load_with_adapters(dict(options.loras)) if options.loras
                       else lambda: None)
@@ -172,6 +182,7 @@ def install(options: FrontOptions) -> Callable[[], None]:
         if server.build_server is build_server:
             server.build_server = stock
         restore_loader()
+        restore_processor()
         restore()
 
     return uninstall

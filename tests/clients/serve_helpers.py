@@ -105,14 +105,17 @@ class ServerProcess:
 
 @contextmanager
 def in_process_server(checkpoint: str, continuous_batching: bool, front=None,
-                      **engine_options) -> Iterator[tuple[str, hf_paged.Qwen3ForCausalLM]]:
+                      **engine_options) -> Iterator[tuple[str, object]]:
     """transformers' own server (``transformers.cli.serve.Serve``, with uvicorn in a thread, as
     transformers' own tests run it) in this process, patched and extended as hf-paged serve
     does (``front``: its ``FrontOptions``, None: the defaults): yields its URL and the model it
-    loaded, so that a test can read the engine's state afterwards."""
+    loaded (hf_paged's, or with ``--engine-process`` its handle on the engine process), so that
+    a test can read the engine's state afterwards."""
     from transformers.cli.serve import Serve
 
     from hf_paged.integrations import serve_front
+    from hf_paged.integrations.causal_lm import PagedCausalLM
+    from hf_paged.integrations.remote_manager import RemoteModel
 
     port, threads = free_port(), torch.get_num_threads()
     verbosity = transformers.logging.get_verbosity()  # Serve sets transformers' log level
@@ -127,7 +130,7 @@ def in_process_server(checkpoint: str, continuous_batching: bool, front=None,
             url = f"http://{HOST}:{port}"
             wait_healthy(url, server._thread.is_alive, lambda: "(in-process server)")
             (timed_model,) = server._model_manager.loaded_models.values()
-            assert isinstance(timed_model.model, hf_paged.Qwen3ForCausalLM)
+            assert isinstance(timed_model.model, (PagedCausalLM, RemoteModel))
             yield url, timed_model.model
         finally:
             server.kill_server()
