@@ -29,6 +29,22 @@ _EPS = tl.constexpr(L2NORM_EPS)
 
 
 @triton.jit
+def unit_lower_inverse(a, C: tl.constexpr):
+    """``(I + a)^-1`` for a strictly lower triangular ``a [C, C]``: row ``i`` of the inverse
+    ``X`` is ``e_i - sum_{j<i} a[i, j] X[j]`` (``X = I - a X``), one row a step. Rows are
+    picked by masked sums (registers cannot be indexed); ``a``'s row ``i`` is taken as
+    column ``i`` of its transpose, so that it lies along the axis the product sums over."""
+    rows = tl.arange(0, C)
+    a_t = tl.trans(a)
+    x = (rows[:, None] == rows[None, :]).to(tl.float32)
+    for i in range(1, C):
+        a_i = tl.sum(tl.where(rows[None, :] == i, a_t, 0.0), axis=1)
+        below = tl.sum(a_i[:, None] * x, axis=0)
+        x = tl.where(rows[:, None] == i, x - below[None, :], x)
+    return x
+
+
+@triton.jit
 def l2norm(x, ON: tl.constexpr):
     """transformers' l2norm along the last axis (``x * rsqrt(sum(x*x) + eps)``), if ``ON``."""
     if ON:

@@ -14,9 +14,9 @@ Per chunk (the WY representation of its delta-rule updates; the UT transform):
 5. ``S = exp(gc_last) S + (k exp(gc_last - gc))^T v_new``.
 
 ``_chunk_kernel`` does 1-3, one program per (chunk, value head), and keeps ``w`` and ``u``
-(float32, a row per token). Steps 1-3 hold the inverse: parallel over chunks it costs one
-chunk's time, where a state pass doing it would pay it once per chunk of the longest sequence,
-and once more per V tile. ``_state_kernel`` does 4-5,
+(float32, a row per token). Steps 1-3 hold the serial part (the inverse's 63 row steps):
+parallel over chunks they cost one chunk's time, where a state pass doing them would pay them
+once per chunk of the longest sequence, and once more per V tile. ``_state_kernel`` does 4-5,
 one program per (sequence, value head, V tile), its ``[K, BV]`` state tile in registers.
 Neither reads a value on the host, and their grids follow the shapes alone: a CUDA graph
 replays them for any lengths and slots.
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_paged.kernels.gated_delta import heads_shapes, l2norm, strides
+from hf_paged.kernels.gated_delta import heads_shapes, l2norm, strides, unit_lower_inverse
 from hf_paged.kernels.gdc import pdl_options, wait_for_previous
 from hf_paged.kernels.launch import launch
 from hf_paged.kernels.reference_gated_delta import CHUNK, check_gated_delta
@@ -41,36 +41,12 @@ _SEQ_BLOCK = 64  # sequences read a step while a chunk program finds its sequenc
 
 
 @triton.jit
-def _unit_lower_inverse(a, C: tl.constexpr, PRECISION: tl.constexpr):
-    """``(I + a)^-1`` for a strictly lower triangular ``a [64, 64]``, on the tensor cores.
-    First the four diagonal 16x16 blocks' inverses ``X`` (``I + D`` inverted by forward
-    substitution, row ``r`` of every block in the same step: ``X = I - D X`` on those rows, as
-    ``D``'s row reads only the rows above it in its block); then, with ``L = a - D`` strictly
-    block-lower, ``I + a = (I + D)(I + N)`` for ``N = X L``, whose fourth power is zero, so
-    ``(I + a)^-1 = (I - N)(I + N^2) X``: exact, as the row-by-row substitution, in 19 products
-    of 64x64 tiles instead of 63 steps that each reduce across the tile twice."""
-    tl.static_assert(C == 64)
-    rows = tl.arange(0, C)
-    eye = (rows[:, None] == rows[None, :]).to(tl.float32)
-    block = (rows[:, None] // 16) == (rows[None, :] // 16)
-    d = tl.where(block, a, 0.0)
-    x = eye
-    for r in range(1, 16):
-        x = tl.where((rows % 16 == r)[:, None], eye - tl.dot(d, x, input_precision=PRECISION),
-                     x)
-    n = tl.dot(x, tl.where(block, 0.0, a), input_precision=PRECISION)
-    n2 = tl.dot(n, n, input_precision=PRECISION)
-    return tl.dot(tl.dot(eye - n, eye + n2, input_precision=PRECISION), x,
-                  input_precision=PRECISION)
-
-
-@triton.jit
 def _chunk_kernel(
     k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, cu_ptr, seqs,
     k_s0, k_s1, v_s0, v_s1, g_s0, b_s0, w_s0, w_s1, u_s0, u_s1,
     REPEATS: tl.constexpr, L2NORM: tl.constexpr, K_DIM: tl.constexpr, V_DIM: tl.constexpr,
     BK: tl.constexpr, BVF: tl.constexpr, C: tl.constexpr, SEQ_BLOCK: tl.constexpr,
-    PRECISION: tl.constexpr, INV_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
     chunk, head = tl.program_id(0), tl.program_id(1)
@@ -111,8 +87,7 @@ def _chunk_kernel(
         decay = tl.exp(tl.where(causal, gc[:, None] - gc[None, :], float("-inf")))
         # (beta k) k^T = beta * (k k^T): the diagonal scalings go on the [64, 64] operands
         a = tl.dot(k, tl.trans(k), input_precision=PRECISION) * (beta[:, None] * decay)
-        t_beta = _unit_lower_inverse(tl.where(rows[:, None] > rows[None, :], a, 0.0), C,
-                                     INV_PRECISION)
+        t_beta = unit_lower_inverse(tl.where(rows[:, None] > rows[None, :], a, 0.0), C)
         t_beta = t_beta * beta[None, :]
         w = tl.dot(t_beta * tl.exp(gc)[None, :], k, input_precision=PRECISION)
         tl.store(w_ptr + first * w_s0 + head * w_s1 + (rows[:, None] * w_s0 + ks[None, :]), w,
@@ -212,7 +187,7 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
            v.stride(1), g.stride(0), beta.stride(0), w.stride(0), w.stride(1), u.stride(0),
            u.stride(1), REPEATS=full["REPEATS"], K_DIM=full["K_DIM"], V_DIM=v_dim,
            BK=full["BK"], BVF=full["BV"], SEQ_BLOCK=_SEQ_BLOCK, num_warps=8, num_stages=1,
-           INV_PRECISION="ieee" if q.dtype == torch.float32 else "tf32x3", **common)
+           **common)
     shapes = heads_shapes(q, v, _STATE_BV)
     q_s0, q_s1, k_s0, k_s1, _, _, g_s0, _, o_s0, o_s1, *pool = strides(q, k, v, g, beta, out,
                                                                        state_pool)
