@@ -104,11 +104,12 @@
 #       requests cut to 128 new tokens and at batch 1 (64 tokens), and W3 with prefix caching
 #       on (num_state_snapshots=64) and off (T_HYBRID=420 a shape; HYBRID_ARGS). Results tagged
 #       <shape>-<layers>l (hybrid-qwen3.5-9b-32l-<device>.json). hybrid-tests and hybrid-bench
-#       run one half. Not yet measured: on an H100 an estimated 3-4 minutes for the tests
-#       and 4-6 a shape (the build, five engine starts of 10-30 s, W1 and W3 runs of 15-40 s,
-#       the stock model loaded twice), 12-15 in all, in calls of 10 minutes at most:
-#       `scripts/gpu_run.sh hybrid-tests`, then `HYBRID_SHAPES=qwen3.5-9b scripts/gpu_run.sh
-#       hybrid-bench`, then `HYBRID_SHAPES=qwen3.5-35b-a3b scripts/gpu_run.sh hybrid-bench`
+#       run one half. On an H100: the tests 1.5 minutes; the 9B shape 40 s to build and 4.3
+#       minutes with its baselines (2 with BASELINES=reuse), the 35B-A3B shape 50 s and 2.5
+#       minutes (1.8 reused): `scripts/gpu_run.sh hybrid-tests`, one shape a call with its
+#       baselines, later both in one, `BASELINES=reuse HYBRID_SHAPES="qwen3.5-9b
+#       qwen3.5-35b-a3b" scripts/gpu_run.sh hybrid-bench` (the two checkpoints, 47 GB, fit a
+#       64 GiB disk together)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
