@@ -48,13 +48,17 @@ class Timed:
     """Wall and CPU time spent in wrapped methods, by label (the CPU time is the calling
     thread's: the wall time less what it waited for, the GIL included)."""
 
-    def __init__(self):
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
         self.seconds: dict[str, float] = defaultdict(float)
         self.cpu: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
 
     @contextmanager
     def wrap(self, owner, name: str, label: str):
+        if not self.enabled:
+            yield
+            return
         stock = getattr(owner, name)
 
         def timed(*args, **kwargs):
@@ -155,10 +159,7 @@ def profiled(loop, top: int, into: dict):
     finally:
         on_loop(profile.disable)
         out = io.StringIO()
-        stats = pstats.Stats(profile, stream=out).sort_stats("tottime")
-        stats.print_stats(top)
-        if os.environ.get("PROFILE_CALLERS"):
-            stats.print_callers(os.environ["PROFILE_CALLERS"])
+        pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(top)
         into["event_loop_profile"] = out.getvalue()
 
 
@@ -180,6 +181,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="an engine whose steps take this long and run no model")
     parser.add_argument("--cprofile", type=int, default=0, metavar="N",
                         help="the event loop's N costliest functions (cProfile)")
+    parser.add_argument("--no-call-timers", action="store_true",
+                        help="time no calls apart (the timers cost the event loop a few us "
+                             "a token)")
     parser.add_argument("--baseline", action="store_true",
                         help="transformers' own chunk building and request-id middleware "
                              "(hf-paged serve's serve_stream changes off), to compare")
@@ -202,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
     model = args.model or _tiny()
     options = dict(parse_engine_option(o) for o in args.engine_option)
-    timed = Timed()
+    timed = Timed(not args.no_call_timers)
     prompts = [" ".join(["the river runs to the sea"] * (1 + i % 4)) for i in range(args.requests)]
     requests = [(p, args.max_tokens) for p in prompts]
     figures: dict = {}
@@ -246,6 +250,8 @@ def main(argv: list[str] | None = None) -> None:
         "chunks_per_s": round(chunks / wall, 1), "steps": timed.calls["step"],
         "switch_interval_ms": sys.getswitchinterval() * 1e3,
         "server_cpu_s_per_s": round(process / wall, 2),
+        "ttft_ms_p50": round(float(np.median([r["first"] - r["sent"] for r in done
+                                              if r["first"] is not None])) * 1e3, 1),
         "tpot_ms_p50": round(float(np.median([(r["last"] - r["first"]) / (r["tokens"] - 1)
                                               for r in done if (r["tokens"] or 0) > 1
                                               and r["chunks"] > 1])) * 1e3, 3),
