@@ -2,8 +2,9 @@
 
 ``install(step_ms, token_ids)`` makes every ``PagedEngine`` loaded from then on (in this
 process) keep its real host side (scheduler, block manager, prefix cache, ``EngineLoop``,
-output routing) but hand its steps to ``FakeExecutor``: a step "runs" for ``step_ms`` with
-the GIL released (as a GPU step's wait on the device does; 0: not at all) and samples, for
+output routing) but hand its steps to ``FakeExecutor``: a step "runs" for ``step_ms`` after
+the one before it (a device runs them in turn), the engine waiting for it with the GIL
+released (as it waits for a GPU; 0: no time at all), and samples, for
 every row that draws a token, the next of ``token_ids`` in turn (tokens that decode to text,
 none of them an end of sequence). Tokens then come as fast as the host can schedule them, far
 faster than a server streams them, so a server's per-token cost shows alone.
@@ -33,6 +34,7 @@ class FakeExecutor:
         self._executor = executor
         self._step_s = step_ms / 1e3
         self._tokens = cycle(token_ids)
+        self._done_at = 0.0  # when the last step launched is done
 
     def __getattr__(self, name: str):
         return getattr(self._executor, name)
@@ -41,7 +43,9 @@ class FakeExecutor:
         if plan.num_draft_tokens or plan.lora_slots:
             raise NotImplementedError("fake steps serve plain decoding: no speculation, no LoRA")
         drawn = sum(plan.sample) + len(plan.sample_copies)
-        return time.perf_counter() + self._step_s, [next(self._tokens) for _ in range(drawn)]
+        # A device runs its steps one after another: this one starts when the last is done.
+        self._done_at = max(time.perf_counter(), self._done_at) + self._step_s
+        return self._done_at, [next(self._tokens) for _ in range(drawn)]
 
     def collect(self, step: tuple[float, list[int]]) -> StepResult:
         ready, tokens = step
