@@ -10,13 +10,14 @@ of the event loop's time is the response: SSE framing, JSON, HTTP writes, asynci
 ``--cprofile N`` lists the event loop's N costliest functions (cProfile, that thread only).
 
 ``--fake-step-ms MS`` serves from an engine whose model costs nothing (``fake_steps``: the
-engine's host side is real, a step takes MS with the GIL released, every sampled token is
-text): tokens come far faster than a server streams them, as from a GPU, so what the server
-delivers is its own limit. Figures: tokens and text chunks a second (a chunk carries several
-tokens when the server joins a stream's pending text), the server's CPU a token, each client
-process's CPU and chunks a second (a client process that is near one CPU second a second is
-the limit, not the server), and time per output token, per token: (last text chunk's time -
-first's) / (tokens - 1).
+engine's host side is real, a step takes MS after the last with the GIL released, every
+sampled token is text): tokens come far faster than a server streams them, as from a GPU, so
+what the server delivers is its own limit. Figures: tokens and text chunks a second (a chunk
+carries several tokens when the server joins a stream's pending text), the server process's
+CPU a token (and the engine process's, with ``--engine-process``), each client process's CPU
+and chunks a second (a client process near one CPU second a second is the limit, not the
+server), and time per output token, per token: (last text chunk's time - first's) /
+(tokens - 1). On a machine whose cores are shared, the CPU a token is the figure to compare.
 
 usage: python -m benchmarks.profile_serving [--model CHECKPOINT] [--streams 64]
        [--requests 512] [--max-tokens 64] [--device cpu] [--client-processes 1] [--baseline]
@@ -37,6 +38,7 @@ import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -75,6 +77,19 @@ class Timed:
             yield
         finally:
             setattr(owner, name, stock)
+
+
+def children_cpu() -> dict[int, float]:
+    """CPU seconds (user and system) of each child process of this one, by pid (Linux)."""
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid():  # ppid; then utime, stime at 11, 12
+            out[int(stat.parent.name)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def thread_cpu() -> dict[str, float]:
@@ -224,11 +239,12 @@ def main(argv: list[str] | None = None) -> None:
         phase = Phase(url, model, requests, time.perf_counter() + 600, concurrency=args.streams,
                       client=args.client)
         with profiled(loop, args.cprofile, figures):
-            before, process = thread_cpu(), time.process_time()
+            before, process, engines = thread_cpu(), time.process_time(), children_cpu()
             start = time.perf_counter()
             results = run_phases(split(phase, args.client_processes), clients)
             wall = time.perf_counter() - start
             after, process = thread_cpu(), time.process_time() - process
+            engine_cpu = sum(children_cpu().get(pid, cpu) - cpu for pid, cpu in engines.items())
     done = [r for r in results if r["finished"]]
     tokens = sum(r["tokens"] or r["chunks"] for r in done)
     chunks = sum(r["chunks"] for r in done)
@@ -250,6 +266,8 @@ def main(argv: list[str] | None = None) -> None:
         "chunks_per_s": round(chunks / wall, 1), "steps": timed.calls["step"],
         "switch_interval_ms": sys.getswitchinterval() * 1e3,
         "server_cpu_s_per_s": round(process / wall, 2),
+        **({"engine_process_cpu_s_per_s": round(engine_cpu / wall, 2)}
+           if args.engine_process else {}),
         "ttft_ms_p50": round(float(np.median([r["first"] - r["sent"] for r in done
                                               if r["first"] is not None])) * 1e3, 1),
         "tpot_ms_p50": round(float(np.median([(r["last"] - r["first"]) / (r["tokens"] - 1)
@@ -260,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
                              for c in clients],
         "us_per_token": {
             "server_process_cpu": per_token(process),
+            **({"engine_process_cpu": per_token(engine_cpu)} if args.engine_process else {}),
             "thread_cpu": threads,
             **({} if args.engine_process else engine_here),
             "cbstreamer_put_wall": per_token(timed.seconds["put"]),
