@@ -240,12 +240,13 @@ def main(argv: list[str] | None = None) -> None:
                       client=args.client)
         with profiled(loop, args.cprofile, figures):
             before, process, engines = thread_cpu(), time.process_time(), children_cpu()
-            start = time.perf_counter()
             results = run_phases(split(phase, args.client_processes), clients)
-            wall = time.perf_counter() - start
             after, process = thread_cpu(), time.process_time() - process
             engine_cpu = sum(children_cpu().get(pid, cpu) - cpu for pid, cpu in engines.items())
     done = [r for r in results if r["finished"]]
+    # From the first request sent to the last token received (the client processes' start
+    # is not the server's time).
+    wall = max(r["last"] or r["sent"] for r in results) - min(r["sent"] for r in results)
     tokens = sum(r["tokens"] or r["chunks"] for r in done)
     chunks = sum(r["chunks"] for r in done)
     per_token = lambda s: round(s / tokens * 1e6, 1)  # noqa: E731  microseconds
