@@ -88,3 +88,41 @@ def test_coalesce_joins_only_unread_texts_of_one_kind():
     got = asyncio.run(main())
     assert got == ["ab", "c", "d", "r1r2", "e", None, "f"]
     assert [type(item) for item in got[3:5]] == [ReasoningText, str]
+
+
+def test_a_request_starts_no_timer_thread_and_an_idle_model_still_unloads():
+    """``cheap_idle_timer``: transformers' ``TimedModel`` unloads a model its timeout after the
+    last request, as before, without a thread started a request; never, with no timeout."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from transformers.cli.serving.model_manager import TimedModel
+
+    from hf_paged.integrations.serve_stream import cheap_idle_timer
+
+    stock = TimedModel.reset_timer
+    restore = cheap_idle_timer()
+    try:
+        unloaded = []
+        forced = TimedModel(SimpleNamespace(name_or_path="forced"), timeout_seconds=-1)
+        model = TimedModel(SimpleNamespace(name_or_path="m"), timeout_seconds=0.3,
+                           on_unload=lambda: unloaded.append(time.monotonic()))
+        threads = threading.active_count()
+        for _ in range(50):
+            forced.reset_timer()
+            model.reset_timer()
+        assert threading.active_count() <= threads + 1
+        time.sleep(0.15)
+        last = time.monotonic()
+        model.reset_timer()
+        time.sleep(0.2)
+        assert not unloaded and model.model is not None  # 0.35 s old, 0.2 s idle
+        deadline = time.monotonic() + 5
+        while not unloaded and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert unloaded and unloaded[0] - last >= 0.3 and model.model is None
+        assert forced.model is not None
+    finally:
+        restore()
+    assert TimedModel.reset_timer is stock
