@@ -16,7 +16,7 @@ usage: python -m benchmarks.bench_serving --model CHECKPOINT [--rates 8 16 32 64
        [--concurrency 64 256] [--num-requests 256]
        [--systems hf_paged_engine_process transformers hf_paged]
        [--phase-timeout 90] [--baseline-phase-timeout 25] [--time-budget 520]
-       [--client-processes 4] [--serve-arg=--switch-interval-ms=0.5]
+       [--client-processes 4] [--client openai] [--serve-arg=--switch-interval-ms=0.5]
 """
 
 from __future__ import annotations
@@ -98,17 +98,22 @@ def wait_ready(url: str, model: str, deadline: float) -> None:
 
 
 def summarize(results: list[dict], offered: dict, begin: float, deadline: float,
-              count: int) -> dict:
+              count: int, clients: list[dict] = ()) -> dict:
     """A phase's figures: what was offered, served, and how fast; tokens as the server
-    counted them (the stream's usage), else the text chunks."""
+    counted them (the stream's usage), else the text chunks. A chunk may carry several tokens
+    (the server joins a lagging stream's pending text), so time per output token is counted
+    per token, as vLLM's benchmark does: (last text chunk's time - first's) / (tokens - 1).
+    ``clients``: each client process's CPU and wall seconds and chunks; one near a CPU second
+    a second is the phase's limit, not the server."""
     done = [r for r in results if r["finished"] and r["first"] is not None]
     failed = [r for r in results if r.get("error")]
     end = max((r["last"] for r in done), default=deadline)
     wall = max(end - begin, 1e-9)
-    tokens = sum(r["tokens"] if r["tokens"] is not None else r["chunks"] for r in done)
+    counted = lambda r: r["tokens"] if r["tokens"] is not None else r["chunks"]  # noqa: E731
+    tokens = sum(counted(r) for r in done)
     ttft = np.array([r["first"] - r["sent"] for r in done]) * 1e3
-    tpot = np.array([(r["last"] - r["first"]) / (r["chunks"] - 1) for r in done
-                     if r["chunks"] > 1]) * 1e3
+    tpot = np.array([(r["last"] - r["first"]) / (counted(r) - 1) for r in done
+                     if r["chunks"] > 1 and counted(r) > 1]) * 1e3
     pct = lambda a, q: round(float(np.percentile(a, q)), 2) if len(a) else None  # noqa: E731
     return {
         **offered, "requests": count, "completed": len(done), "failed": len(failed),
@@ -119,6 +124,9 @@ def summarize(results: list[dict], offered: dict, begin: float, deadline: float,
         "output_chunks_per_s": round(sum(r["chunks"] for r in done) / wall, 1),
         "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99),
         "tpot_ms_p50": pct(tpot, 50), "tpot_ms_p99": pct(tpot, 99),
+        "client_processes": [{"cpu_s_per_s": round(c["cpu_s"] / max(c["wall_s"], 1e-9), 2),
+                              "chunks_per_s": round(c["chunks"] / max(c["wall_s"], 1e-9), 1)}
+                             for c in clients],
     }
 
 
@@ -135,14 +143,15 @@ def run_phase(url: str, args, requests: list[tuple[str, int]], timeout: float,
             starts.append(t)
             t += 0.0 if rate == float("inf") else rng.expovariate(rate)
         phase = Phase(url, args.model, requests, deadline, starts=starts,
-                      timeout=args.request_timeout)
+                      timeout=args.request_timeout, client=args.client)
         offered = {"rate_requests_per_s": rate}
     else:
         phase = Phase(url, args.model, requests, deadline, concurrency=concurrency,
-                      timeout=args.request_timeout)
+                      timeout=args.request_timeout, client=args.client)
         offered = {"concurrency": concurrency}
-    results = run_phases(split(phase, args.client_processes))
-    return summarize(results, offered, begin, deadline, len(requests))
+    clients: list[dict] = []
+    results = run_phases(split(phase, args.client_processes), clients)
+    return summarize(results, offered, begin, deadline, len(requests), clients)
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -235,7 +244,12 @@ def main(argv: list[str] | None = None) -> None:
                              "requests a minute at W1's lengths)")
     parser.add_argument("--time-budget", type=float, default=520,
                         help="seconds for the whole run: phases that would pass it are skipped")
-    parser.add_argument("--client-processes", type=int, default=4)
+    parser.add_argument("--client-processes", type=int, default=4,
+                        help="client processes (each reports its CPU use: one near a CPU "
+                             "second a second limits the phase)")
+    parser.add_argument("--client", choices=("openai", "raw"), default="openai",
+                        help="the openai client, or httpx with the SSE events split but not "
+                             "parsed (less CPU a chunk)")
     parser.add_argument("--start-timeout", type=float, default=240)
     parser.add_argument("--request-timeout", type=float, default=600)
     parser.add_argument("--results-dir", type=Path, default=ROOT / "benchmarks" / "results")
@@ -257,7 +271,7 @@ def main(argv: list[str] | None = None) -> None:
         "max_input_len": args.max_input_len, "max_output_len": args.max_output_len,
         "prompt_tokens": sum(len(p) for p in workload.prompts),
         "max_output_tokens": sum(lengths), "arrivals": "Poisson, and closed loops",
-        "client_processes": args.client_processes, "runs": {},
+        "client_processes": args.client_processes, "client": args.client, "runs": {},
     }
     for system in args.systems:
         try:

@@ -19,6 +19,7 @@ from transformers.generation.continuous_batching.requests import (
 from hf_paged.engine.sequence import Sequence, Status
 from hf_paged.generation.paged_engine import PagedEngine
 from hf_paged.integrations.continuous_batching_requests import RequestSettings
+from hf_paged.integrations.output_delivery import OutputDelivery
 from hf_paged.integrations.request_times import RequestTimes
 
 logger = logging.getLogger(__name__)
@@ -30,14 +31,16 @@ _SHARED = ("generated_tokens", "logprobs", "error", "status", "created_time", "l
 class EngineLoop:
     """A manager's requests on the engine; only the manager's background thread calls it (it
     is the manager's ``batch_processor``). ``active`` maps request ids to (state, sequence);
-    outputs go to the manager's ``OutputRouter``; ``times`` totals what a server reports of
-    them (``/metrics``)."""
+    outputs go to the manager's ``OutputRouter`` (through ``OutputDelivery``: a stream's
+    partial output is skipped while its last one waits for its handler); ``times`` totals
+    what a server reports of them (``/metrics``)."""
 
     def __init__(self, engine: PagedEngine, settings: RequestSettings, router: OutputRouter):
         self.engine = engine
         self.scheduler = engine.scheduler  # what transformers' server reads to monitor
         self.settings = settings
         self.router = router
+        self.delivery = OutputDelivery(router)
         self.active: dict[str, tuple[RequestState, Sequence]] = {}
         self.times = RequestTimes()
         self.first_token_at: dict[str, float] = {}  # request id -> when its first token came
@@ -128,10 +131,10 @@ class EngineLoop:
                                         len(state.generated_tokens))
                 state.status = RequestStatus.FINISHED  # stamps the end of its lifespan
                 outputs.append(state.to_generation_output())
-            elif new > 0 and state.streaming:
+            elif new > 0 and state.streaming and not self.delivery.waiting(request_id):
                 outputs.append(self._partial(state))
         if outputs:
-            self.router.deliver_batch(outputs)
+            self.delivery.deliver(outputs)
 
     def _partial(self, state: RequestState) -> GenerationOutput:
         """A streaming request's output before its last. For a request a result handler

@@ -31,6 +31,8 @@ def class_by_name(mixin: type, name: str, module: str, role: str) -> type:
     """The class named ``name`` of the family whose ``role`` (``"ARCHITECTURE"``,
     ``"INNER_MODEL"``) it is, built on first use: a module's ``__getattr__`` for families whose
     class nobody has asked for yet (``hf_paged.Qwen3ForCausalLM``, pickle's lookups)."""
+    if name.startswith("__"):  # no class; asked by every ``from MODULE import NAME`` (__path__)
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
     for family in families.all_families():
         if getattr(family, role) == name:
             return family_class(mixin, name, module)

@@ -7,7 +7,8 @@ is transformers' ``ContinuousBatchingManager`` with its plumbing kept where the 
 (``register_result_handler``, the ``OutputRouter``, ``background_thread_status``) and its
 requests sent to the engine process; a thread turns the tokens that come back into
 transformers' ``GenerationOutput`` objects (one token list a request, shared as the engine
-loop shares it) and delivers them through the router, on the server's event loop.
+loop shares it) and delivers them through the router, on the server's event loop (none for a
+stream whose last one still waits there: ``OutputDelivery``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from transformers.generation.continuous_batching.requests import (
 )
 
 from hf_paged.integrations.engine_process import EngineProcess
+from hf_paged.integrations.output_delivery import OutputDelivery
 
 
 class RemoteEngine:
@@ -112,6 +114,7 @@ class RemoteManager(ContinuousBatchingManager):
         self.generation_config = generation_config
         self.continuous_batching_config = continuous_batching_config
         self.output_router = OutputRouter()
+        self.delivery = OutputDelivery(self.output_router)
         self.background_thread_status = BackgroundThreadStatus()
         self._request_counter = 0
         self._request_lock = threading.Lock()
@@ -171,13 +174,15 @@ class RemoteManager(ContinuousBatchingManager):
                 if tokens is None:  # cancelled
                     continue
                 tokens.extend(new)
-                outputs.append(GenerationOutput(request_id, generated_tokens=tokens,
-                                                status=status, error=error))
-                if status in (RequestStatus.FINISHED, RequestStatus.FAILED):
+                last = status in (RequestStatus.FINISHED, RequestStatus.FAILED)
+                if last or not self.delivery.waiting(request_id):  # see OutputDelivery
+                    outputs.append(GenerationOutput(request_id, generated_tokens=tokens,
+                                                    status=status, error=error))
+                if last:
                     # pop: the event loop may have cancelled it since (cancel_request)
                     self.tokens.pop(request_id, None)
             if outputs:
-                self.output_router.deliver_batch(outputs)
+                self.delivery.deliver(outputs)
         elif kind == "fatal":
             error = RuntimeError(message[1])
             failed = [GenerationOutput(request_id, status=RequestStatus.FAILED, error=str(error))

@@ -78,16 +78,19 @@ def extend(app, generation_state) -> None:
 
 def guard(manager) -> None:
     """Put ``refuse_invalid`` in front of ``manager``'s two generation entry points (and keep a
-    continuous-batching stream's first outputs: ``serve_stream.keep_first_outputs``)."""
+    continuous-batching stream's first outputs: ``serve_stream.keep_first_outputs``; join a
+    stream's pending texts: ``serve_stream.coalesce``)."""
     stream, whole = manager.generate_streaming, manager.generate_non_streaming
 
     def generate_streaming(model, processor, inputs, gen_config, *args: Any, **kwargs: Any):
         refuse_invalid(manager, model, processor, inputs, gen_config, streaming=True)
         cb = getattr(manager, "_cb", None)
         if cb is None:
-            return stream(model, processor, inputs, gen_config, *args, **kwargs)
-        return serve_stream.keep_first_outputs(  # see there: a stream's first outputs
-            cb, lambda: stream(model, processor, inputs, gen_config, *args, **kwargs))
+            queue, streamer = stream(model, processor, inputs, gen_config, *args, **kwargs)
+        else:
+            queue, streamer = serve_stream.keep_first_outputs(  # see there: first outputs
+                cb, lambda: stream(model, processor, inputs, gen_config, *args, **kwargs))
+        return serve_stream.coalesce(queue), streamer  # see there: a lagging stream's text
 
     async def generate_non_streaming(model, processor, inputs, gen_config, *args: Any,
                                      **kwargs: Any):

@@ -177,10 +177,12 @@ def install(options: FrontOptions) -> Callable[[], None]:
     # after the engine process's loader: adapters go into whichever engine it loads
     restore_loader = (serve_lora.load_with_adapters(dict(options.loras)) if options.loras
                       else lambda: None)
+    restore_timer = serve_stream.cheap_idle_timer()
 
     def uninstall() -> None:
         if server.build_server is build_server:
             server.build_server = stock
+        restore_timer()
         restore_loader()
         restore_processor()
         restore()

@@ -1,5 +1,5 @@
 """The per-token work of transformers serve's streamed responses, made cheap where it is the
-same every token.
+same every token, and its per-request work where it needs none.
 
 Measured per streamed token on transformers' event loop (``benchmarks/profile_serving.py``,
 the tiny checkpoint, 64 streams): detokenisation (``CBStreamer.put``) is a few microseconds;
@@ -18,6 +18,18 @@ engine's step loop needs too.
 - ``RequestId``: transformers' request-id middleware as a plain ASGI middleware: the same
   ``X-Request-ID`` header in and out, and ``request.state.request_id``, with no per-chunk
   work.
+- ``coalesce(queue)``: a stream's text queue (transformers' handlers read it, build a chunk an
+  item) joins a text put while the previous one still waits unread to that one, so that a
+  stream whose reader lags (a busy event loop, a client that reads slowly) sends its pending
+  tokens as one chunk (OpenAI's format allows a delta of several tokens; vLLM's stream
+  interval does the same) instead of one chunk a token, and the work a chunk costs (building
+  it, writing it, the client parsing it) is paid once for all of them. A reader that keeps up
+  gets one item a put, as before. The text, concatenated, is the same.
+- ``cheap_idle_timer``: transformers' ``TimedModel.reset_timer`` (every request, on the event
+  loop) starts a new ``threading.Timer`` thread and waits for it to start, for the GIL too: up
+  to a switch interval a request while the engine's thread holds it. Replaced: a model that
+  never unloads (a model named on the command line) has no timer; another keeps one timer
+  thread that, when it fires, waits out the rest of the timeout from the last request.
 - ``keep_first_outputs``: transformers' continuous-batching streams register their result
   handler after ``add_request`` returns; an output the engine delivers in between would go to
   the manager's queue, which nobody reads, and the stream would never end. A placeholder
@@ -28,8 +40,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 # A text no model emits, replaced in a chunk's JSON by the token's text.
@@ -70,6 +85,71 @@ def fast_chunks(handler, text_field: str) -> None:
         return head + json.dumps(text, ensure_ascii=False)[1:-1] + tail
 
     handler._build_chunk_sse = build_chunk_sse
+
+
+def coalesce(queue: asyncio.Queue) -> asyncio.Queue:
+    """Have ``queue`` join a text (a ``str``, or a subclass such as transformers'
+    ``ReasoningText``) put while the item before it, of the same type, waits unread, to that
+    item; every other item is queued as it is. Returns ``queue``."""
+    pending = queue._queue  # asyncio.Queue's deque of unread items
+    stock = queue.put_nowait
+
+    def put_nowait(item: Any) -> None:
+        kind = type(item)
+        if pending and isinstance(item, str) and type(pending[-1]) is kind:
+            pending[-1] = kind(pending[-1] + item)  # the reader was woken by the first one
+        else:
+            stock(item)
+
+    queue.put_nowait = put_nowait
+    return queue
+
+
+def cheap_idle_timer() -> Callable[[], None]:
+    """Replace transformers' ``TimedModel.reset_timer`` (a thread started a request) by one
+    that starts none (see the module's doc); returns what undoes it."""
+    from transformers.cli.serving.model_manager import TimedModel
+
+    stock = TimedModel.reset_timer
+    lock = threading.Lock()
+
+    def reset_timer(self) -> None:
+        self._hf_paged_last_use = time.monotonic()
+        if self.timeout_seconds <= 0 or _rearming(self._timer):
+            return  # no timer needed / the running one re-arms itself when it fires
+        with lock:
+            if not _rearming(self._timer):  # transformers' first timer, or none running
+                self._timer.cancel()
+                self._timer = _rearming_timer(self, self.timeout_seconds)
+                self._timer.start()
+
+    TimedModel.reset_timer = reset_timer
+
+    def restore() -> None:
+        TimedModel.reset_timer = stock
+
+    return restore
+
+
+def _rearming_timer(model, seconds: float) -> threading.Timer:
+    """A timer that unloads ``model`` once ``timeout_seconds`` have passed since its last
+    request, and otherwise waits for the rest of them."""
+
+    def fire() -> None:
+        idle = time.monotonic() - getattr(model, "_hf_paged_last_use", 0.0)
+        if idle >= model.timeout_seconds:
+            model._timeout_reached()
+        else:
+            model._timer = _rearming_timer(model, model.timeout_seconds - idle)
+            model._timer.start()
+
+    timer = threading.Timer(seconds, fire)
+    timer.rearms = True
+    return timer
+
+
+def _rearming(timer: threading.Timer) -> bool:
+    return getattr(timer, "rearms", False) and timer.is_alive()
 
 
 def keep_first_outputs(cb, start_stream):

@@ -26,5 +26,32 @@ def test_bench_serving_and_its_report(tiny_checkpoint, tmp_path, monkeypatch):
         assert phase["completed"] == 4 and not phase["timed_out"], phase
         assert phase["output_tok_per_s"] > 0 and phase["tpot_ms_p50"] > 0, phase
         assert phase["server_metrics"]["hf_paged_preemptions_total"] == 0, phase
+        assert len(phase["client_processes"]) == 2, phase
     text = serving_report.report(tmp_path)
     assert "| 16 req/s |" in text and "| 2 clients (closed loop) |" in text, text
+
+
+def test_fake_steps_generate_text_tokens_at_the_step_time(tiny_checkpoint, tokenizer):
+    """The serving overhead benchmark's engine (``profile_serving --fake-step-ms``): the real
+    host side, no model; each sampled token the next text token in turn; a step's time."""
+    import time
+
+    from benchmarks import fake_steps
+    from hf_paged import SamplingParams
+    from hf_paged.generation.paged_engine import PagedEngine
+    from tests.conftest import SMALL
+
+    tokens = fake_steps.text_tokens(tokenizer)
+    assert tokens and all(tokenizer.decode([t]).strip() for t in tokens[:50])
+    uninstall = fake_steps.install(20.0, tokens[:5])
+    try:
+        engine = PagedEngine.from_pretrained(tiny_checkpoint, device="cpu", **SMALL)
+    finally:
+        uninstall()
+    assert "from_pretrained" not in vars(PagedEngine)
+    with engine:
+        start = time.perf_counter()
+        out = engine.generate_tokens([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=4))
+        took = time.perf_counter() - start
+    assert sorted(t for row in out for t in row) == sorted((tokens[:5] * 2)[:8])
+    assert took >= 4 * 0.020  # four steps at least

@@ -215,3 +215,35 @@ def test_a_streams_first_outputs_reach_its_handler():
     assert cb.output_router.output_queue.empty()
     assert "r2" not in cb.output_router.result_handlers
     assert "add_request" not in vars(cb)  # the manager's own method is back
+
+
+def test_a_lagging_stream_sends_its_pending_tokens_as_one_chunk(server):
+    """While the event loop is blocked, the engine's tokens for a stream wait; the next chunk
+    carries all of them (fewer text chunks than tokens), and the streamed text, joined, is
+    the text the same request gets unstreamed."""
+    import threading
+    import time
+
+    from hf_paged.integrations.continuous_batching import _RUNNING
+
+    url, model, _ = server
+    request = dict(model=model.name_or_path, prompt="Once upon a time", max_tokens=16)
+    with openai_client(url, KEY) as c:
+        whole = c.completions.create(**request)
+        stream = c.completions.create(**request, stream=True,
+                                      stream_options={"include_usage": True})
+        chunks = [next(stream)]
+        # The stream's handler runs on the server's event loop: block it while tokens come.
+        manager = _RUNNING[model.engine]
+        entry = manager.output_router.result_handlers.get(chunks[0].id)
+        if entry is not None:  # else the request already finished: nothing to block
+            blocked = threading.Event()
+            entry[1].call_soon_threadsafe(lambda: (blocked.set(), time.sleep(0.5)))
+            blocked.wait(5)
+        chunks += list(stream)
+    texts = [ch.choices[0].text for ch in chunks if ch.choices and ch.choices[0].text]
+    assert "".join(texts) == whole.choices[0].text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 16
+    assert len(texts) < 16, texts
+    finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    assert finish[-1] == "length" and not any(finish[:-1])

@@ -20,7 +20,7 @@ def manager() -> RemoteManager:
 def test_a_request_cancelled_while_its_last_output_is_handled():
     remote = manager()
     delivered = []
-    remote.output_router.deliver_batch = delivered.extend
+    remote.delivery.deliver = delivered.extend
     remote.tokens["a"] = [1]
     remote.tokens["b"] = []
     # "a" finishes in the batch while the event loop cancels it between its lookup and its
