@@ -38,7 +38,7 @@ import torch
 from transformers import AutoTokenizer
 
 from benchmarks.common import device_info, git_commit, write_result
-from benchmarks.serving_client import Phase, run_phases, split
+from benchmarks.serving_client import Phase, client_pool, run_phases, split
 from benchmarks.workloads import MAX_TOKEN_ID, w1
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,6 +120,9 @@ def summarize(results: list[dict], offered: dict, begin: float, deadline: float,
         "timed_out": len(done) + len(failed) < count,
         "errors": sorted({r["error"] for r in failed})[:5],
         "wall_s": round(wall, 2), "requests_per_s": round(len(done) / wall, 3),
+        # how late the first request left against the phase's clock (the clients' lag)
+        "first_sent_s": round(min((r["sent"] for r in results if r.get("sent") is not None),
+                                  default=begin) - begin, 3),
         "output_tok_per_s": round(tokens / wall, 1),
         "output_chunks_per_s": round(sum(r["chunks"] for r in done) / wall, 1),
         "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99),
@@ -134,7 +137,18 @@ def run_phase(url: str, args, requests: list[tuple[str, int]], timeout: float,
               rate: float | None = None, concurrency: int | None = None) -> dict:
     """One phase: Poisson arrivals at ``rate`` requests/s (``inf``: all at once), or a closed
     loop of ``concurrency`` clients; bounded by ``timeout`` seconds."""
-    begin = time.perf_counter() + 3.0  # the client processes start meanwhile
+    with client_pool(min(args.client_processes, len(requests))) as pool:
+        # the client processes are up: the clock starts now
+        begin = time.perf_counter() + 0.2
+        phase, offered = _phase(url, args, requests, begin, timeout, rate, concurrency)
+        clients: list[dict] = []
+        results = run_phases(split(phase, args.client_processes), clients, pool)
+    return summarize(results, offered, begin, begin + timeout, len(requests), clients)
+
+
+def _phase(url: str, args, requests: list[tuple[str, int]], begin: float, timeout: float,
+           rate: float | None, concurrency: int | None) -> tuple[Phase, dict]:
+    """The phase ``run_phase`` describes, starting at ``begin``, and what it offers."""
     deadline = begin + timeout
     if rate is not None:
         rng = random.Random(int(rate) if rate != float("inf") else 0)
@@ -149,9 +163,7 @@ def run_phase(url: str, args, requests: list[tuple[str, int]], timeout: float,
         phase = Phase(url, args.model, requests, deadline, concurrency=concurrency,
                       timeout=args.request_timeout, client=args.client)
         offered = {"concurrency": concurrency}
-    clients: list[dict] = []
-    results = run_phases(split(phase, args.client_processes), clients)
-    return summarize(results, offered, begin, deadline, len(requests), clients)
+    return phase, offered
 
 
 def scrape(url: str) -> dict[str, float]:

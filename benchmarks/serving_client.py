@@ -18,9 +18,12 @@ client process less a chunk, to tell a client's limit from a server's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import multiprocessing
+import multiprocessing.pool
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 
@@ -138,21 +141,38 @@ async def _run(phase: Phase) -> list[dict]:
         return results
 
 
-def _run_phase(phase: Phase) -> tuple[list[dict], dict]:
+def _ready(_: int) -> None:
     import httpx2  # noqa: F401  imported before the clock starts, as the openai client
     import openai  # noqa: F401
 
+
+@contextlib.contextmanager
+def client_pool(processes: int) -> Iterator[multiprocessing.pool.Pool]:
+    """``processes`` client processes, started and their imports done before it yields: a
+    spawned process imports its parent's main module (a benchmark's: torch, transformers)
+    for seconds, which must not fall inside a phase's clock."""
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        pool.map(_ready, range(processes), chunksize=1)
+        yield pool
+
+
+def _run_phase(phase: Phase) -> tuple[list[dict], dict]:
+    _ready(0)
     cpu, start = time.process_time(), time.perf_counter()
     results = asyncio.run(_run(phase))
     return results, {"cpu_s": time.process_time() - cpu, "wall_s": time.perf_counter() - start,
                      "chunks": sum(r["chunks"] for r in results)}
 
 
-def run_phases(phases: list[Phase], processes: list[dict] | None = None) -> list[dict]:
-    """Each phase in a process of its own, all at once; every request's outcome. Each
-    process's CPU and wall seconds and the text chunks it received go to ``processes``."""
-    with multiprocessing.get_context("spawn").Pool(len(phases)) as pool:
-        parts = pool.map(_run_phase, phases)
+def run_phases(phases: list[Phase], processes: list[dict] | None = None,
+               pool: multiprocessing.pool.Pool | None = None) -> list[dict]:
+    """Each phase in a process of its own (of ``pool``, from ``client_pool``, else new ones),
+    all at once; every request's outcome. Each process's CPU and wall seconds and the text
+    chunks it received go to ``processes``."""
+    if pool is None:
+        with client_pool(len(phases)) as pool:
+            return run_phases(phases, processes, pool)
+    parts = pool.map(_run_phase, phases, chunksize=1)
     if processes is not None:
         processes.extend(figures for _, figures in parts)
     return [r for part, _ in parts for r in part]
