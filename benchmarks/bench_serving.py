@@ -108,7 +108,8 @@ def summarize(results: list[dict], offered: dict, begin: float, deadline: float,
     done = [r for r in results if r["finished"] and r["first"] is not None]
     failed = [r for r in results if r.get("error")]
     end = max((r["last"] for r in done), default=deadline)
-    wall = max(end - begin, 1e-9)
+    first_sent = min((r["sent"] for r in results if r.get("sent") is not None), default=begin)
+    wall = max(end - min(begin, first_sent), 1e-9)  # a closed loop sends as soon as it can
     counted = lambda r: r["tokens"] if r["tokens"] is not None else r["chunks"]  # noqa: E731
     tokens = sum(counted(r) for r in done)
     ttft = np.array([r["first"] - r["sent"] for r in done]) * 1e3
@@ -121,8 +122,7 @@ def summarize(results: list[dict], offered: dict, begin: float, deadline: float,
         "errors": sorted({r["error"] for r in failed})[:5],
         "wall_s": round(wall, 2), "requests_per_s": round(len(done) / wall, 3),
         # how late the first request left against the phase's clock (the clients' lag)
-        "first_sent_s": round(min((r["sent"] for r in results if r.get("sent") is not None),
-                                  default=begin) - begin, 3),
+        "first_sent_s": round(first_sent - begin, 3),
         "output_tok_per_s": round(tokens / wall, 1),
         "output_chunks_per_s": round(sum(r["chunks"] for r in done) / wall, 1),
         "ttft_ms_p50": pct(ttft, 50), "ttft_ms_p99": pct(ttft, 99),
