@@ -114,9 +114,10 @@ def server(model: str, device: str, dtype: str, engine_options: dict,
     import hf_paged
     from benchmarks.bench_serving import free_port
     from hf_paged.integrations import serve_front
+    from hf_paged.integrations.serve_options import FrontOptions
 
     port = free_port()
-    uninstall = serve_front.install(serve_front.FrontOptions(engine_process=engine_process))
+    uninstall = serve_front.install(FrontOptions(engine_process=engine_process))
     with hf_paged.patch_transformers(**engine_options):
         serve = Serve(force_model=model, device=device, dtype=dtype, continuous_batching=True,
                       host="127.0.0.1", port=port, log_level="error", non_blocking=True)

@@ -132,7 +132,7 @@ def serve_command(args: list[str]) -> Callable[[], int]:
     """What runs ``hf-paged serve ARGS`` (engine options taken out already): hf-paged's server
     flags are parsed now (a bad one raises ValueError naming it), the rest go to
     ``transformers serve``."""
-    from hf_paged.integrations.serve_front import take_front_options
+    from hf_paged.integrations.serve_options import take_front_options
 
     options, rest = take_front_options(args)
     return lambda: transformers_serve(rest, options)
@@ -143,8 +143,9 @@ def transformers_serve(args: list[str], options=None) -> int:
     that its usage lines read ``hf-paged serve``), its app extended by ``serve_front`` with
     ``options`` (a ``FrontOptions``; None: the defaults). Patch transformers first."""
     from hf_paged.integrations import serve_front
+    from hf_paged.integrations.serve_options import FrontOptions
 
-    uninstall = serve_front.install(options or serve_front.FrontOptions())
+    uninstall = serve_front.install(options or FrontOptions())
     try:
         return run_console_command("transformers", ["serve", *args], prog="hf-paged")
     finally:

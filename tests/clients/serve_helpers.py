@@ -116,11 +116,12 @@ def in_process_server(checkpoint: str, continuous_batching: bool, front=None,
     from hf_paged.integrations import serve_front
     from hf_paged.integrations.causal_lm import PagedCausalLM
     from hf_paged.integrations.remote_manager import RemoteModel
+    from hf_paged.integrations.serve_options import FrontOptions
 
     port, threads = free_port(), torch.get_num_threads()
     verbosity = transformers.logging.get_verbosity()  # Serve sets transformers' log level
     torch.set_num_threads(1)
-    uninstall = serve_front.install(front or serve_front.FrontOptions())  # as hf-paged serve
+    uninstall = serve_front.install(front or FrontOptions())  # as hf-paged serve
     try:
         with hf_paged.patch_transformers(**engine_options):
             server = Serve(force_model=checkpoint, device="cpu", dtype="float32",

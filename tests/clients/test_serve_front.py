@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hf_paged.cli import main
-from hf_paged.integrations.serve_front import API_KEY_ENV, FrontOptions, take_front_options
+from hf_paged.integrations.serve_options import API_KEY_ENV, FrontOptions, take_front_options
 from tests.clients.serve_helpers import REQUEST_TIMEOUT, in_process_server
 from tests.conftest import SMALL
 

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from hf_paged.integrations.continuous_batching import _RUNNING
-from hf_paged.integrations.serve_front import FrontOptions
+from hf_paged.integrations.serve_options import FrontOptions
 from tests.clients.serve_helpers import REQUEST_TIMEOUT, in_process_server
 from tests.conftest import SMALL
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from hf_paged.integrations.serve_front import FrontOptions
+from hf_paged.integrations.serve_options import FrontOptions
 from hf_paged.integrations.serve_vision import media_part
 from hf_paged.random_checkpoint import make_checkpoint
 from tests.clients.serve_helpers import ask, in_process_server
