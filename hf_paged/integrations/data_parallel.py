@@ -1,0 +1,265 @@
+"""``data_parallel_size=N``: N engine replicas, each in a process of its own (the engine
+process of ``engine_process``, its ``generate`` call), behind one engine-like front.
+
+Replica ``i`` runs on GPUs ``[i * tp, (i + 1) * tp)`` of those visible here (its
+``CUDA_VISIBLE_DEVICES``; on the CPU it is just a process). ``DataParallelEngine.generate``
+deals a call's rows, one at a time, to the live replica with the fewest outstanding requests
+(a row's beams and return sequences are one request's: they stay together), runs each
+replica's share as one ``generate`` there, and puts the rows back in order. A replica whose
+process exits fails the calls it held with ``ProcessDied`` naming it; the others go on, and
+later rows go to live replicas only.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, fields
+
+import torch
+from transformers.utils import ModelOutput
+
+from hf_paged.config import EngineConfig
+from hf_paged.device_copy import moved
+from hf_paged.generation.paged_engine import PagedEngine
+from hf_paged.integrations.engine_process import EngineProcess, ProcessDied
+from hf_paged.integrations.loading import resolve_device_map
+
+# generate() keywords that differ by row: split with the rows (the rest go to every share).
+_ROW_KEYWORDS = ("input_ids", "attention_mask", "adapter_names")
+# What cannot cross to another process, refused by name instead of failing in pickle.
+_REFUSED = {"streamer": "streams tokens in this process",
+            "assistant_model": "is a model object of this process"}
+# Output fields that are one list over the whole call's steps, not rows: not merged.
+_PER_STEP = ("scores", "logits", "sequences_scores", "beam_indices")
+
+
+@dataclass
+class Replica:
+    index: int
+    process: EngineProcess
+    outstanding: int = 0  # requests (rows x return sequences) dealt and not yet returned
+    served: int = 0  # requests returned
+
+
+def from_pretrained(path_or_id: str, **options) -> PagedEngine | DataParallelEngine:
+    """``hf_paged.from_pretrained``: a ``PagedEngine``, or with ``data_parallel_size > 1`` a
+    ``DataParallelEngine`` over that many replicas (its options are ``PagedEngine``'s)."""
+    if options.get("data_parallel_size", 1) == 1:
+        return PagedEngine.from_pretrained(path_or_id, **options)
+    if "hf_config" in options:  # the replicas load with transformers' keyword
+        options["config"] = options.pop("hf_config")
+    return DataParallelEngine(path_or_id, options)
+
+
+class DataParallelEngine:
+    """The replicas' front: ``generate`` over them, ``stats`` summed, ``close``."""
+
+    def __init__(self, path_or_id: str, options: dict):
+        known = {f.name for f in fields(EngineConfig)}
+        self.config = EngineConfig.from_options(**{n: v for n, v in options.items() if n in known})
+        size, tp = self.config.data_parallel_size, self.config.tensor_parallel_size
+        self.device = _device(options)
+        load = dict(options, model=os.fspath(path_or_id), data_parallel_size=1)
+        if self.device.type == "cuda":
+            load.pop("device_map", None)
+            load["device"] = "cuda:0"  # the first of the replica's own visible GPUs
+        self._lock = threading.Lock()
+        self.replicas: list[Replica] = []
+        with ThreadPoolExecutor(size) as pool:  # the replicas load side by side
+            started = [pool.submit(self._start, i, load, _replica_env(self.device, i, size, tp))
+                       for i in range(size)]
+        failures = [f.exception() for f in started if f.exception() is not None]
+        self.replicas = sorted((f.result() for f in started if f.exception() is None),
+                               key=lambda r: r.index)
+        self._finalizer = weakref.finalize(self, _stop, list(self.replicas))
+        if failures:
+            self.close()
+            raise failures[0]
+        first = self.replicas[0].process
+        self.hf_config, self.generation_config = first.config, first.generation_config
+        self.dtype = first.config.dtype
+        self._pool = ThreadPoolExecutor(4 * size, thread_name_prefix="hf_paged-replica")
+
+    def _start(self, index: int, load: dict, env: dict[str, str] | None) -> Replica:
+        label = f"data-parallel replica {index}"
+        return Replica(index, EngineProcess(load, lambda message: None, label, env))
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def live(self) -> list[Replica]:
+        return [r for r in self.replicas if r.process.died is None]
+
+    def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):
+        """``PagedEngine.generate``'s arguments and results, the rows over the replicas."""
+        for name, why in _REFUSED.items():
+            if kwargs.get(name) is not None:
+                raise ValueError(f"{name} is not supported with data_parallel_size > 1: it "
+                                 f"{why}, and generate runs in the replicas' processes")
+        if inputs is not None:
+            kwargs["input_ids"], inputs = inputs, None
+        ids = kwargs.get("input_ids")
+        rows = 1 if ids is None else ids.shape[0]
+        copies = _setting("num_return_sequences", kwargs, generation_config) or 1
+        shares = self._deal(rows, copies)
+        try:
+            if len(shares) > 1 and _setting("return_dict_in_generate", kwargs, generation_config) \
+                    and any(_setting(f"output_{n}", kwargs, generation_config)
+                            for n in ("scores", "logits")):
+                raise ValueError("output_scores / output_logits with return_dict_in_generate "
+                                 "over several data-parallel replicas is not supported (each "
+                                 "share's steps differ): pass one row a call")
+            calls = [self._pool.submit(self._run, replica, _share(kwargs, picked),
+                                       generation_config, len(picked) * copies)
+                     for replica, picked in shares]
+            wait(calls)  # every share back (or failed) before the counts drop
+            results = [(picked, call.result()) for call, (_, picked) in zip(calls, shares)]
+        finally:
+            with self._lock:
+                for replica, picked in shares:
+                    replica.outstanding -= len(picked) * copies
+        device = ids.device if ids is not None else self.device
+        if len(results) == 1:
+            return moved(results[0][1], device)
+        pad = _pad_token(kwargs, generation_config or self.generation_config)
+        return moved(_merged(results, rows, copies, pad), device)
+
+    def _deal(self, rows: int, copies: int) -> list[tuple[Replica, list[int]]]:
+        """Each row to the live replica with the fewest outstanding requests (the lowest index
+        on a tie), counted as it is dealt."""
+        with self._lock:
+            live = self.live()
+            if not live:
+                raise RuntimeError("every data-parallel replica died: "
+                                   + "; ".join(r.process.died for r in self.replicas))
+            picked: dict[int, list[int]] = {}
+            for row in range(rows):
+                replica = min(live, key=lambda r: (r.outstanding, r.index))
+                replica.outstanding += copies
+                picked.setdefault(replica.index, []).append(row)
+        return [(self.replicas[i], rows_) for i, rows_ in sorted(picked.items())]
+
+    def _run(self, replica: Replica, kwargs: dict, generation_config, requests: int):
+        """One share as one ``generate`` in the replica's process."""
+        blob = pickle.dumps(((), dict(moved(kwargs, "cpu"), generation_config=generation_config)))
+        result = pickle.loads(replica.process.call("generate", blob, timeout=None, raw=True))
+        with self._lock:
+            replica.served += requests
+        return result
+
+    def stats(self) -> dict:
+        """The live replicas' engine stats summed, and each replica's under ``replicas``
+        (its index, pid, outstanding and served requests, and its stats or how it died)."""
+        total: dict = {}
+        per_replica = []
+        for replica in self.replicas:
+            entry = dict(index=replica.index, pid=replica.process.process.pid,
+                         outstanding=replica.outstanding, served=replica.served)
+            try:
+                own = replica.process.call("stats")[0]
+            except ProcessDied as error:
+                entry["died"] = str(error)
+            else:
+                entry.update(own)
+                for name, value in own.items():
+                    total[name] = total.get(name, 0) + value
+            per_replica.append(entry)
+        return dict(total, replicas=per_replica)
+
+    def forward(self, *args, **kwargs):
+        raise NotImplementedError("the model's forward is not supported with "
+                                  "data_parallel_size > 1: the weights live in the replicas' "
+                                  "processes; use generate, or load with data_parallel_size=1")
+
+    def close(self) -> None:
+        """Stop every replica's process."""
+        self._finalizer()
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False)
+
+
+def _share(kwargs: dict, picked: list[int]) -> dict:
+    """A share's generate keywords: its rows of the per-row ones, the others as they are."""
+    share = dict(kwargs)
+    for name in _ROW_KEYWORDS:
+        value = kwargs.get(name)
+        if isinstance(value, torch.Tensor):
+            share[name] = value[picked]
+        elif value is not None:
+            share[name] = [value[row] for row in picked]
+    return share
+
+
+def _stop(replicas: list[Replica]) -> None:
+    for replica in replicas:
+        replica.process.stop()
+
+
+def _device(options: dict) -> torch.device:
+    """The replicas' device type (CUDA: their first GPU, index 0 of their own)."""
+    if options.get("device_map") is not None and options.get("device") is not None:
+        raise ValueError("pass device_map or device, not both")
+    device = options.get("device")
+    device = resolve_device_map(options["device_map"]) if "device_map" in options else (
+        torch.device(device) if device is not None else None)
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda" and device.index not in (None, 0):
+        raise ValueError(f"data_parallel_size > 1 places replica i on GPUs [i * tp, (i + 1) * "
+                         f"tp) of those visible: a device of its own ({device}) is refused; "
+                         "choose the GPUs with CUDA_VISIBLE_DEVICES")
+    return torch.device(device.type)
+
+
+def _replica_env(device: torch.device, index: int, size: int, tp: int) -> dict[str, str] | None:
+    """Replica ``index``'s environment: its GPUs as the only ones visible (CUDA)."""
+    if device.type != "cuda":
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if len(gpus) < size * tp:
+        raise ValueError(f"data_parallel_size={size} x tensor_parallel_size={tp} needs "
+                         f"{size * tp} GPUs, {len(gpus)} visible")
+    return dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(gpus[index * tp:(index + 1) * tp]))
+
+
+def _setting(name: str, kwargs: dict, generation_config):
+    """A generation setting as generate reads it: the keyword, else the passed config's."""
+    if name in kwargs:
+        return kwargs[name]
+    return getattr(generation_config, name, None) if generation_config is not None else None
+
+
+def _pad_token(kwargs: dict, generation_config) -> int:
+    """The id transformers pads finished rows with: pad_token_id, else the first EOS id."""
+    pad = _setting("pad_token_id", kwargs, generation_config)
+    if pad is None:
+        pad = _setting("eos_token_id", kwargs, generation_config)
+        if isinstance(pad, (list, tuple)):
+            pad = pad[0] if pad else None
+    return 0 if pad is None else int(pad)
+
+
+def _merged(results: list[tuple[list[int], object]], rows: int, copies: int, pad: int):
+    """The shares' sequences as one batch in row order, padded on the right to the longest."""
+    sequences = [r.sequences if isinstance(r, ModelOutput) else r for _, r in results]
+    width = max(s.shape[1] for s in sequences)
+    merged = sequences[0].new_full((rows * copies, width), pad)
+    for (picked, _), share in zip(results, sequences):
+        at = torch.tensor([row * copies + c for row in picked for c in range(copies)])
+        merged[at, : share.shape[1]] = share
+    first = results[0][1]
+    if not isinstance(first, ModelOutput):
+        return merged
+    refused = [n for n in _PER_STEP if getattr(first, n, None) is not None]
+    if refused:
+        raise ValueError(f"{', '.join(refused)} over several data-parallel replicas are not "
+                         "supported (each share's steps differ): pass one row a call")
+    first.sequences = merged
+    return first
