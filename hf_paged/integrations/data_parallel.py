@@ -16,6 +16,7 @@ import os
 import pickle
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, fields
 
@@ -62,31 +63,15 @@ class DataParallelEngine:
         known = {f.name for f in fields(EngineConfig)}
         self.config = EngineConfig.from_options(**{n: v for n, v in options.items() if n in known})
         size, tp = self.config.data_parallel_size, self.config.tensor_parallel_size
-        self.device = _device(options)
-        load = dict(options, model=os.fspath(path_or_id), data_parallel_size=1)
-        if self.device.type == "cuda":
-            load.pop("device_map", None)
-            load["device"] = "cuda:0"  # the first of the replica's own visible GPUs
+        load = dict(options, model=os.fspath(path_or_id))
+        self.device, processes = start_replicas(load, size, tp, lambda index, message: None)
+        self.replicas = [Replica(i, process) for i, process in enumerate(processes)]
+        self._finalizer = weakref.finalize(self, _stop, processes)
         self._lock = threading.Lock()
-        self.replicas: list[Replica] = []
-        with ThreadPoolExecutor(size) as pool:  # the replicas load side by side
-            started = [pool.submit(self._start, i, load, _replica_env(self.device, i, size, tp))
-                       for i in range(size)]
-        failures = [f.exception() for f in started if f.exception() is not None]
-        self.replicas = sorted((f.result() for f in started if f.exception() is None),
-                               key=lambda r: r.index)
-        self._finalizer = weakref.finalize(self, _stop, list(self.replicas))
-        if failures:
-            self.close()
-            raise failures[0]
         first = self.replicas[0].process
         self.hf_config, self.generation_config = first.config, first.generation_config
         self.dtype = first.config.dtype
         self._pool = ThreadPoolExecutor(4 * size, thread_name_prefix="hf_paged-replica")
-
-    def _start(self, index: int, load: dict, env: dict[str, str] | None) -> Replica:
-        label = f"data-parallel replica {index}"
-        return Replica(index, EngineProcess(load, lambda message: None, label, env))
 
     @property
     def closed(self) -> bool:
@@ -179,9 +164,7 @@ class DataParallelEngine:
     def close(self) -> None:
         """Stop every replica's process."""
         self._finalizer()
-        pool = getattr(self, "_pool", None)
-        if pool is not None:
-            pool.shutdown(wait=False)
+        self._pool.shutdown(wait=False)
 
 
 def _share(kwargs: dict, picked: list[int]) -> dict:
@@ -196,9 +179,34 @@ def _share(kwargs: dict, picked: list[int]) -> dict:
     return share
 
 
-def _stop(replicas: list[Replica]) -> None:
-    for replica in replicas:
-        replica.process.stop()
+def start_replicas(load: dict, size: int, tp: int, on_message: Callable[[int, tuple], None]
+                   ) -> tuple[torch.device, list[EngineProcess]]:
+    """``size`` engine processes loading ``load`` (``from_pretrained``'s keywords, ``model``
+    the checkpoint) side by side, replica ``i``'s messages to ``on_message(i, message)``;
+    their device type, and the processes. One that fails to load stops the others."""
+    device = _device(load)
+    load = dict(load, data_parallel_size=1)
+    if device.type == "cuda":
+        load.pop("device_map", None)
+        load["device"] = "cuda:0"  # the first of the replica's own visible GPUs
+    envs = [_replica_env(device, i, size, tp) for i in range(size)]
+
+    def start(i: int) -> EngineProcess:
+        return EngineProcess(load, lambda message: on_message(i, message),
+                             f"data-parallel replica {i}", envs[i])
+
+    with ThreadPoolExecutor(size) as pool:
+        started = [pool.submit(start, i) for i in range(size)]
+    failures = [f.exception() for f in started if f.exception() is not None]
+    if failures:
+        _stop([f.result() for f in started if f.exception() is None])
+        raise failures[0]
+    return device, [f.result() for f in started]
+
+
+def _stop(processes: list[EngineProcess]) -> None:
+    for process in processes:
+        process.stop()
 
 
 def _device(options: dict) -> torch.device:
