@@ -58,7 +58,7 @@ class EngineConfig:
             (``hf_paged.integrations.data_parallel``); from ``hf_paged.from_pretrained`` or
             ``AutoModelForCausalLM.from_pretrained``, whose ``generate`` deals each call's rows
             (a row's beams and return sequences together) to the replicas with the fewest
-            outstanding requests and returns them in order.
+            outstanding tokens (prompt plus new-token budget) and returns them in order.
         disable_custom_all_reduce: on CUDA, reduce across ranks with NCCL alone instead of
             through symmetric memory (which serves tensors of up to 2,048 tokens' hidden
             states, at the sizes where start-up measured it faster than NCCL).

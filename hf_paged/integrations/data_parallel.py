@@ -3,9 +3,10 @@ process of ``engine_process``, its ``generate`` call), behind one engine-like fr
 
 Replica ``i`` runs on GPUs ``[i * tp, (i + 1) * tp)`` of those visible here (its
 ``CUDA_VISIBLE_DEVICES``; on the CPU it is just a process). ``DataParallelEngine.generate``
-deals a call's rows, one at a time, to the live replica with the fewest outstanding requests
-(a row's beams and return sequences are one request's: they stay together), runs each
-replica's share as one ``generate`` there, and puts the rows back in order. A replica whose
+(and ``generate_tokens``) deals a call's rows, heaviest first, to the live replica with the
+fewest outstanding tokens (prompt plus new-token budget, for each return sequence: a row's
+beams and return sequences stay together on one replica), runs each replica's share as one
+call there, and puts the rows back in order. A replica whose
 process exits fails the calls it held with ``ProcessDied`` naming it; the others go on, and
 later rows go to live replicas only.
 """
@@ -28,6 +29,7 @@ from hf_paged.device_copy import moved
 from hf_paged.generation.paged_engine import PagedEngine
 from hf_paged.integrations.engine_process import EngineProcess, ProcessDied
 from hf_paged.integrations.loading import resolve_device_map
+from hf_paged.sampling_params import SamplingParams
 
 # generate() keywords that differ by row: split with the rows (the rest go to every share).
 _ROW_KEYWORDS = ("input_ids", "attention_mask", "adapter_names")
@@ -42,8 +44,17 @@ _PER_STEP = ("scores", "logits", "sequences_scores", "beam_indices")
 class Replica:
     index: int
     process: EngineProcess
-    outstanding: int = 0  # requests (rows x return sequences) dealt and not yet returned
-    served: int = 0  # requests returned
+    outstanding: int = 0  # tokens (prompt plus new-token budget) dealt and not yet returned
+    served: int = 0  # rows returned
+
+
+@dataclass
+class Share:
+    """The rows of one call dealt to one replica, and their outstanding tokens."""
+
+    replica: Replica
+    rows: list[int]
+    weight: int
 
 
 def from_pretrained(path_or_id: str, **options) -> PagedEngine | DataParallelEngine:
@@ -57,7 +68,8 @@ def from_pretrained(path_or_id: str, **options) -> PagedEngine | DataParallelEng
 
 
 class DataParallelEngine:
-    """The replicas' front: ``generate`` over them, ``stats`` summed, ``close``."""
+    """The replicas' front: ``generate`` and ``generate_tokens`` over them, ``stats``
+    summed, ``close``."""
 
     def __init__(self, path_or_id: str, options: dict):
         known = {f.name for f in fields(EngineConfig)}
@@ -88,10 +100,13 @@ class DataParallelEngine:
                                  f"{why}, and generate runs in the replicas' processes")
         if inputs is not None:
             kwargs["input_ids"], inputs = inputs, None
-        ids = kwargs.get("input_ids")
+        ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
         rows = 1 if ids is None else ids.shape[0]
         copies = _setting("num_return_sequences", kwargs, generation_config) or 1
-        shares = self._deal(rows, copies)
+        budget = _setting("max_new_tokens", kwargs, generation_config or self.generation_config)
+        prompt = [0] * rows if ids is None else (
+            mask.sum(1).tolist() if mask is not None else [ids.shape[1]] * rows)
+        shares = self._deal([copies * (int(n) + (budget or 0)) for n in prompt])
         try:
             if len(shares) > 1 and _setting("return_dict_in_generate", kwargs, generation_config) \
                     and any(_setting(f"output_{n}", kwargs, generation_config)
@@ -99,47 +114,79 @@ class DataParallelEngine:
                 raise ValueError("output_scores / output_logits with return_dict_in_generate "
                                  "over several data-parallel replicas is not supported (each "
                                  "share's steps differ): pass one row a call")
-            calls = [self._pool.submit(self._run, replica, _share(kwargs, picked),
-                                       generation_config, len(picked) * copies)
-                     for replica, picked in shares]
-            wait(calls)  # every share back (or failed) before the counts drop
-            results = [(picked, call.result()) for call, (_, picked) in zip(calls, shares)]
+            results = self._run_shares(shares, lambda picked: (
+                "generate", (), dict(_share(kwargs, picked), generation_config=generation_config)))
         finally:
-            with self._lock:
-                for replica, picked in shares:
-                    replica.outstanding -= len(picked) * copies
+            self._settle(shares)
         device = ids.device if ids is not None else self.device
         if len(results) == 1:
             return moved(results[0][1], device)
         pad = _pad_token(kwargs, generation_config or self.generation_config)
         return moved(_merged(results, rows, copies, pad), device)
 
-    def _deal(self, rows: int, copies: int) -> list[tuple[Replica, list[int]]]:
-        """Each row to the live replica with the fewest outstanding requests (the lowest index
-        on a tie), counted as it is dealt."""
+    def generate_tokens(self, prompts: list[list[int]],
+                        params: SamplingParams | list[SamplingParams],
+                        progress_bar: bool | None = None) -> list[list[int]]:
+        """``PagedEngine.generate_tokens`` over the replicas: the new token ids of each prompt,
+        in input order."""
+        each = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+        shares = self._deal([len(p) + q.max_new_tokens for p, q in zip(prompts, each)])
+        try:
+            results = self._run_shares(shares, lambda picked: ("generate_tokens", (
+                [prompts[i] for i in picked], [each[i] for i in picked], progress_bar), {}))
+        finally:
+            self._settle(shares)
+        outputs: list[list[int]] = [[] for _ in prompts]
+        for picked, share in results:
+            for row, tokens in zip(picked, share):
+                outputs[row] = tokens
+        return outputs
+
+    def _deal(self, weights: list[int]) -> list[Share]:
+        """Each row (``weights``: its outstanding tokens, prompt plus new-token budget, times
+        its return sequences), heaviest first, to the live replica with the fewest outstanding
+        tokens (the lowest index on a tie), counted as it is dealt."""
         with self._lock:
             live = self.live()
             if not live:
                 raise RuntimeError("every data-parallel replica died: "
                                    + "; ".join(r.process.died for r in self.replicas))
-            picked: dict[int, list[int]] = {}
-            for row in range(rows):
+            picked: dict[int, Share] = {}
+            for row in sorted(range(len(weights)), key=lambda row: -weights[row]):
                 replica = min(live, key=lambda r: (r.outstanding, r.index))
-                replica.outstanding += copies
-                picked.setdefault(replica.index, []).append(row)
-        return [(self.replicas[i], rows_) for i, rows_ in sorted(picked.items())]
+                replica.outstanding += weights[row]
+                share = picked.setdefault(replica.index, Share(replica, [], 0))
+                share.rows.append(row)
+                share.weight += weights[row]
+        for share in picked.values():
+            share.rows.sort()
+        return [picked[i] for i in sorted(picked)]
 
-    def _run(self, replica: Replica, kwargs: dict, generation_config, requests: int):
-        """One share as one ``generate`` in the replica's process."""
-        blob = pickle.dumps(((), dict(moved(kwargs, "cpu"), generation_config=generation_config)))
-        result = pickle.loads(replica.process.call("generate", blob, timeout=None, raw=True))
+    def _run_shares(self, shares: list[Share], call: Callable[[list[int]], tuple]
+                    ) -> list[tuple[list[int], object]]:
+        """Each share's ``call(rows)`` (method name, arguments, keywords) in its replica's
+        process, side by side; (rows, result) of each once every one is back."""
+        running = [self._pool.submit(self._run, share, call(share.rows)) for share in shares]
+        wait(running)  # every share back (or failed) before the counts drop
+        return [(share.rows, r.result()) for r, share in zip(running, shares)]
+
+    def _run(self, share: Share, call: tuple):
+        name, args, kwargs = call
+        blob = pickle.dumps((name, args, moved(kwargs, "cpu")))
+        result = pickle.loads(share.replica.process.call("generate", blob, timeout=None,
+                                                         raw=True))
         with self._lock:
-            replica.served += requests
+            share.replica.served += len(share.rows)
         return result
+
+    def _settle(self, shares: list[Share]) -> None:
+        with self._lock:
+            for share in shares:
+                share.replica.outstanding -= share.weight
 
     def stats(self) -> dict:
         """The live replicas' engine stats summed, and each replica's under ``replicas``
-        (its index, pid, outstanding and served requests, and its stats or how it died)."""
+        (its index, pid, outstanding tokens, rows served, and its stats or how it died)."""
         total: dict = {}
         per_replica = []
         for replica in self.replicas:

@@ -119,13 +119,16 @@ class _Engine:
         self.send("reply", call_id, value)
 
     def generate(self) -> None:
-        """``model.generate`` for each call in turn: pickled arguments in, the pickled result
-        (on the host) or the exception back."""
+        """``model.generate`` or ``model.engine.generate_tokens`` for each call in turn:
+        pickled (name, arguments) in, the pickled result (on the host) or the exception
+        back."""
         while True:
             call_id, blob = self.generates.get()
             try:
-                args, kwargs = pickle.loads(blob)
-                value = pickle.dumps(moved(self.model.generate(*args, **kwargs), "cpu"))
+                name, args, kwargs = pickle.loads(blob)
+                target = {"generate": self.model.generate,
+                          "generate_tokens": self.model.engine.generate_tokens}[name]
+                value = pickle.dumps(moved(target(*args, **kwargs), "cpu"))
             except Exception as error:
                 value = error
             try:

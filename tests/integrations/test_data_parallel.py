@@ -48,13 +48,21 @@ def test_greedy_rows_and_beams_as_one_engine(single, replicated):
     assert torch.equal(replicated.generate(ids[:3], **beams), single.generate(ids[:3], **beams))
 
 
-def test_requests_reach_both_replicas(replicated):
+def test_requests_reach_both_replicas(single, replicated):
     before = [r["served"] for r in replicated.engine.stats()["replicas"]]
     ids, mask = left_padded([4, 4, 4, 4], replicated.config.vocab_size, seed=1)
     replicated.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
     stats = replicated.engine.stats()
     served = [r["served"] - b for r, b in zip(stats["replicas"], before)]
     assert served == [2, 2]  # least-loaded dealing: an idle pair shares a call evenly
+    # by tokens, heaviest first: 20 + 4 on one replica; 5 + 4, 3 + 4, 2 + 4 on the other
+    prompts = [[5] * n for n in (20, 5, 3, 2)]
+    params = hf_paged.SamplingParams(max_new_tokens=4, temperature=0.0)
+    before = [r["served"] for r in replicated.engine.stats()["replicas"]]
+    outputs = replicated.engine.generate_tokens(prompts, params)
+    assert outputs == single.engine.generate_tokens(prompts, params)
+    served = [r["served"] - b for r, b in zip(replicated.engine.stats()["replicas"], before)]
+    assert served == [1, 3]
     assert stats["num_blocks"] == sum(r["num_blocks"] for r in stats["replicas"])
     assert all(r["outstanding"] == 0 for r in stats["replicas"])
 
@@ -95,10 +103,10 @@ def test_a_killed_replica_fails_its_own_call_and_the_other_serves_on(single, rep
 
     short = threading.Thread(target=call, args=("short", 0, 200))
     short.start()
-    _until(lambda: front.replicas[0].outstanding == 1)  # the next call goes to replica 1
+    _until(lambda: front.replicas[0].outstanding > 0)  # the next call goes to replica 1
     long = threading.Thread(target=call, args=("long", 1, 1000))
     long.start()
-    _until(lambda: front.replicas[1].outstanding == 1
+    _until(lambda: front.replicas[1].outstanding > 0
            and front.replicas[1].process.call("stats")[0]["num_running"] == 1)
     os.kill(victim.pid, signal.SIGKILL)
     short.join(60)
