@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import pickle
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -76,7 +77,10 @@ class DataParallelEngine:
         self.config = EngineConfig.from_options(**{n: v for n, v in options.items() if n in known})
         size, tp = self.config.data_parallel_size, self.config.tensor_parallel_size
         load = dict(options, model=os.fspath(path_or_id))
+        start = time.perf_counter()
         self.device, processes = start_replicas(load, size, tp, lambda index, message: None)
+        # the replicas' own stages stay in their processes: here, their start side by side
+        self.startup_seconds = {"replicas": time.perf_counter() - start}
         self.replicas = [Replica(i, process) for i, process in enumerate(processes)]
         self._finalizer = weakref.finalize(self, _stop, processes)
         self._lock = threading.Lock()
