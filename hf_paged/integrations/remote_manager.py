@@ -186,8 +186,10 @@ class RemoteManager(ContinuousBatchingManager):
                 request_id = f"req_{self._request_counter}"
                 self._request_counter += 1
         with self._request_lock:
-            replica = min((i for i in range(len(self.processes)) if i not in self.dead),
-                          key=lambda i: (self.outstanding[i], i))
+            live = [i for i in range(len(self.processes)) if i not in self.dead]
+            if not live:  # the status hears of it as the last one's message is handled
+                raise RuntimeError("; ".join(self.dead.values()))
+            replica = min(live, key=lambda i: (self.outstanding[i], i))
             self.outstanding[replica] += 1
             self.owner[request_id] = replica
         self.tokens[request_id] = []
