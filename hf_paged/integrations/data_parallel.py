@@ -176,7 +176,8 @@ class DataParallelEngine:
 
     def _run(self, share: Share, call: tuple):
         name, args, kwargs = call
-        blob = pickle.dumps((name, args, moved(kwargs, "cpu")))
+        # this model's generation config as it is now (set or changed here): the replica's
+        blob = pickle.dumps((name, args, moved(kwargs, "cpu"), self.generation_config))
         result = pickle.loads(share.replica.process.call("generate", blob, timeout=None,
                                                          raw=True))
         with self._lock:

@@ -9,9 +9,9 @@ per streamed token (vLLM's split of API server and engine core). They talk over 
   starts), ``("add", kwargs)`` (``add_request``'s), ``("cancel", request_id)``,
   ``("call", call_id, name, args)`` (``validate`` a request, read ``stats``, ``load_loras``
   from their folders before the manager starts; ``generate``, a data-parallel replica's
-  ``generate`` or ``generate_tokens``: the name, arguments and result pickled, on the host,
-  run one call at a time on a thread of their own so that ``stats`` answers meanwhile),
-  ``("stop",)``;
+  ``generate`` or ``generate_tokens``: the name, arguments, the front's generation config
+  and the result pickled, on the host, run one call at a time on a thread of their own so
+  that ``stats`` answers meanwhile), ``("stop",)``;
 - engine -> server: ``("ready", config, generation_config)`` once loaded (or ``("failed",
   message)``), ``("out", updates)`` once per batch of outputs, each update ``(request_id, new
   tokens, status, error)``, ``("reply", call_id, value)``, ``("fatal", message)`` when the

@@ -120,12 +120,12 @@ class _Engine:
 
     def generate(self) -> None:
         """``model.generate`` or ``model.engine.generate_tokens`` for each call in turn:
-        pickled (name, arguments) in, the pickled result (on the host) or the exception
-        back."""
+        pickled (name, arguments, the front's generation config) in, the pickled result (on
+        the host) or the exception back."""
         while True:
             call_id, blob = self.generates.get()
             try:
-                name, args, kwargs = pickle.loads(blob)
+                name, args, kwargs, self.model.generation_config = pickle.loads(blob)
                 target = {"generate": self.model.generate,
                           "generate_tokens": self.model.engine.generate_tokens}[name]
                 value = pickle.dumps(moved(target(*args, **kwargs), "cpu"))

@@ -67,6 +67,20 @@ def test_requests_reach_both_replicas(single, replicated):
     assert all(r["outstanding"] == 0 for r in stats["replicas"])
 
 
+def test_the_generation_config_set_here_is_the_replicas(single, replicated):
+    ids, mask = left_padded([5, 3], single.config.vocab_size, seed=3)
+    for model in (single, replicated):
+        model.generation_config.max_new_tokens = 5
+        model.generation_config.do_sample = False
+    try:
+        out = replicated.generate(ids, attention_mask=mask)
+        assert out.shape[1] <= ids.shape[1] + 5
+        assert torch.equal(out, single.generate(ids, attention_mask=mask))
+    finally:
+        for model in (single, replicated):
+            model.generation_config.max_new_tokens = None
+
+
 @pytest.mark.parametrize("value", [0, -1, 1.5, "2", True])
 def test_bad_data_parallel_size_is_refused_by_name(tiny_checkpoint, value):
     with pytest.raises(ValueError, match="data_parallel_size must be a positive integer"):
