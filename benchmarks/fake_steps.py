@@ -85,9 +85,9 @@ def text_tokens(tokenizer) -> list[int]:
 
 
 def child() -> None:
-    """The engine process's entry point (``engine_process.child``) with fake steps."""
-    from hf_paged.integrations import engine_process
+    """The engine process's entry point (``engine_process_main.child``) with fake steps."""
+    from hf_paged.integrations import engine_process_main
 
     settings = json.loads(os.environ[FAKE_STEPS_ENV])
     install(settings["step_ms"], settings["token_ids"])
-    engine_process.child()
+    engine_process_main.child()

@@ -92,16 +92,18 @@ class PagedSystem:
         return timer.seconds
 
     def describe(self) -> dict[str, Any]:
-        runner = self.engine.executor.runner  # start-up's choices, measured on this device
-        return {
+        facts = {
             "engine_config": dataclasses.asdict(self.engine.config),
             "sampling": self.sampling,
             "startup_seconds": self.engine.startup_seconds,
-            "projection_timings": runner.projection_timings,
-            "all_reduce_choices": getattr(runner.tp.fast_all_reduce, "choices", None),
             "last_run_counters": self.last_run,
             "stats": self.engine.stats(),
         }
+        if self.engine.config.data_parallel_size == 1:  # else the replicas' processes hold it
+            runner = self.engine.executor.runner  # start-up's choices, measured on this device
+            facts["projection_timings"] = runner.projection_timings
+            facts["all_reduce_choices"] = getattr(runner.tp.fast_all_reduce, "choices", None)
+        return facts
 
     def close(self) -> None:
         self.engine.close()  # tensor-parallel workers stop before the next system starts

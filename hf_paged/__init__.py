@@ -16,6 +16,7 @@ _EXPORTS = {
     "PagedEngine": "hf_paged.generation.paged_engine",
     "Qwen3ForCausalLM": "hf_paged.integrations.causal_lm",
     "SamplingParams": "hf_paged.sampling_params",
+    "from_pretrained": "hf_paged.integrations.data_parallel",
     "Speculation": "hf_paged.sampling_params",
     "patch_transformers": "hf_paged.integrations.patch",
     "unpatch_transformers": "hf_paged.integrations.patch",
@@ -30,16 +31,13 @@ if TYPE_CHECKING:
     from hf_paged.config import EngineConfig
     from hf_paged.generation.paged_engine import PagedEngine
     from hf_paged.integrations.causal_lm import AutoModelForCausalLM, Qwen3ForCausalLM
+    from hf_paged.integrations.data_parallel import from_pretrained
     from hf_paged.integrations.patch import patch_transformers, unpatch_transformers
     from hf_paged.sampling_params import SamplingParams, Speculation
 
-    from_pretrained = PagedEngine.from_pretrained
-
 
 def __getattr__(name: str) -> object:
-    if name == "from_pretrained":
-        value = __getattr__("PagedEngine").from_pretrained
-    elif name in _EXPORTS:
+    if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
     else:
         raise AttributeError(f"module 'hf_paged' has no attribute {name!r}")

@@ -53,6 +53,12 @@ class EngineConfig:
         tensor_parallel_size: ranks the model is split across (one GPU each on CUDA). From an
             ordinary process the caller is rank 0 and the other ranks are spawned; under
             torchrun the launched processes are the ranks, in groups of this size.
+        data_parallel_size: engine replicas that share the requests, each in a process of its
+            own on GPUs ``[i * tensor_parallel_size, (i + 1) * tensor_parallel_size)``
+            (``hf_paged.integrations.data_parallel``); from ``hf_paged.from_pretrained`` or
+            ``AutoModelForCausalLM.from_pretrained``, whose ``generate`` deals each call's rows
+            (a row's beams and return sequences together) to the replicas with the fewest
+            outstanding tokens (prompt plus new-token budget) and returns them in order.
         disable_custom_all_reduce: on CUDA, reduce across ranks with NCCL alone instead of
             through symmetric memory (which serves tensors of up to 2,048 tokens' hidden
             states, at the sizes where start-up measured it faster than NCCL).
@@ -95,6 +101,7 @@ class EngineConfig:
     num_state_snapshots: int = 0
     progress_bar: bool = False
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
     disable_custom_all_reduce: bool = False
     speculative_method: str | None = None
     speculative_model: str | None = None
@@ -107,8 +114,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size",
-                     "num_speculative_tokens", "prompt_lookup_max", "speculative_max_batch",
-                     "max_loras", "max_lora_rank"):
+                     "data_parallel_size", "num_speculative_tokens", "prompt_lookup_max",
+                     "speculative_max_batch", "max_loras", "max_lora_rank"):
             _require_positive_int(name, getattr(self, name))
         if not isinstance(self.num_state_snapshots, int) or isinstance(
                 self.num_state_snapshots, bool) or self.num_state_snapshots < 0:

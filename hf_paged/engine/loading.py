@@ -99,6 +99,10 @@ def load(path_or_id: str, dtype: torch.dtype | str | None, device: torch.device 
     checkpoint's generation config and the longest sequence (see ``from_pretrained``);
     ``quantization_config`` quantizes an unquantized checkpoint as it loads."""
     config = EngineConfig.from_options(**engine_options)
+    if config.data_parallel_size > 1:
+        raise ValueError("data_parallel_size > 1: one engine is one replica; "
+                         "hf_paged.from_pretrained and AutoModelForCausalLM.from_pretrained "
+                         "start the replicas")
     path = resolve_checkpoint(path_or_id)
     if hf_config is None:
         check_has_config(path)

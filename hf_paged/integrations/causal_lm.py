@@ -24,6 +24,7 @@ from transformers.modeling_outputs import ModelOutput
 from hf_paged import families
 from hf_paged.generation.paged_engine import PagedEngine
 from hf_paged.integrations import continuous_batching, peft_parts, peft_sync
+from hf_paged.integrations.data_parallel import DataParallelEngine
 from hf_paged.integrations.family_classes import class_by_name, family_class
 from hf_paged.integrations.loading import adapter_and_base, load_engine
 from hf_paged.integrations.model_call import (
@@ -60,6 +61,16 @@ class PagedCausalLM:
         # A vision-language release's keys: saved in their layout (transformers' attribute)
         model._weight_conversions = getattr(engine.model.hf_model, "_weight_conversions", None)
         peft_parts.install(model)
+        torch.nn.Module.train(model, False)
+        return model
+
+    @classmethod
+    def from_replicas(cls, front: DataParallelEngine) -> PagedCausalLM:
+        """transformers' constructor on the meta device, served by data-parallel replicas:
+        the weights are theirs, in their processes; ``generate`` runs there."""
+        with torch.device("meta"):
+            model = cls(front.hf_config)
+        model.engine = front
         torch.nn.Module.train(model, False)
         return model
 
@@ -108,6 +119,9 @@ class PagedCausalLM:
         if self.engine.config.tensor_parallel_size > 1:
             raise ValueError("state_dict()/save_pretrained(): this process holds one rank's "
                              "shard of the weights (tensor_parallel_size > 1)")
+        if self.engine.config.data_parallel_size > 1:
+            raise ValueError("state_dict()/save_pretrained(): the weights live in the "
+                             "replicas' processes (data_parallel_size > 1)")
         return transformers_state_dict(super().state_dict(*args, **kwargs), self.config)
 
     # ---- inference only, on the device it was loaded on -----------------------------------
@@ -191,7 +205,10 @@ class PagedCausalLM:
     @torch.no_grad()
     def generate(self, inputs: torch.Tensor | None = None, generation_config=None, **kwargs):
         """transformers' ``generate`` (same arguments, same result), run by the engine; with
-        peft's adapters on the model, on the adapter peft would run each row on."""
+        peft's adapters on the model, on the adapter peft would run each row on (with
+        ``data_parallel_size > 1``: the adapters the replicas loaded, by ``adapter_names``)."""
+        if self.engine.config.data_parallel_size > 1:
+            return self.engine.generate(inputs, generation_config, **kwargs)
         adapters = peft_sync.sync(self, self.engine)
         if adapters is not None and kwargs.get("adapter_names") is None:
             kwargs["adapter_names"] = adapters
@@ -205,6 +222,9 @@ class PagedCausalLM:
         ``generate_batch`` and ``continuous_batching_context_manager``, transformers' own,
         go through it. A request runs on the adapter it names (``add_request(...,
         adapter=NAME)``), else on peft's active adapter when the manager was made."""
+        if self.engine.config.data_parallel_size > 1:
+            raise NotImplementedError("init_continuous_batching is not supported with "
+                                      "data_parallel_size > 1: use generate, or hf-paged serve")
         manager = continuous_batching.init_continuous_batching(
             self, generation_config, continuous_batching_config, workload_hints)
         active = peft_sync.sync(self, self.engine)
@@ -297,6 +317,10 @@ class AutoModelForCausalLM:
         """
         if model_args:
             raise TypeError("from_pretrained() takes the checkpoint and keyword arguments only")
+        if kwargs.get("data_parallel_size", 1) != 1:  # the replicas load the rest themselves
+            front = DataParallelEngine(os.fspath(pretrained_model_name_or_path), kwargs)
+            family = families.family_for(front.hf_config)
+            return causal_lm_class(family).from_replicas(front)
         adapter, base = adapter_and_base(os.fspath(pretrained_model_name_or_path), kwargs)
         engine = load_engine(base, kwargs)
         model = causal_lm_class(families.family_for(engine.hf_config)).from_engine(engine)

@@ -9,10 +9,17 @@ requests sent to the engine process; a thread turns the tokens that come back in
 transformers' ``GenerationOutput`` objects (one token list a request, shared as the engine
 loop shares it) and delivers them through the router, on the server's event loop (none for a
 stream whose last one still waits there: ``OutputDelivery``).
+
+With ``--data-parallel-size N`` the model is N engine processes (``data_parallel``), replica
+``i`` on GPUs ``[i * tp, (i + 1) * tp)``: each request goes to the live replica with the
+fewest outstanding requests (sent and not finished), ``stats`` and ``times`` are their sums.
+A replica that dies fails its own requests with its name; the server goes on with the rest,
+and is unhealthy once none is left.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from collections.abc import Callable
@@ -28,60 +35,87 @@ from transformers.generation.continuous_batching.requests import (
     RequestStatus,
 )
 
-from hf_paged.integrations.engine_process import EngineProcess
+from hf_paged.integrations.data_parallel import start_replicas
+from hf_paged.integrations.engine_process import EngineProcess, ProcessDied
 from hf_paged.integrations.output_delivery import OutputDelivery
+from hf_paged.integrations.request_times import RequestTimes
+
+logger = logging.getLogger(__name__)
 
 
 class RemoteEngine:
     """What ``/health`` and ``/metrics`` read of an engine (``serve_metrics``), asked of the
-    engine process."""
+    engine processes (the live ones' sums)."""
 
-    def __init__(self, process: EngineProcess):
-        self.process = process
+    def __init__(self, processes: list[EngineProcess]):
+        self.processes = processes
         self.stopped = False
 
     @property
     def closed(self) -> bool:
-        """Stopped, or its process exited (``/health`` then reports the loop's fatal error)."""
-        return self.stopped or self.process.process.poll() is not None
+        """Stopped, or every process exited (``/health`` then reports the loop's fatal
+        error)."""
+        return self.stopped or all(p.process.poll() is not None for p in self.processes)
 
-    def _read(self):
-        return self.process.call("stats")
+    def _read(self) -> list[tuple]:
+        """(stats, times, broken) of each live process."""
+        read = []
+        for process in self.processes:
+            try:
+                read.append(process.call("stats"))
+            except ProcessDied:
+                continue
+        return read
 
     def stats(self) -> dict[str, int]:
-        return self._read()[0]
+        total: dict[str, int] = {}
+        for stats, _, _ in self._read():
+            for name, value in stats.items():
+                total[name] = total.get(name, 0) + value
+        return total
 
     def load_loras(self, loras: dict[str, str]) -> None:
-        """Load LoRA adapters from their folders in the engine process (``named.load_loras``);
-        an ``AdapterSpecError`` naming a bad one."""
+        """Load LoRA adapters from their folders in every engine process
+        (``named.load_loras``); an ``AdapterSpecError`` naming a bad one."""
         from hf_paged.lora.named import AdapterSpecError
 
-        problem = self.process.call("load_loras", loras, timeout=600.0)
-        if problem is not None:
-            raise AdapterSpecError(problem)
+        for process in self.processes:
+            problem = process.call("load_loras", loras, timeout=600.0)
+            if problem is not None:
+                raise AdapterSpecError(problem)
 
     @property
     def broken(self) -> str | None:
-        return self._read()[2]
+        """Why no process can generate (a tensor-parallel worker died in each, or it
+        exited); None while one can."""
+        read = self._read()
+        if read and any(broken is None for _, _, broken in read):
+            return None
+        return "; ".join([b for _, _, b in read] + [p.died for p in self.processes if p.died])
 
     @property
-    def times(self):
-        return self._read()[1]
+    def times(self) -> RequestTimes | None:
+        read = [times for _, times, _ in self._read() if times is not None]
+        return sum(read[1:], read[0]) if read else None
 
 
 class RemoteModel:
     """A model served by an engine process, as transformers' server uses one with
     ``--continuous-batching``."""
 
-    def __init__(self, load: dict):
+    def __init__(self, load: dict, replicas: int = 1):
         self.name_or_path = load["model"]
         self.manager: RemoteManager | None = None
-        self.process = EngineProcess(load, self._on_message)
-        self.config = self.process.config
-        self.generation_config = self.process.generation_config
+        if replicas == 1:
+            self.processes = [EngineProcess(load, lambda message: self._on_message(0, message))]
+        else:
+            tp = load.get("tensor_parallel_size", 1)
+            self.processes = start_replicas(load, replicas, tp, self._on_message)[1]
+        self.config = self.processes[0].config
+        self.generation_config = self.processes[0].generation_config
         self.device = torch.device("cpu")  # inputs stay on the host: the engine takes lists
-        self.engine = RemoteEngine(self.process)
-        self._finalizer = weakref.finalize(self, self.process.stop)
+        self.engine = RemoteEngine(self.processes)
+        self._finalizer = weakref.finalize(self, _stop_all, list(self.processes))
 
     def init_continuous_batching(self, generation_config=None, continuous_batching_config=None,
                                  **_ignored) -> RemoteManager:
@@ -94,9 +128,9 @@ class RemoteModel:
         raise NotImplementedError("hf-paged serve --engine-process serves with "
                                   "--continuous-batching only")
 
-    def _on_message(self, message: tuple) -> None:
+    def _on_message(self, index: int, message: tuple) -> None:
         if self.manager is not None:
-            self.manager.on_message(message)
+            self.manager.on_message(index, message)
 
     def close(self) -> None:
         self.engine.stopped = True
@@ -110,7 +144,7 @@ class RemoteManager(ContinuousBatchingManager):
         # transformers' __init__ is not called: the engine process has the model, its cache
         # and its loop. Set here is what the inherited methods and the server read.
         self.model = model
-        self.process = model.process
+        self.processes = model.processes
         self.generation_config = generation_config
         self.continuous_batching_config = continuous_batching_config
         self.output_router = OutputRouter()
@@ -124,11 +158,18 @@ class RemoteManager(ContinuousBatchingManager):
         self.num_return_sequences = num if num is not None else 1
         self.is_tp_driver = True
         self.tokens: dict[str, list[int]] = {}  # request id -> its tokens so far
+        self.owner: dict[str, int] = {}  # request id -> the replica it was sent to
+        self.outstanding = [0] * len(self.processes)  # requests sent and not finished
+        self.dead: dict[int, str] = {}  # replica -> why it serves no more
 
     def start(self) -> None:
         if self._generation_thread is None:
-            self.process.send("init", self.generation_config, self.continuous_batching_config)
-            self._generation_thread = self.process.thread
+            for process in self.processes:
+                process.send("init", self.generation_config, self.continuous_batching_config)
+            # alive while any process's receiving thread is
+            self._generation_thread = threading.Thread(
+                target=lambda: [p.thread.join() for p in self.processes], daemon=True)
+            self._generation_thread.start()
 
     def stop(self, block: bool = True, timeout: float | None = None, **_ignored) -> None:
         self.model.close()
@@ -144,8 +185,15 @@ class RemoteManager(ContinuousBatchingManager):
             with self._request_lock:
                 request_id = f"req_{self._request_counter}"
                 self._request_counter += 1
+        with self._request_lock:
+            live = [i for i in range(len(self.processes)) if i not in self.dead]
+            if not live:  # the status hears of it as the last one's message is handled
+                raise RuntimeError("; ".join(self.dead.values()))
+            replica = min(live, key=lambda i: (self.outstanding[i], i))
+            self.outstanding[replica] += 1
+            self.owner[request_id] = replica
         self.tokens[request_id] = []
-        self.process.send("add", dict(
+        self.processes[replica].send("add", dict(
             input_ids=list(input_ids), request_id=request_id, max_new_tokens=max_new_tokens,
             streaming=streaming, record_timestamps=record_timestamps,
             eos_token_id=eos_token_id, **logit_processor_kwargs))
@@ -153,19 +201,31 @@ class RemoteManager(ContinuousBatchingManager):
 
     def cancel_request(self, request_id: str) -> None:
         self.tokens.pop(request_id, None)
-        self.process.send("cancel", request_id)
+        replica = self._done(request_id)
+        if replica is not None:
+            self.processes[replica].send("cancel", request_id)
+
+    def _done(self, request_id: str) -> int | None:
+        """The replica that held ``request_id`` (None: none does any more), one request less."""
+        with self._request_lock:
+            replica = self.owner.pop(request_id, None)
+            if replica is not None:
+                self.outstanding[replica] -= 1
+        return replica
 
     def validate_request(self, input_ids: list[int], **kwargs) -> None:
-        """The engine process's ``validate_request``: a ValueError naming the problem."""
-        problem = self.process.call("validate", list(input_ids), kwargs)
+        """A live engine process's ``validate_request``: a ValueError naming the problem."""
+        live = [p for i, p in enumerate(self.processes) if i not in self.dead]
+        problem = (live or self.processes)[0].call("validate", list(input_ids), kwargs)
         if isinstance(problem, Exception):
             raise problem
         if problem is not None:
             raise ValueError(problem)
 
-    def on_message(self, message: tuple) -> None:
-        """On the engine process's receiving thread: outputs to the router, a fatal error to
-        the status (and every open request fails with it)."""
+    def on_message(self, replica: int, message: tuple) -> None:
+        """On engine process ``replica``'s receiving thread: outputs to the router; a fatal
+        error fails that replica's open requests with it, and goes to the status once no
+        replica is left."""
         kind = message[0]
         if kind == "out":
             outputs = []
@@ -181,23 +241,40 @@ class RemoteManager(ContinuousBatchingManager):
                 if last:
                     # pop: the event loop may have cancelled it since (cancel_request)
                     self.tokens.pop(request_id, None)
+                    self._done(request_id)
             if outputs:
                 self.delivery.deliver(outputs)
         elif kind == "fatal":
-            error = RuntimeError(message[1])
-            failed = [GenerationOutput(request_id, status=RequestStatus.FAILED, error=str(error))
-                      for request_id in list(self.tokens)]
-            self.tokens.clear()
+            name = self.processes[replica].name
+            why = message[1] if len(self.processes) == 1 or message[1].startswith(name) else (
+                f"{name}: {message[1]}")
+            with self._request_lock:
+                self.dead[replica] = why
+                held = [r for r, owner in self.owner.items() if owner == replica]
+            failed = []
+            for request_id in held:
+                self._done(request_id)
+                if self.tokens.pop(request_id, None) is not None:
+                    failed.append(GenerationOutput(request_id, status=RequestStatus.FAILED,
+                                                   error=why))
             if failed:
                 self.output_router.deliver_batch(failed)
-            self.background_thread_status.record_fatal_error(error)
+            if len(self.dead) == len(self.processes):
+                self.background_thread_status.record_fatal_error(RuntimeError(why))
+            else:
+                logger.error("%s; the other replicas serve on", why)
 
 
-def load_in_engine_process() -> Callable[[], None]:
+def _stop_all(processes: list[EngineProcess]) -> None:
+    for process in processes:
+        process.stop()
+
+
+def load_in_engine_process(replicas: int = 1) -> Callable[[], None]:
     """Have transformers' ``ModelManager`` load each model as a ``RemoteModel`` (the engine in
-    a process of its own), with the keywords its loader passes and the engine options of
-    ``patch_transformers``; before any server starts (a model named on the command line loads
-    when the manager is built). Returns what undoes it."""
+    a process of its own, or ``replicas`` of them), with the keywords its loader passes and
+    the engine options of ``patch_transformers``; before any server starts (a model named on
+    the command line loads when the manager is built). Returns what undoes it."""
     from transformers.cli.serving.model_manager import ModelManager
 
     from hf_paged.integrations.patch import engine_defaults
@@ -212,7 +289,7 @@ def load_in_engine_process() -> Callable[[], None]:
         model_id, revision = split_revision(model_id_and_revision)
         return RemoteModel(dict(
             engine_defaults(), model=model_id, revision=revision, dtype=self.dtype,
-            device_map=self.device, attn_implementation=self.attn_implementation))
+            device_map=self.device, attn_implementation=self.attn_implementation), replicas)
 
     ModelManager._load_model = _load_model
 

@@ -36,6 +36,13 @@ class Histogram:
         self.counts[bisect_left(self.bounds, value)] += 1
         self.total += value
 
+    def __add__(self, other: Histogram) -> Histogram:
+        """Both histograms' observations (data-parallel replicas' loops together)."""
+        both = Histogram(self.bounds)
+        both.counts = [a + b for a, b in zip(self.counts, other.counts)]
+        both.total = self.total + other.total
+        return both
+
 
 @dataclass
 class RequestTimes:
@@ -45,6 +52,11 @@ class RequestTimes:
     finished: int = 0
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     tpot: Histogram = field(default_factory=lambda: Histogram(TPOT_BUCKETS))
+
+    def __add__(self, other: RequestTimes) -> RequestTimes:
+        """Both loops' totals (data-parallel replicas' loops together)."""
+        return RequestTimes(self.tokens + other.tokens, self.finished + other.finished,
+                            self.ttft + other.ttft, self.tpot + other.tpot)
 
     def request_done(self, created: float, first_token: float | None, end: float,
                      num_tokens: int) -> None:

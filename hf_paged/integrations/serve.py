@@ -17,7 +17,8 @@ transformers serve's flags set only transformers' loading keywords (``--dtype``,
 ...), so engine options travel another way: hf-paged takes ``--engine-option KEY=VALUE`` out of
 the arguments before handing the rest over, and the patch applies them as defaults to every
 hf_paged load. hf-paged's server flags (``--api-key``, ``--max-body-bytes``, ``--max-tokens``,
-``--switch-interval-ms``, ``--engine-process``, ``--lora``) are taken out the same way.
+``--switch-interval-ms``, ``--engine-process``, ``--data-parallel-size``, ``--lora``) are taken
+out the same way.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ hf-paged's own options (anywhere among the arguments; --engine-option repeatable
                              how long the engine's loop may wait for the GIL after a step
   --engine-process           the engine in a process of its own (with --continuous-batching):
                              the server's per-token work shares no GIL with its steps
+  --data-parallel-size N     N engine processes (with --continuous-batching), replica i on
+                             GPUs [i*tp, (i+1)*tp); each request to the least-loaded one
   --lora NAME=PATH           a LoRA adapter (a folder PEFT saved) served beside MODEL, chosen
                              by a request's model field NAME (repeatable; MODEL named on the
                              command line)

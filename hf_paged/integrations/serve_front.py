@@ -78,10 +78,10 @@ def install(options: FrontOptions) -> Callable[[], None]:
     setattr(build_server, _GUARDED, True)
     build_server.__wrapped__ = stock  # type: ignore[attr-defined]
     server.build_server = build_server
-    if options.engine_process:
+    if options.engine_process or options.data_parallel_size > 1:
         from hf_paged.integrations.remote_manager import load_in_engine_process
 
-        restore = load_in_engine_process()
+        restore = load_in_engine_process(options.data_parallel_size)
     else:
         restore = lambda: None  # noqa: E731
     restore_processor = serve_vision.load_text_models()

@@ -1,5 +1,6 @@
 """``hf-paged serve``'s own server options (``--api-key``, ``--max-body-bytes``,
-``--max-tokens``, ``--switch-interval-ms``, ``--engine-process``, ``--lora``): taken out of
+``--max-tokens``, ``--switch-interval-ms``, ``--engine-process``, ``--data-parallel-size``,
+``--lora``): taken out of
 the command line before transformers' ``serve`` parses the rest (``serve_front`` applies them)."""
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ API_KEY_ENV = "HF_PAGED_API_KEY"
 @dataclass(frozen=True)
 class FrontOptions:
     """hf-paged serve's own server options (``--api-key``, ``--max-body-bytes``,
-    ``--max-tokens``, ``--switch-interval-ms``, ``--engine-process``, ``--lora``)."""
+    ``--max-tokens``, ``--switch-interval-ms``, ``--engine-process``, ``--data-parallel-size``,
+    ``--lora``)."""
 
     api_key: str | None = None
     max_body_bytes: int = 4 << 20  # a prompt of max_model_len tokens fits many times over
@@ -28,6 +30,9 @@ class FrontOptions:
     # The engine and its loop in a process of their own (``engine_process``): the server's
     # per-token work no longer shares a GIL with the engine's steps.
     engine_process: bool = False
+    # Engine processes (``--engine-process``'s) that share the requests, each to the one with
+    # the fewest outstanding; replica i on GPUs [i * tp, (i + 1) * tp) (``data_parallel``).
+    data_parallel_size: int = 1
     # LoRA adapters served by name beside the model (``--lora NAME=PATH``): (name, folder).
     loras: tuple[tuple[str, str], ...] = ()
 
@@ -35,7 +40,8 @@ class FrontOptions:
         if self.api_key is not None and not self.api_key:
             raise ValueError("--api-key must not be empty")
         for name, value in (("--max-body-bytes", self.max_body_bytes),
-                            ("--max-tokens", self.max_tokens)):
+                            ("--max-tokens", self.max_tokens),
+                            ("--data-parallel-size", self.data_parallel_size)):
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         interval = self.switch_interval_ms
@@ -46,12 +52,14 @@ class FrontOptions:
 SWITCHES = {"--engine-process": "engine_process"}  # flags without a value
 FLAGS = {"--api-key": "api_key", "--max-body-bytes": "max_body_bytes",
          "--max-tokens": "max_tokens", "--switch-interval-ms": "switch_interval_ms",
+         "--data-parallel-size": "data_parallel_size",
          LORA_FLAG: "loras"}  # repeatable
 
 
 def take_front_options(argv: list[str]) -> tuple[FrontOptions, list[str]]:
     """Split hf-paged serve's own flags (``--api-key KEY``, ``--max-body-bytes N``,
-    ``--max-tokens N``, ``--switch-interval-ms MS``, ``--lora NAME=PATH``, also as
+    ``--max-tokens N``, ``--switch-interval-ms MS``, ``--data-parallel-size N``,
+    ``--lora NAME=PATH``, also as
     ``--flag=value``) out of ``argv``; the API key defaults to the ``HF_PAGED_API_KEY``
     environment variable."""
     values: dict[str, Any] = {}
@@ -92,8 +100,10 @@ def take_front_options(argv: list[str]) -> tuple[FrontOptions, list[str]]:
                 raise ValueError(f"{flag} must be a positive integer, got {value!r}") from None
         values[field] = value
         i += 1
-    if values.get("engine_process") and "--continuous-batching" not in rest:
-        raise ValueError("--engine-process serves with --continuous-batching only: add it")
+    for flag, on in (("--engine-process", values.get("engine_process", False)),
+                     ("--data-parallel-size", values.get("data_parallel_size", 1) != 1)):
+        if on and "--continuous-batching" not in rest:
+            raise ValueError(f"{flag} serves with --continuous-batching only: add it")
     if loras:
         values["loras"] = tuple(parse_loras(loras).items())
     return FrontOptions(**values), rest

@@ -13,7 +13,7 @@ from hf_paged.integrations.remote_manager import RemoteManager
 
 
 def manager() -> RemoteManager:
-    model = SimpleNamespace(process=SimpleNamespace(thread=None), engine=None)
+    model = SimpleNamespace(processes=[SimpleNamespace(thread=None)], engine=None)
     return RemoteManager(model, GenerationConfig(), None)
 
 
@@ -36,7 +36,7 @@ def test_a_request_cancelled_while_its_last_output_is_handled():
             return value
 
     remote.tokens = CancelledOnLookup(real_tokens)
-    remote.on_message(("out", outputs))
+    remote.on_message(0, ("out", outputs))
     assert [o.request_id for o in delivered] == ["a", "b"]
     assert delivered[0].generated_tokens == [1, 2] and "a" not in remote.tokens
     assert remote.tokens["b"] == [7]

@@ -57,14 +57,14 @@ def test_the_remote_manager_skips_a_waiting_streams_update_but_not_its_last():
 
     from hf_paged.integrations.remote_manager import RemoteManager
 
-    model = SimpleNamespace(process=SimpleNamespace(thread=None), engine=None)
+    model = SimpleNamespace(processes=[SimpleNamespace(thread=None)], engine=None)
     remote = RemoteManager(model, GenerationConfig(), None)
     loop, seen = Loop(), []
     remote.output_router.result_handlers["s"] = (seen.append, loop)
     remote.tokens["s"] = []
-    remote.on_message(("out", [("s", [1], RequestStatus.DECODING, None)]))
-    remote.on_message(("out", [("s", [2], RequestStatus.DECODING, None)]))
-    remote.on_message(("out", [("s", [3], RequestStatus.FINISHED, None)]))
+    remote.on_message(0, ("out", [("s", [1], RequestStatus.DECODING, None)]))
+    remote.on_message(0, ("out", [("s", [2], RequestStatus.DECODING, None)]))
+    remote.on_message(0, ("out", [("s", [3], RequestStatus.FINISHED, None)]))
     loop.run()
     assert [(o.generated_tokens, o.status) for o in seen] == [
         ([1, 2, 3], RequestStatus.DECODING), ([1, 2, 3], RequestStatus.FINISHED)]
