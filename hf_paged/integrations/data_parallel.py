@@ -28,8 +28,8 @@ from transformers.utils import ModelOutput
 from hf_paged.config import EngineConfig
 from hf_paged.device_copy import moved
 from hf_paged.generation.paged_engine import PagedEngine
+from hf_paged.integrations.data_parallel_replicas import start_replicas, stop_replicas
 from hf_paged.integrations.engine_process import EngineProcess, ProcessDied
-from hf_paged.integrations.loading import resolve_device_map
 from hf_paged.sampling_params import SamplingParams
 
 # generate() keywords that differ by row: split with the rows (the rest go to every share).
@@ -82,7 +82,7 @@ class DataParallelEngine:
         # the replicas' own stages stay in their processes: here, their start side by side
         self.startup_seconds = {"replicas": time.perf_counter() - start}
         self.replicas = [Replica(i, process) for i, process in enumerate(processes)]
-        self._finalizer = weakref.finalize(self, _stop, processes)
+        self._finalizer = weakref.finalize(self, stop_replicas, processes)
         self._lock = threading.Lock()
         first = self.replicas[0].process
         self.hf_config, self.generation_config = first.config, first.generation_config
@@ -229,64 +229,6 @@ def _share(kwargs: dict, picked: list[int]) -> dict:
         elif value is not None:
             share[name] = [value[row] for row in picked]
     return share
-
-
-def start_replicas(load: dict, size: int, tp: int, on_message: Callable[[int, tuple], None]
-                   ) -> tuple[torch.device, list[EngineProcess]]:
-    """``size`` engine processes loading ``load`` (``from_pretrained``'s keywords, ``model``
-    the checkpoint) side by side, replica ``i``'s messages to ``on_message(i, message)``;
-    their device type, and the processes. One that fails to load stops the others."""
-    device = _device(load)
-    load = dict(load, data_parallel_size=1)
-    if device.type == "cuda":
-        load.pop("device_map", None)
-        load["device"] = "cuda:0"  # the first of the replica's own visible GPUs
-    envs = [_replica_env(device, i, size, tp) for i in range(size)]
-
-    def start(i: int) -> EngineProcess:
-        return EngineProcess(load, lambda message: on_message(i, message),
-                             f"data-parallel replica {i}", envs[i])
-
-    with ThreadPoolExecutor(size) as pool:
-        started = [pool.submit(start, i) for i in range(size)]
-    failures = [f.exception() for f in started if f.exception() is not None]
-    if failures:
-        _stop([f.result() for f in started if f.exception() is None])
-        raise failures[0]
-    return device, [f.result() for f in started]
-
-
-def _stop(processes: list[EngineProcess]) -> None:
-    for process in processes:
-        process.stop()
-
-
-def _device(options: dict) -> torch.device:
-    """The replicas' device type (CUDA: their first GPU, index 0 of their own)."""
-    if options.get("device_map") is not None and options.get("device") is not None:
-        raise ValueError("pass device_map or device, not both")
-    device = options.get("device")
-    device = resolve_device_map(options["device_map"]) if "device_map" in options else (
-        torch.device(device) if device is not None else None)
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda" and device.index not in (None, 0):
-        raise ValueError(f"data_parallel_size > 1 places replica i on GPUs [i * tp, (i + 1) * "
-                         f"tp) of those visible: a device of its own ({device}) is refused; "
-                         "choose the GPUs with CUDA_VISIBLE_DEVICES")
-    return torch.device(device.type)
-
-
-def _replica_env(device: torch.device, index: int, size: int, tp: int) -> dict[str, str] | None:
-    """Replica ``index``'s environment: its GPUs as the only ones visible (CUDA)."""
-    if device.type != "cuda":
-        return None
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    if len(gpus) < size * tp:
-        raise ValueError(f"data_parallel_size={size} x tensor_parallel_size={tp} needs "
-                         f"{size * tp} GPUs, {len(gpus)} visible")
-    return dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(gpus[index * tp:(index + 1) * tp]))
 
 
 def _setting(name: str, kwargs: dict, generation_config):

@@ -35,7 +35,7 @@ from transformers.generation.continuous_batching.requests import (
     RequestStatus,
 )
 
-from hf_paged.integrations.data_parallel import start_replicas
+from hf_paged.integrations.data_parallel_replicas import start_replicas
 from hf_paged.integrations.engine_process import EngineProcess, ProcessDied
 from hf_paged.integrations.output_delivery import OutputDelivery
 from hf_paged.integrations.request_times import RequestTimes
