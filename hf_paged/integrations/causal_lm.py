@@ -176,7 +176,9 @@ class PagedCausalLM(InferenceOnly):
             raise ValueError("output_router_logits (set in the config): hf_paged's forward "
                              "returns no router logits and no load-balancing loss")
         inputs = forward_inputs(input_ids, attention_mask, position_ids, self.config.vocab_size)
-        adapters = row_adapters(peft_sync.sync(self, self.engine), input_ids.shape[0])
+        # (a data-parallel front holds no adapters and refuses the call by name)
+        adapters = (None if self.engine.config.data_parallel_size > 1 else
+                    row_adapters(peft_sync.sync(self, self.engine), input_ids.shape[0]))
         logits = self.engine.forward(*inputs, logits_to_keep, adapters)
         logits = logits.to(input_ids.device)
         with torch.no_grad():
