@@ -8,7 +8,11 @@ W1 is nano-vllm's bench (256 requests, 133,966 output tokens); W3 is 256 request
 2,048-token prefix, measured with hf_paged's prefix caching on and then off. W4 is W1 on the
 8B shape with tensor_parallel_size 1, 2 and 4 (``--tensor-parallel-size`` chooses; sizes
 above the visible GPU count are skipped): a size-N run's floor reads each rank's 1/N of the
-weights and KV cache at every GPU's bandwidth at once. Each hf_paged run
+weights and KV cache at every GPU's bandwidth at once. ``--data-parallel-size 1 2 4`` runs
+the workload once per number of replicas (``data_parallel_size``), with each size's scaling
+over the size-1 run in the result (``data_parallel_scaling``); its floor is the slowest
+replica's, the requests dealt to replicas as the engine deals them (heaviest first, to the
+least loaded), each replica reading its own weights. Each hf_paged run
 builds a fresh engine (start-up timed), warms it up on other prompts, and times one
 ``generate_tokens`` call over the whole workload.
 
@@ -65,9 +69,11 @@ def measure(
     cost: MemoryCost,
     bandwidth: float,
     device: torch.device,
+    replicas: int = 1,
 ) -> dict:
     """Build, warm up on ``batch`` other prompts, then time one run over ``workload``; the
-    floor counts a common prefix once a step when the system caches prefixes."""
+    floor counts a common prefix once a step when the system caches prefixes, and of
+    ``replicas`` data-parallel replicas the slowest one's share (each reads its own weights)."""
     system, startup_s = common.timed(build, device)
     try:
         _, warmup_s = common.timed(
@@ -76,7 +82,8 @@ def measure(
         tokens, seconds = common.timed(lambda: system.run(workload), device)
         described = system.describe()
         caching = described.get("engine_config", {}).get("enable_prefix_caching", False)
-        floor_s = cost.floor_bytes(workload, caching) / bandwidth
+        floor_s = max(cost.floor_bytes(part, caching) for part in workload.dealt(replicas)
+                      ) / bandwidth
         figures = {
             "num_requests": len(workload.prompts),
             "output_tokens": tokens,
@@ -103,6 +110,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workload", choices=["w1", "w3", "w4"], default="w1")
     parser.add_argument("--tensor-parallel-size", type=int, nargs="+",
                         help="one hf_paged run per size (default: 1, 2 and 4 for w4, else 1)")
+    parser.add_argument("--data-parallel-size", type=int, nargs="+",
+                        help="one run per number of replicas (each on tensor_parallel_size "
+                        "GPUs), with their scaling over the size-1 run")
     parser.add_argument("--num-requests", type=int)
     parser.add_argument("--max-input-len", type=int, help="W1 prompt length bound; W3 prefix")
     parser.add_argument("--max-output-len", type=int, help="W1 output length bound; W3 new tokens")
@@ -136,9 +146,11 @@ def main(argv: list[str] | None = None) -> None:
     result["baseline_requests"] = len(few.prompts) if with_baselines else None
     common.reuse_baselines(result, args)
 
-    def measure_on(requests: Workload, build: Callable[[], System], ranks: int = 1):
+    def measure_on(requests: Workload, build: Callable[[], System], ranks: int = 1,
+                   replicas: int = 1):
         bandwidth = result["floor"]["bandwidth_bytes_per_s"] * ranks  # every rank reads at once
-        return partial(measure, build, requests, args.batch_size, cost, bandwidth, device)
+        return partial(measure, build, requests, args.batch_size, cost, bandwidth, device,
+                       replicas)
 
     sampling = {"temperature": args.temperature}
     paged = partial(PagedSystem, args.model, dtype, device, sampling=sampling, **options)
@@ -160,15 +172,22 @@ def main(argv: list[str] | None = None) -> None:
             dict(extra, tensor_parallel_size=n)
             for n in tp_sizes for label, extra in settings.items()
         }
+    if args.data_parallel_size:  # one run per number of replicas, each setting
+        settings = {
+            (f"data_parallel_size_{n}" if label == "hf_paged" else f"{label}_dp{n}"):
+            dict(extra, data_parallel_size=n)
+            for n in args.data_parallel_size for label, extra in settings.items()
+        }
     gpus = torch.cuda.device_count() if device.type == "cuda" else None
     skipped = {label: f"{gpus} GPU(s) visible" for label, extra in settings.items()
-               if gpus is not None and extra.get("tensor_parallel_size", 1) > gpus}
+               if gpus is not None and _gpus(extra) > gpus}
     if skipped:
         print(f"{args.workload}: skipped {', '.join(skipped)} ({gpus} GPU(s) visible)")
         result["skipped"] = skipped
         settings = {label: extra for label, extra in settings.items() if label not in skipped}
     runs = {
-        label: measure_on(workload, partial(paged, **extra), extra.get("tensor_parallel_size", 1))
+        label: measure_on(workload, partial(paged, **extra), extra.get("tensor_parallel_size", 1),
+                          extra.get("data_parallel_size", 1))
         for label, extra in settings.items()
     }
     if with_baselines:
@@ -195,10 +214,20 @@ def main(argv: list[str] | None = None) -> None:
             ),
         },
     )
+    if "data_parallel_size_1" in result["hf_paged"]:  # each size's throughput over one GPU's
+        one = result["hf_paged"]["data_parallel_size_1"]["output_tokens_per_s"]
+        result["data_parallel_scaling"] = {
+            label: figures["output_tokens_per_s"] / one
+            for label, figures in result["hf_paged"].items()
+            if label.startswith("data_parallel_size_")}
     if args.workload == "w3" and len(settings) == 2:
         on, off = (result["hf_paged"][label]["output_tokens_per_s"] for label in settings)
         result["prefix_caching_speedup"] = on / off
     common.finish(result)
+
+
+def _gpus(setting: dict) -> int:
+    return setting.get("tensor_parallel_size", 1) * setting.get("data_parallel_size", 1)
 
 
 def summary(data: dict) -> list[dict]:

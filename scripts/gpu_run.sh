@@ -4,7 +4,7 @@
 #   scripts/gpu_run.sh [STEP...]      STEP: tests w1 w2 w3 preempt profile w1-split dropin w4
 #                                     beam tp-tests startup lm-eval serving moe moe-w1 moe-w2
 #                                     moe-prof moe-kernels speculation quantized lora hybrid
-#                                     hybrid-tests hybrid-bench (default: the first four)
+#                                     hybrid-tests hybrid-bench dp (default: the first four)
 #
 # Everything printed also goes to $OUT/run.log, and this run's result JSONs, README-table.md and
 # throughput.png are copied into $OUT, when OUT is set. Each step runs under a time limit (a
@@ -36,6 +36,9 @@
 #       TP_SIZES). On several GPUs:
 #       scripts/gpu_run.sh tp-tests w4
 #   tp-tests: the tensor-parallel GPU tests and the CPU (gloo) ones; T_TP=400
+#   dp: W1 with data_parallel_size 1, 2 and 4 in one run (DP_SIZES; sizes above the GPU count
+#       are skipped), each size's scaling over size 1 in the result (w1-dp-<device>.json), no
+#       baselines; T_DP=420, DP_ARGS. On several GPUs: scripts/gpu_run.sh dp
 #   w1-split: W1 at Qwen3's settings stepped by hand, its time per step group (prefill, decode
 #       by batch size) against each group's floor (benchmarks.w1_split); T_SPLIT=120
 #   startup: from_pretrained on an empty Triton cache, then warm (bench_startup); T_START=240
@@ -251,6 +254,9 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
             --ignore tests/gpu/test_hybrid_gpu.py \
             --durations=12 "${EACH_TEST[@]}" ;;
       w1) bench w1 "${T_W1:-270}" bench_throughput "${W1_ARGS:-}" "${BASELINE_ARGS[@]}" ;;
+      # shellcheck disable=SC2086  # DP_SIZES is a word list
+      dp) bench dp "${T_DP:-420}" bench_throughput "${DP_ARGS:-}" --tag dp --extra-lines \
+            --baselines --data-parallel-size ${DP_SIZES:-1 2 4} ;;
       w2) bench w2 "${T_W2:-150}" bench_latency "${W2_ARGS:-}" "${BASELINE_ARGS[@]}" \
             --repeats "${REPEATS:-3}" ;;
       w3) bench w3 "${T_W3:-60}" bench_throughput "${W3_ARGS:-}" --workload w3 --baselines ;;
@@ -305,7 +311,7 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
       hybrid-tests|hybrid-bench) hybrid "${s#hybrid-}" ;;
       *) echo "unknown step $s (steps: tests w1 w2 w3 preempt profile w1-split dropin w4 beam tp-tests" \
               "startup lm-eval serving moe moe-w1 moe-w2 moe-prof moe-kernels fp8-kernels speculation"\
-              "quantized lora hybrid hybrid-tests hybrid-bench)"
+              "quantized lora hybrid hybrid-tests hybrid-bench dp)"
          STATUS+=("$s unknown") ;;
     esac
   done

@@ -178,3 +178,14 @@ def test_hybrid_moe_counts_experts_beside_the_state(tmp_path):
     settings = floor_settings(CPU, 1e9, cost)
     assert settings["floor_model"] == " ".join(
         [FLOOR_MODEL, MOE_FLOOR_MODEL, HYBRID_FLOOR_MODEL])
+
+
+def test_requests_are_dealt_to_replicas_as_the_engine_deals_them():
+    """Heaviest first (prompt plus new tokens), each to the least-loaded replica so far: every
+    request once, in the replica that a data-parallel run's floor charges it to."""
+    workload = Workload([[1] * 10, [1] * 2, [1] * 7, [1] * 3], [5, 1, 4, 2])  # 15, 3, 11, 5
+    first, second = workload.dealt(2)
+    assert first == Workload([[1] * 10, [1] * 2], [5, 1])  # 15 + 3
+    assert second == Workload([[1] * 7, [1] * 3], [4, 2])  # 11 + 5
+    assert workload.dealt(1) == [workload]
+    assert len(workload.dealt(8)) == 4  # no empty replica
