@@ -9,7 +9,11 @@ output tokens per second, time to first token and time per output token (p50, p9
 is bounded in time (``--phase-timeout``, ``--baseline-phase-timeout``: requests still open then
 are cancelled, and the phase says ``timed_out``), and the run by ``--time-budget`` (phases it
 leaves no time for are skipped, saying so). After each of hf-paged serve's phases its
-``/metrics`` are read (preemptions, prefix-cache hit rate, tokens). Writes
+``/metrics`` are read (preemptions, prefix-cache hit rate, tokens). Stock transformers serve
+streams a W1 request's token about every 150 ms on an H100, so it finishes none of W1's phases
+in bounded time: with ``--baseline-requests N`` it runs one phase only, W1's first N requests
+at once, cut to ``--baseline-max-output`` new tokens, and each hf-paged serve run adds that
+phase after its own, so the two compare on the same requests. Writes
 ``serving-<device>.json``; ``benchmarks.serving_report`` makes the table and the plot.
 
 usage: python -m benchmarks.bench_serving --model CHECKPOINT [--rates 8 16 32 64]
@@ -17,6 +21,7 @@ usage: python -m benchmarks.bench_serving --model CHECKPOINT [--rates 8 16 32 64
        [--systems hf_paged_engine_process transformers hf_paged]
        [--phase-timeout 90] [--baseline-phase-timeout 25] [--time-budget 520]
        [--client-processes 4] [--client openai] [--serve-arg=--switch-interval-ms=0.5]
+       [--baseline-requests 16 --baseline-max-output 128 --baseline-phase-timeout 60]
 """
 
 from __future__ import annotations
@@ -24,13 +29,9 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -39,62 +40,10 @@ from transformers import AutoTokenizer
 
 from benchmarks.common import device_info, git_commit, write_result
 from benchmarks.serving_client import Phase, client_pool, run_phases, split
+from benchmarks.serving_servers import decodable_copy, free_port, scrape, server_command, wait_ready
 from benchmarks.workloads import MAX_TOKEN_ID, w1
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def server_command(system: str, model: str, port: int, engine_options: list[str],
-                   serve_args: list[str] = ()) -> list[str]:
-    common = [model, "--continuous-batching", "--host", "127.0.0.1", "--port", str(port),
-              "--dtype", "bfloat16", "--log-level", "warning"]
-    if system == "transformers":
-        return [sys.executable, "-c", "from transformers.cli.transformers import main; main()",
-                "serve", *common]
-    options = [a for o in engine_options for a in ("--engine-option", o)]
-    split = ["--engine-process"] if system == "hf_paged_engine_process" else []
-    return [sys.executable, "-m", "hf_paged", "serve", *common, *options, *split, *serve_args]
-
-
-def decodable_copy(model: str, out: Path, tokenizer_size: int) -> str:
-    """The checkpoint with the LM head's rows past the tokenizer's ids zeroed (the embedding's
-    too, when they are tied): the model then generates only tokens the tokenizer decodes, so
-    every token reaches the client as text, at the same shapes and cost. Random checkpoints
-    come with a 1,024-id tokenizer for a 151,936-id model; most of what they generate would
-    otherwise stream nothing."""
-    from safetensors.torch import load_file, save_file
-
-    if out.exists():
-        return str(out)
-    shutil.copytree(model, out)
-    for file in out.glob("*.safetensors"):
-        tensors = load_file(str(file))
-        for name in ("lm_head.weight", "model.embed_tokens.weight"):
-            if name in tensors:
-                tensors[name][tokenizer_size:] = 0
-        save_file(tensors, str(file), metadata={"format": "pt"})
-    return str(out)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(url: str, model: str, deadline: float) -> None:
-    """Until the server answers a two-token completion (the model loaded, warmed up)."""
-    from openai import OpenAI
-
-    with OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120) as client:
-        while True:
-            try:
-                client.completions.create(model=model, prompt="Hello", max_tokens=2)
-                return
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(2)
 
 
 def summarize(results: list[dict], offered: dict, begin: float, deadline: float,
@@ -166,21 +115,6 @@ def _phase(url: str, args, requests: list[tuple[str, int]], begin: float, timeou
     return phase, offered
 
 
-def scrape(url: str) -> dict[str, float]:
-    """hf-paged serve's /metrics, the samples without labels but ``le`` (empty for a server
-    without /metrics)."""
-    try:
-        from prometheus_client.parser import text_string_to_metric_families
-
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
-            text = response.read().decode()
-    except Exception:
-        return {}
-    return {s.name + (f"_le_{s.labels['le']}" if "le" in s.labels else ""): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples
-            if not s.name.endswith("_created")}
-
-
 def measure(system: str, args, requests: list[tuple[str, int]]) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -201,12 +135,20 @@ def measure(system: str, args, requests: list[tuple[str, int]]) -> dict:
         print(f"serving {system}: ready in {run['ready_s']} s", flush=True)
         plan = [dict(rate=r) for r in args.rates] + [dict(concurrency=c)
                                                      for c in args.concurrency]
+        if args.baseline_requests:  # stock runs only the same-requests phase, last for ours
+            plan = [] if system == "transformers" else plan
+            plan.append(dict(concurrency=args.baseline_requests, same=True))
         for offered in plan:
             left = args.end - time.monotonic() - 5.0  # 5 s to stop the server
+            same = offered.pop("same", False)
             if left < 10.0:
                 phases.append({**offered, "skipped": "the run's --time-budget was spent"})
                 continue
-            figures = run_phase(url, args, requests, min(timeout, left), **offered)
+            figures = run_phase(url, args, same_requests(args, requests) if same else requests,
+                                min(timeout, left), **offered)
+            if same:
+                figures.update(baseline_requests=args.baseline_requests,
+                               baseline_max_output=args.baseline_max_output)
             metrics = scrape(url)
             if metrics:
                 figures["server_metrics"] = {k: v for k, v in metrics.items()
@@ -221,6 +163,14 @@ def measure(system: str, args, requests: list[tuple[str, int]]) -> dict:
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
         log.close()
+
+
+def same_requests(args, requests: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The first ``--baseline-requests`` requests, each cut to ``--baseline-max-output`` new
+    tokens: a phase stock transformers serve finishes in bounded time, sent to every server
+    all at once, so that the two compare on the same requests."""
+    return [(prompt, min(n, args.baseline_max_output))
+            for prompt, n in requests[:args.baseline_requests]]
 
 
 # hf-paged serve with its engine in a process of its own, stock transformers serve, and
@@ -254,6 +204,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline-phase-timeout", type=float, default=25,
                         help="seconds a phase of transformers serve may take (it serves a few "
                              "requests a minute at W1's lengths)")
+    parser.add_argument("--baseline-requests", type=int, default=0,
+                        help="N > 0: stock transformers serve runs only W1's first N requests "
+                             "(cut to --baseline-max-output tokens) at once, and hf-paged serve "
+                             "that phase too, after its own")
+    parser.add_argument("--baseline-max-output", type=int, default=128)
     parser.add_argument("--time-budget", type=float, default=520,
                         help="seconds for the whole run: phases that would pass it are skipped")
     parser.add_argument("--client-processes", type=int, default=4,

@@ -112,7 +112,7 @@ def server(model: str, device: str, dtype: str, engine_options: dict,
     from transformers.cli.serve import Serve
 
     import hf_paged
-    from benchmarks.bench_serving import free_port
+    from benchmarks.serving_servers import free_port
     from hf_paged.integrations import serve_front
     from hf_paged.integrations.serve_options import FrontOptions
 

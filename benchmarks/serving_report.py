@@ -23,6 +23,9 @@ HEADER = ("| offered | served req/s | output tok/s | TTFT p50 / p99 ms "
 
 
 def offered(phase: dict) -> str:
+    if "baseline_requests" in phase:
+        return (f"first {phase['baseline_requests']} requests at once, "
+                f"{phase['baseline_max_output']} tokens at most")
     if "concurrency" in phase:
         return f"{phase['concurrency']} clients (closed loop)"
     rate = phase["rate_requests_per_s"]
@@ -67,7 +70,8 @@ def targets(result: dict, results_dir: Path, system: str = "hf_paged") -> list[s
     """The issue's two targets against W1's offline results for the same device, where they
     are in ``results_dir``."""
     slug = result["device"]["slug"]
-    phases = result["runs"].get(system, {}).get("phases", [])
+    phases = [p for p in result["runs"].get(system, {}).get("phases", [])
+              if "baseline_requests" not in p]  # W1's whole workload only
     out = []
     w1 = results_dir / f"w1-{slug}.json"
     if w1.exists() and phases:

@@ -17,18 +17,24 @@ def test_bench_serving_and_its_report(tiny_checkpoint, tmp_path, monkeypatch):
     bench_serving.main(["--model", str(model), "--num-requests", "4", "--rates", "16",
                         "--concurrency", "2", "--systems", "hf_paged", "--client-processes", "2",
                         "--max-input-len", "40", "--max-output-len", "12",
+                        "--baseline-requests", "2", "--baseline-max-output", "5",
                         "--phase-timeout", "60", "--results-dir", str(tmp_path)])
     (path,) = tmp_path.glob("serving-*.json")
     result = json.loads(path.read_text())
     phases = result["runs"]["hf_paged"]["phases"]
-    assert [p.get("rate_requests_per_s", p.get("concurrency")) for p in phases] == [16, 2]
-    for phase in phases:
+    # W1's phases, then the one stock transformers serve would run too: its first 2 requests
+    # at once, cut to 5 new tokens
+    assert [p.get("rate_requests_per_s", p.get("concurrency")) for p in phases] == [16, 2, 2]
+    assert phases[2]["baseline_requests"] == 2 and phases[2]["baseline_max_output"] == 5
+    assert phases[2]["completed"] == 2 and phases[2]["tpot_ms_p50"] > 0, phases[2]
+    for phase in phases[:2]:
         assert phase["completed"] == 4 and not phase["timed_out"], phase
         assert phase["output_tok_per_s"] > 0 and phase["tpot_ms_p50"] > 0, phase
         assert phase["server_metrics"]["hf_paged_preemptions_total"] == 0, phase
         assert len(phase["client_processes"]) == 2, phase
     text = serving_report.report(tmp_path)
     assert "| 16 req/s |" in text and "| 2 clients (closed loop) |" in text, text
+    assert "| first 2 requests at once, 5 tokens at most |" in text, text
 
 
 def test_fake_steps_generate_text_tokens_at_the_step_time(tiny_checkpoint, tokenizer):
