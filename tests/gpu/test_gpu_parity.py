@@ -165,6 +165,16 @@ def test_tp2_bf16_parity(checkpoint, batch, reference, hf_model, options):
     assert stats["num_preemptions"] > 0 or not options
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_dp2_bf16_parity(checkpoint, batch, reference, hf_model):
+    """Two data-parallel replicas, each on a GPU of its own, the rows dealt between them and
+    put back in order: the same check against transformers on one GPU, and both replicas
+    served rows."""
+    tokens, stats = run(checkpoint, batch, data_parallel_size=2)
+    check_parity(tokens, reference, hf_model, batch)
+    assert all(replica["served"] > 0 for replica in stats["replicas"]), stats["replicas"]
+
+
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_cascade_attention_over_a_shared_prompt(checkpoint, hf_model, monkeypatch,
                                                 enforce_eager):
