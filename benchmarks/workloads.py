@@ -24,17 +24,13 @@ class Workload(NamedTuple):
         return Workload(self.prompts[:n], self.max_new_tokens[:n])
 
     def dealt(self, parts: int) -> list[Workload]:
-        """The requests dealt to ``parts`` data-parallel replicas as the engine deals them:
-        heaviest first (prompt plus new tokens), each to the least-loaded part so far."""
-        loads, picked = [0] * parts, [[] for _ in range(parts)]
-        order = sorted(range(len(self.prompts)),
-                       key=lambda i: -(len(self.prompts[i]) + self.max_new_tokens[i]))
-        for i in order:
-            part = loads.index(min(loads))
-            loads[part] += len(self.prompts[i]) + self.max_new_tokens[i]
-            picked[part].append(i)
+        """The requests dealt to ``parts`` data-parallel replicas by the engine's own rule
+        (``data_parallel.deal``: heaviest first, prompt plus new tokens, to the least loaded)."""
+        from hf_paged.integrations.data_parallel import deal
+
+        weights = [len(p) + n for p, n in zip(self.prompts, self.max_new_tokens)]
         return [Workload([self.prompts[i] for i in rows], [self.max_new_tokens[i] for i in rows])
-                for rows in map(sorted, picked) if rows]
+                for rows in deal(weights, [0] * parts) if rows]
 
     def requests(self) -> list[Workload]:
         """One workload per request."""

@@ -148,23 +148,18 @@ class DataParallelEngine:
 
     def _deal(self, weights: list[int]) -> list[Share]:
         """Each row (``weights``: its outstanding tokens, prompt plus new-token budget, times
-        its return sequences), heaviest first, to the live replica with the fewest outstanding
-        tokens (the lowest index on a tie), counted as it is dealt."""
+        its return sequences) to a live replica by ``deal``, counted as outstanding there."""
         with self._lock:
             live = self.live()
             if not live:
                 raise RuntimeError("every data-parallel replica died: "
                                    + "; ".join(r.process.died for r in self.replicas))
-            picked: dict[int, Share] = {}
-            for row in sorted(range(len(weights)), key=lambda row: -weights[row]):
-                replica = min(live, key=lambda r: (r.outstanding, r.index))
-                replica.outstanding += weights[row]
-                share = picked.setdefault(replica.index, Share(replica, [], 0))
-                share.rows.append(row)
-                share.weight += weights[row]
-        for share in picked.values():
-            share.rows.sort()
-        return [picked[i] for i in sorted(picked)]
+            loads = [r.outstanding for r in live]
+            parts = deal(weights, loads)
+            for replica, load in zip(live, loads):
+                replica.outstanding = load
+        return [Share(replica, rows, sum(weights[row] for row in rows))
+                for replica, rows in zip(live, parts) if rows]
 
     def _run_shares(self, shares: list[Share], call: Callable[[list[int]], tuple]
                     ) -> list[tuple[list[int], object]]:
@@ -217,6 +212,17 @@ class DataParallelEngine:
         """Stop every replica's process."""
         self._finalizer()
         self._pool.shutdown(wait=False)
+
+
+def deal(weights: list[int], loads: list[int]) -> list[list[int]]:
+    """Rows (their ``weights``) heaviest first, each to the part with the least load so far
+    (the lowest index on a tie), ``loads`` counted up in place; each part's rows in order."""
+    parts: list[list[int]] = [[] for _ in loads]
+    for row in sorted(range(len(weights)), key=lambda row: -weights[row]):
+        part = loads.index(min(loads))
+        loads[part] += weights[row]
+        parts[part].append(row)
+    return [sorted(rows) for rows in parts]
 
 
 def _share(kwargs: dict, picked: list[int]) -> dict:
