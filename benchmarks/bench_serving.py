@@ -11,9 +11,10 @@ are cancelled, and the phase says ``timed_out``), and the run by ``--time-budget
 leaves no time for are skipped, saying so). After each of hf-paged serve's phases its
 ``/metrics`` are read (preemptions, prefix-cache hit rate, tokens). Stock transformers serve
 streams a W1 request's token about every 150 ms on an H100, so it finishes none of W1's phases
-in bounded time: with ``--baseline-requests N`` it runs one phase only, W1's first N requests
-at once, cut to ``--baseline-max-output`` new tokens, and each hf-paged serve run adds that
-phase after its own, so the two compare on the same requests. Writes
+in bounded time: with ``--baseline-requests N [N ...]`` it runs, for each N, one phase of W1's
+first N requests at once, cut to ``--baseline-max-output`` new tokens (its offered loads), and
+each hf-paged serve run adds those phases after its own, so the two compare on the same
+requests. Writes
 ``serving-<device>.json``; ``benchmarks.serving_report`` makes the table and the plot.
 
 usage: python -m benchmarks.bench_serving --model CHECKPOINT [--rates 8 16 32 64]
@@ -21,7 +22,7 @@ usage: python -m benchmarks.bench_serving --model CHECKPOINT [--rates 8 16 32 64
        [--systems hf_paged_engine_process transformers hf_paged]
        [--phase-timeout 90] [--baseline-phase-timeout 25] [--time-budget 520]
        [--client-processes 4] [--client openai] [--serve-arg=--switch-interval-ms=0.5]
-       [--baseline-requests 16 --baseline-max-output 128 --baseline-phase-timeout 60]
+       [--baseline-requests 4 16 64 --baseline-max-output 128 --baseline-phase-timeout 60]
 """
 
 from __future__ import annotations
@@ -135,19 +136,19 @@ def measure(system: str, args, requests: list[tuple[str, int]]) -> dict:
         print(f"serving {system}: ready in {run['ready_s']} s", flush=True)
         plan = [dict(rate=r) for r in args.rates] + [dict(concurrency=c)
                                                      for c in args.concurrency]
-        if args.baseline_requests:  # stock runs only the same-requests phase, last for ours
+        if args.baseline_requests:  # stock runs only the same-requests phases, last for ours
             plan = [] if system == "transformers" else plan
-            plan.append(dict(concurrency=args.baseline_requests, same=True))
+            plan += [dict(concurrency=n, same=n) for n in args.baseline_requests]
         for offered in plan:
             left = args.end - time.monotonic() - 5.0  # 5 s to stop the server
-            same = offered.pop("same", False)
+            same = offered.pop("same", 0)
             if left < 10.0:
                 phases.append({**offered, "skipped": "the run's --time-budget was spent"})
                 continue
-            figures = run_phase(url, args, same_requests(args, requests) if same else requests,
-                                min(timeout, left), **offered)
+            figures = run_phase(url, args, same_requests(args, requests, same) if same
+                                else requests, min(timeout, left), **offered)
             if same:
-                figures.update(baseline_requests=args.baseline_requests,
+                figures.update(baseline_requests=same,
                                baseline_max_output=args.baseline_max_output)
             metrics = scrape(url)
             if metrics:
@@ -165,12 +166,11 @@ def measure(system: str, args, requests: list[tuple[str, int]]) -> dict:
         log.close()
 
 
-def same_requests(args, requests: list[tuple[str, int]]) -> list[tuple[str, int]]:
-    """The first ``--baseline-requests`` requests, each cut to ``--baseline-max-output`` new
-    tokens: a phase stock transformers serve finishes in bounded time, sent to every server
-    all at once, so that the two compare on the same requests."""
-    return [(prompt, min(n, args.baseline_max_output))
-            for prompt, n in requests[:args.baseline_requests]]
+def same_requests(args, requests: list[tuple[str, int]], count: int) -> list[tuple[str, int]]:
+    """The first ``count`` requests, each cut to ``--baseline-max-output`` new tokens: a phase
+    stock transformers serve finishes in bounded time, sent to every server all at once, so
+    that the two compare on the same requests."""
+    return [(prompt, min(n, args.baseline_max_output)) for prompt, n in requests[:count]]
 
 
 # hf-paged serve with its engine in a process of its own, stock transformers serve, and
@@ -204,10 +204,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline-phase-timeout", type=float, default=25,
                         help="seconds a phase of transformers serve may take (it serves a few "
                              "requests a minute at W1's lengths)")
-    parser.add_argument("--baseline-requests", type=int, default=0,
-                        help="N > 0: stock transformers serve runs only W1's first N requests "
-                             "(cut to --baseline-max-output tokens) at once, and hf-paged serve "
-                             "that phase too, after its own")
+    parser.add_argument("--baseline-requests", type=int, nargs="*", default=[],
+                        help="stock transformers serve runs only, for each N, W1's first N "
+                             "requests (cut to --baseline-max-output tokens) at once, and "
+                             "hf-paged serve those phases too, after its own")
     parser.add_argument("--baseline-max-output", type=int, default=128)
     parser.add_argument("--time-budget", type=float, default=520,
                         help="seconds for the whole run: phases that would pass it are skipped")

@@ -89,9 +89,16 @@ def targets(result: dict, results_dir: Path, system: str = "hf_paged") -> list[s
     return out
 
 
+# The plot's panels: which phases each draws, by the key its x-axis reads, and the label.
+PANELS = (("rate_requests_per_s", "offered requests/s (Poisson, W1)"),
+          ("concurrency", "concurrent clients (closed loop, W1)"),
+          ("baseline_requests", "first N requests at once (outputs cut short)"))
+
+
 def plot(result: dict, path: Path) -> bool:
-    """TPOT p50 (p99 dashed) against offered load, Poisson rates and closed loops side by
-    side, both servers; False when matplotlib is missing."""
+    """TPOT p50 (p99 dashed) against offered load, one panel per kind of phase (Poisson rates,
+    W1's closed loops, the same-requests phases stock transformers serve also ran), both
+    servers; False when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -99,19 +106,20 @@ def plot(result: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(15, 4))
     for system, label in (*OURS.items(), ("transformers", "transformers serve")):
         phases = result["runs"].get(system, {}).get("phases", [])
-        for ax, key in zip(axes, ("rate_requests_per_s", "concurrency")):
-            points = sorted(((p[key], p) for p in phases if key in p and p.get("tpot_ms_p50")
-                             and not math.isinf(p[key])), key=lambda point: point[0])
+        for ax, (key, _) in zip(axes, PANELS):
+            points = sorted(((p[key], p) for p in phases if _panel(p) == key
+                             and p.get("tpot_ms_p50") and not math.isinf(p[key])),
+                            key=lambda point: point[0])
             if not points:
                 continue
             xs = [x for x, _ in points]
             line, = ax.plot(xs, [p["tpot_ms_p50"] for _, p in points], "o-", label=f"{label} p50")
             ax.plot(xs, [p["tpot_ms_p99"] for _, p in points], "--", color=line.get_color(),
                     label=f"{label} p99")
-    for ax, xlabel in zip(axes, ("offered requests/s (Poisson)", "concurrent clients")):
+    for ax, (_, xlabel) in zip(axes, PANELS):
         ax.set_xlabel(xlabel)
         ax.set_ylabel("time per output token (ms)")
         ax.set_yscale("log")
@@ -121,6 +129,12 @@ def plot(result: dict, path: Path) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def _panel(phase: dict) -> str | None:
+    """The key of the panel that draws ``phase``: the first of PANELS' keys, read from the
+    last, that it has (a same-requests phase also names its concurrency)."""
+    return next((key for key, _ in reversed(PANELS) if key in phase), None)
 
 
 def report(results_dir: Path) -> str:

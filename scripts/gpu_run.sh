@@ -50,7 +50,7 @@
 #       prometheus_client); T_SERVE=560, SERVE_ARGS (default: its own, about 7 minutes; on an
 #       H100 "--rates 32 --concurrency 64 256 --client-processes 8 --systems
 #       hf_paged_engine_process hf_paged" took 4; stock transformers serve on W1's first
-#       requests, cut short, beside them: "--baseline-requests 16 --baseline-max-output 128
+#       requests, cut short, beside them: "--baseline-requests 1 4 16 --baseline-max-output 128
 #       --baseline-phase-timeout 60")
 #   moe: Qwen3-30B-A3B's layers, MOE_LAYERS=24 of its 48 (30 GB in bf16: a 64 GiB disk holds
 #       it), built once at CKPT_MOE=/tmp/ckpt/30b-a3b-$MOE_LAYERS (drawn on the GPU, written

@@ -17,16 +17,17 @@ def test_bench_serving_and_its_report(tiny_checkpoint, tmp_path, monkeypatch):
     bench_serving.main(["--model", str(model), "--num-requests", "4", "--rates", "16",
                         "--concurrency", "2", "--systems", "hf_paged", "--client-processes", "2",
                         "--max-input-len", "40", "--max-output-len", "12",
-                        "--baseline-requests", "2", "--baseline-max-output", "5",
+                        "--baseline-requests", "1", "2", "--baseline-max-output", "5",
                         "--phase-timeout", "60", "--results-dir", str(tmp_path)])
     (path,) = tmp_path.glob("serving-*.json")
     result = json.loads(path.read_text())
     phases = result["runs"]["hf_paged"]["phases"]
-    # W1's phases, then the one stock transformers serve would run too: its first 2 requests
-    # at once, cut to 5 new tokens
-    assert [p.get("rate_requests_per_s", p.get("concurrency")) for p in phases] == [16, 2, 2]
-    assert phases[2]["baseline_requests"] == 2 and phases[2]["baseline_max_output"] == 5
-    assert phases[2]["completed"] == 2 and phases[2]["tpot_ms_p50"] > 0, phases[2]
+    # W1's phases, then those stock transformers serve would run too: its first 1 and 2
+    # requests at once, cut to 5 new tokens
+    assert [p.get("rate_requests_per_s", p.get("concurrency")) for p in phases] == [16, 2, 1, 2]
+    for count, phase in zip((1, 2), phases[2:]):
+        assert phase["baseline_requests"] == count and phase["baseline_max_output"] == 5
+        assert phase["completed"] == count and phase["tpot_ms_p50"] > 0, phase
     for phase in phases[:2]:
         assert phase["completed"] == 4 and not phase["timed_out"], phase
         assert phase["output_tok_per_s"] > 0 and phase["tpot_ms_p50"] > 0, phase
@@ -35,6 +36,8 @@ def test_bench_serving_and_its_report(tiny_checkpoint, tmp_path, monkeypatch):
     text = serving_report.report(tmp_path)
     assert "| 16 req/s |" in text and "| 2 clients (closed loop) |" in text, text
     assert "| first 2 requests at once, 5 tokens at most |" in text, text
+    assert [serving_report._panel(p) for p in phases] == [
+        "rate_requests_per_s", "concurrency", "baseline_requests", "baseline_requests"]
 
 
 def test_fake_steps_generate_text_tokens_at_the_step_time(tiny_checkpoint, tokenizer):
