@@ -130,12 +130,15 @@ def test_prefix_cache_hits_through_state_snapshots(case):
 # ---- the kernels at the real head sizes, bf16 inputs (float32 states) ----------------------
 
 
-def test_gated_delta_prefill_at_real_heads():
-    args = prefill_args(inputs(KERNEL_LENS, torch.bfloat16, SIZES), pool(7, SIZES),
-                        [4, 0, 2, 5], [True, False, True, False])
+# Four sequences of 32 value heads take the state pass's 64-column tiles, one takes 32.
+@pytest.mark.parametrize("lens,slots,initial", [
+    (KERNEL_LENS, [4, 0, 2, 5], [True, False, True, False]), ([1000], [4], [True])])
+def test_gated_delta_prefill_at_real_heads(lens, slots, initial):
+    args = prefill_args(inputs(lens, torch.bfloat16, SIZES), pool(7, SIZES), slots, initial)
     before = args["state_pool"].clone()
     kernel_and_twin(gated_delta_prefill, reference.gated_delta_prefill, args)
-    assert torch.equal(args["state_pool"][[1, 3, 6]], before[[1, 3, 6]])
+    untouched = [i for i in range(7) if i not in slots]
+    assert torch.equal(args["state_pool"][untouched], before[untouched])
 
 
 def test_gated_delta_decode_at_real_heads():
