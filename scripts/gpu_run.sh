@@ -282,7 +282,8 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
         step dropin "${T_DROPIN:-420}" python -m benchmarks.bench_dropin --model "$CKPT" \
             --results-dir "$RESULTS" ;;
       tp-tests) step tp-tests "${T_TP:-400}" python -m pytest -q "${EACH_TEST[@]}" \
-            tests/gpu/test_tensor_parallel_gpu.py tests/gpu/test_gpu_parity.py -k "tp2 or not gpu_parity" \
+            tests/gpu/test_tensor_parallel_gpu.py tests/gpu/test_gpu_parity.py \
+            -k "tp2_bf16 or dp2_bf16 or not gpu_parity" \
             tests/parallel ;;
       w4) local ckpt8b=${CKPT8B:-/tmp/ckpt/8b} sizes
           read -r -a sizes <<< "${TP_SIZES:-1 2 4}"

@@ -12,10 +12,13 @@ true (load transformers' way, hf_paged.AutoModelForCausalLM, and also try its fo
 split between the launched processes, new tokens gathered on rank 0), or "leave_open": true
 (the engine is not closed: once the results are written this process kills itself with
 SIGKILL, leaving its workers, whose pids the results list, to notice on their own).
+With RUN_ENGINE_HANG_S set, a run still going after that many seconds prints every thread's
+stack to stderr and exits.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -109,6 +112,8 @@ def data_parallel(engine, call: dict) -> list:
 
 
 def main() -> None:
+    if "RUN_ENGINE_HANG_S" in os.environ:
+        faulthandler.dump_traceback_later(float(os.environ["RUN_ENGINE_HANG_S"]), exit=True)
     jobs, out = json.loads(sys.argv[1]), sys.argv[2]
     results, open_engines = [], []
     for job in jobs:

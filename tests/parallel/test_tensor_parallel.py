@@ -44,12 +44,16 @@ MOE = "e6_k3_raw_dense0"
 FP8_BLOCKS = {"gqa4_untied": (32, 32), MOE: (16, 16)}
 
 
-def run_jobs(jobs: list[dict], out: Path, launcher: list[str] = (), returncode: int = 0) -> None:
+def run_jobs(jobs: list[dict], out: Path, launcher: list[str] = (), returncode: int = 0,
+             timeout: float = TIMEOUT_S) -> None:
+    """Run ``jobs`` in a subprocess (``run_engine``); a run that hangs prints every thread's
+    stack and exits 10 s before ``timeout``, so the failure says where it stood."""
     # One thread a process, as torchrun sets it: ranks spinning on shared cores crawl.
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
+               RUN_ENGINE_HANG_S=str(timeout - 10))
     proc = subprocess.run(
         [sys.executable, *launcher, "-m", "tests.parallel.run_engine", json.dumps(jobs),
-         str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+         str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == returncode, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
