@@ -9,20 +9,21 @@ import triton.language as tl
 
 from hf_paged.kernels.gdc import pdl_options, wait_for_previous
 from hf_paged.kernels.launch import launch
-from hf_paged.kernels.rmsnorm import norm_row, normed, row_view
+from hf_paged.kernels.rmsnorm import norm_rows, normed, row_block, row_view
 
 
 @triton.jit
 def _gated_rms_norm_kernel(
     x_ptr, z_ptr, weight_ptr, out_ptr,
     heads, x_s0, x_s1, z_s0, z_s1, o_s0, o_s1, dim, eps,
-    ROUND_SCALED: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    count, ROUND_SCALED: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
-    i, j, cols, mask = norm_row(heads, dim, BLOCK_D)
+    i, j, cols, mask = norm_rows(count, heads, dim, ROWS, BLOCK_D)
     x = tl.load(x_ptr + i * x_s0 + j * x_s1 + cols, mask=mask, other=0.0)
     z = tl.load(z_ptr + i * z_s0 + j * z_s1 + cols, mask=mask, other=0.0).to(tl.float32)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
     # transformers' casts: the normed row back to x's dtype, the weight's product in the two
     # dtypes' promotion (rounded unless that is float32), the gate's product in float32.
     scaled = normed(x, dim, eps) * weight
@@ -44,13 +45,13 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     rows, heads, dim = x3.shape
     if rows * heads == 0:
         return out
-    block_d = triton.next_power_of_2(dim)
+    block_d, block_rows, num_warps = row_block(dim)
     launch(
-        _gated_rms_norm_kernel, (rows * heads,),
+        _gated_rms_norm_kernel, (triton.cdiv(rows * heads, block_rows),),
         x3, z3, weight, o3,
         heads, x3.stride(0), x3.stride(1), z3.stride(0), z3.stride(1),
-        o3.stride(0), o3.stride(1), dim, eps,
+        o3.stride(0), o3.stride(1), dim, eps, rows * heads,
         ROUND_SCALED=torch.promote_types(x.dtype, weight.dtype) != torch.float32,
-        BLOCK_D=block_d, num_warps=max(1, min(8, block_d // 256)), **pdl_options(x),
+        ROWS=block_rows, BLOCK_D=block_d, num_warps=num_warps, **pdl_options(x),
     )
     return out

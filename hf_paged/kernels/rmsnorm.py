@@ -9,22 +9,36 @@ import triton.language as tl
 from hf_paged.kernels.gdc import pdl_options, wait_for_previous
 from hf_paged.kernels.launch import launch
 
+# Elements a program normalises: per-head norms (D = 128) have hundreds of thousands of rows
+# in a long prefill, far too many programs at one row each, so a program takes a block of rows.
+_TILE = 2048
+
+
+def row_block(dim: int) -> tuple[int, int, int]:
+    """``(BLOCK_D, ROWS, num_warps)`` for rows of ``dim`` elements: ``ROWS`` rows a program,
+    about ``_TILE`` elements together (one row from 2,048 columns on), eight per thread."""
+    block_d = triton.next_power_of_2(dim)
+    rows = max(1, _TILE // block_d)
+    return block_d, rows, max(1, min(8, rows * block_d // 256))
+
 
 @triton.jit
-def norm_row(heads, dim, BLOCK_D: tl.constexpr):
-    """This program's row of a ``[rows, heads, D]`` view, one program a row (per-head norms
-    read strided views of a fused projection without a copy): ``(i, j, columns, mask)``."""
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_D)
-    return (row // heads).to(tl.int64), row % heads, cols, cols < dim
+def norm_rows(count, heads, dim, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's ``ROWS`` rows of a ``[rows, heads, D]`` view as a ``[ROWS, BLOCK_D]``
+    tile, its ``count`` (row, head) pairs numbered ``row * heads + head`` (per-head norms read
+    strided views of a fused projection without a copy): ``(i, j, columns, mask)``, the
+    row and head indices ``[ROWS, 1]``, the columns ``[1, BLOCK_D]``."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
+    cols = tl.arange(0, BLOCK_D)[None, :]
+    return (r // heads).to(tl.int64), r % heads, cols, (r < count) & (cols < dim)
 
 
 @triton.jit
 def normed(x, dim, eps):
-    """``x`` (a row) times its inverse RMS in float32, cast back to ``x``'s dtype as
-    transformers does before scaling (the product is rounded once more), as float32."""
+    """Each row of the tile ``x`` times its inverse RMS in float32, cast back to ``x``'s dtype
+    as transformers does before scaling (the product is rounded once more), as float32."""
     xf = x.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=0) / dim + eps)
+    inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=-1, keep_dims=True) / dim + eps)
     return (xf * inv_rms).to(x.dtype).to(tl.float32)
 
 
@@ -32,14 +46,14 @@ def normed(x, dim, eps):
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr,
     heads, x_s0, x_s1, r_s0, r_s1, o_s0, o_s1, dim, eps,
-    HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
+    count, HAS_RESIDUAL: tl.constexpr, OFFSET: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
-    i, j, cols, mask = norm_row(heads, dim, BLOCK_D)
+    i, j, cols, mask = norm_rows(count, heads, dim, ROWS, BLOCK_D)
     x = tl.load(x_ptr + i * x_s0 + j * x_s1 + cols, mask=mask, other=0.0)
     # Loaded before the reduction, not after: its latency overlaps instead of adding up.
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=cols < dim, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         residual_ptrs = residual_ptr + i * r_s0 + j * r_s1 + cols
         residual = tl.load(residual_ptrs, mask=mask, other=0.0)
@@ -48,7 +62,8 @@ def _rms_norm_kernel(
         tl.store(residual_ptrs, x, mask=mask)
     if OFFSET:  # zero-centred: the float32 row times 1 + weight, rounded once at the store
         xf = x.to(tl.float32)
-        out = xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / dim + eps) * (1.0 + weight)
+        inv_rms = tl.rsqrt(tl.sum(xf * xf, axis=-1, keep_dims=True) / dim + eps)
+        out = xf * inv_rms * (1.0 + weight)
     else:
         out = normed(x, dim, eps) * weight
     tl.store(out_ptr + i * o_s0 + j * o_s1 + cols, out, mask=mask)
@@ -69,14 +84,14 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     rows, heads, dim = x3.shape
     if rows * heads == 0:
         return
-    block_d = triton.next_power_of_2(dim)
+    block_d, block_rows, num_warps = row_block(dim)
     launch(
-        _rms_norm_kernel, (rows * heads,),
+        _rms_norm_kernel, (triton.cdiv(rows * heads, block_rows),),
         x3, r3, weight, o3,
         heads, x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
-        o3.stride(0), o3.stride(1), dim, eps,
-        HAS_RESIDUAL=residual is not None, OFFSET=offset, BLOCK_D=block_d,
-        num_warps=max(1, min(8, block_d // 256)), **pdl_options(x),
+        o3.stride(0), o3.stride(1), dim, eps, rows * heads,
+        HAS_RESIDUAL=residual is not None, OFFSET=offset, ROWS=block_rows, BLOCK_D=block_d,
+        num_warps=num_warps, **pdl_options(x),
     )
 
 

@@ -1,8 +1,9 @@
 """The kernels' GPU variants compile for an H100 (sm_90) on this machine: the FP8 paths (FP8
 weights in the small-M kernel, both block-scaled GEMMs, FP8 experts; an FP8 KV cache in the
 store and in decode, split decode, cascade and prefill attention) and their 16-bit twins; the
-LoRA kernels at decode and prefill; the Gated DeltaNet layers' convolution (prefill, decode),
-gated RMSNorm, and chunked prefill and decode (Qwen3-Next's heads).
+LoRA kernels at decode and prefill; RMSNorm (blocks of rows per head, and with the residual
+add); the Gated DeltaNet layers' convolution (prefill, decode), gated RMSNorm, and chunked
+prefill and decode (Qwen3-Next's heads).
 The interpreter runs their arithmetic in the other tests; this catches what only the compiler
 refuses. (``hopper_target`` says how.)"""
 
@@ -113,6 +114,16 @@ def lora() -> None:
                                      normed, gated)
 
 
+def norms() -> None:
+    # Qwen3's per-head q norm on its heads of the fused qkv output (rows of 128, a block of rows
+    # a program), and the hidden norm with its residual add (a row of 4,096 a program).
+    qkv = torch.randn(5, 48, 128, dtype=BF16)
+    kernels.rms_norm(qkv[:, :32], torch.ones(128, dtype=BF16), 1e-6)
+    x, residual = torch.randn(2, 5, 4096, dtype=BF16)
+    for offset in (False, True):
+        kernels.add_rms_norm(x, residual, torch.ones(4096, dtype=BF16), 1e-6, offset)
+
+
 def conv_and_gated_norm() -> None:
     # Qwen3-Next's mixed q/k/v channels; transformers' state width (kernel_size) and the
     # smallest (kernel_size - 1); new and continued sequences, a padding slot.
@@ -150,7 +161,8 @@ def gated_delta() -> None:
 def compile_all() -> None:
     from tests.kernels.hopper_target import compile_for_hopper
 
-    compile_for_hopper([projections, experts, attention, lora, conv_and_gated_norm, gated_delta])
+    compile_for_hopper([projections, experts, attention, lora, norms, conv_and_gated_norm,
+                        gated_delta])
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="the GPU compiles and runs the kernels itself")
