@@ -146,10 +146,11 @@ causal_conv_prefill = _dispatch("causal_conv", "causal_conv_prefill")
 causal_conv_decode = _dispatch("causal_conv", "causal_conv_decode")
 gated_delta_prefill = _dispatch("gated_delta_chunked", "gated_delta_prefill")
 gated_delta_decode = _dispatch("gated_delta", "gated_delta_decode")
+gated_delta_gates = _dispatch("delta_gates", "gated_delta_gates")
 
 __all__ = [
     "BlockScales", "add_lora", "add_rms_norm", "causal_conv_decode", "causal_conv_prefill",
-    "copy_blocks", "gated_delta_decode", "gated_delta_prefill", "gated_linear",
+    "copy_blocks", "gated_delta_decode", "gated_delta_gates", "gated_delta_prefill", "gated_linear",
     "gated_rms_norm", "linear", "moe_experts", "moe_route", "norm_rope_store", "normed_linear",
     "rms_norm", "sample", "silu_and_mul",
 ]

@@ -25,6 +25,7 @@ from hf_paged.kernels.reference_fp8 import (  # noqa: F401  (twins of the FP8 ke
 )
 from hf_paged.kernels.reference_gated_delta import (  # noqa: F401  (twins of Gated DeltaNet)
     gated_delta_decode,
+    gated_delta_gates,
     gated_delta_prefill,
 )
 from hf_paged.kernels.reference_lora import add_deltas, check_lora

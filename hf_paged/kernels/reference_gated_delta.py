@@ -19,6 +19,28 @@ CHUNK = 64  # transformers' chunk size: the same chunking gives the same roundin
 L2NORM_EPS = 1e-6  # transformers' (and flash-linear-attention's) l2norm eps
 
 
+def gated_delta_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+                      dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule's per-token, per-head gates from the projections ``a``, ``b`` ``[T, H]``
+    as transformers computes them: the log decay ``g = -exp(A_log) * softplus(a + dt_bias)``
+    in float32 (``A_log`` in half precision would overflow), and ``beta = sigmoid(b)`` in
+    ``b``'s dtype."""
+    check_gates(a, b, a_log, dt_bias)
+    g = (-a_log.float().exp() * F.softplus(a.float() + dt_bias)).float()
+    return g, b.sigmoid()
+
+
+def check_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+                dt_bias: torch.Tensor) -> None:
+    """Raise a ValueError naming the gates' arguments unless they are ``[T, H]``, ``[T, H]``,
+    ``[H]`` and ``[H]`` (both twins call it)."""
+    heads = a.shape[-1]
+    if a.dim() != 2 or b.shape != a.shape or a_log.shape != (heads,) or dt_bias.shape != (heads,):
+        raise ValueError(f"gated_delta_gates: a {tuple(a.shape)}, b {tuple(b.shape)}, A_log "
+                         f"{tuple(a_log.shape)} and dt_bias {tuple(dt_bias.shape)} are not "
+                         "[T, H], [T, H], [H] and [H]")
+
+
 def check_gated_delta(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       g: torch.Tensor, beta: torch.Tensor, state_pool: torch.Tensor,
                       slots: torch.Tensor, cu_seqlens: torch.Tensor | None = None,

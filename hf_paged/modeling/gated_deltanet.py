@@ -21,7 +21,6 @@ heads'), its ``A_log`` / ``dt_bias`` entries, its columns of ``out_proj`` (all-r
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -167,10 +166,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v = qkv.split(s.parts, dim=-1)
         q, k = q.view(rows, s.key_heads, s.key_dim), k.view(rows, s.key_heads, s.key_dim)
         v = v.view(rows, s.value_heads, s.value_dim)
-        beta = b.sigmoid()
-        # float32 before the exponent, as transformers (A would overflow in half precision);
-        # the kernels take the decay in float32 (as transformers' rule computes in it)
-        g = (-self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)).float()
+        g, beta = kernels.gated_delta_gates(a, b, self.A_log, self.dt_bias)
         if decode:
             out = kernels.gated_delta_decode(q, k, v, g, beta, self.recurrent_state, slots,
                                              use_qk_l2norm=True, has_initial=initial)

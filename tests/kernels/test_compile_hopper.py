@@ -149,7 +149,9 @@ def gated_delta() -> None:
     for tokens in (200, 3):  # prefill, decode
         q, k = (torch.randn(tokens, kv_heads, dim, dtype=BF16) for _ in "qk")
         v = torch.randn(tokens, heads, dim, dtype=BF16)
-        g, beta = -torch.rand(tokens, heads), torch.rand(tokens, heads, dtype=BF16)
+        fused = torch.randn(tokens, 2 * heads + 3, dtype=BF16)  # b and a, views of one projection
+        g, beta = kernels.gated_delta_gates(fused[:, 3 + heads:], fused[:, 3:3 + heads],
+                                            torch.rand(heads), torch.rand(heads, dtype=BF16))
         slot_ids = torch.tensor([2, 0, 3], dtype=torch.int32)
         if tokens == 3:
             kernels.gated_delta_decode(q, k, v, g, beta, state_pool, slot_ids)
