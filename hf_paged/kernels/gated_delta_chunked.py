@@ -33,13 +33,12 @@ from hf_paged.kernels.gdc import pdl_options, wait_for_previous
 from hf_paged.kernels.launch import launch
 from hf_paged.kernels.reference_gated_delta import CHUNK, check_gated_delta
 
-# The state pass's V tile and warps by its (sequence, value head) pairs. Measured on an H100
-# at Qwen3.5-9B's linear layers (32 value heads, K = V = 128): a lone 1,024-token sequence
-# wants more programs, tiles of 32 columns on four warps (0.137 ms against 0.177 for 64 on
-# eight); eight sequences of 1,024 or 64 of 128 want fewer, larger tiles, 64 columns on eight
-# warps (0.72 ms against 1.15 for 32 on four). From 128 pairs (four such sequences) the
-# 64-column grid gives two programs an SM or more.
-_STATE_TILES = ((128, 32, 4), (None, 64, 8))  # (pairs below, BV, warps)
+# The state pass's V tile and warps, one choice for every batch: a prefill graph pads its
+# sequences (to eight or more), and a tile chosen by their count would make the graph's
+# products differ from the same step's run eagerly. Measured on an H100 at Qwen3.5-9B's
+# linear layers (32 value heads, K = V = 128): 64 columns on eight warps take 0.72 ms for
+# eight 1,024-token sequences or 64 of 128 (32 on four: 1.15), 0.18 ms for a lone one (0.14).
+_STATE_BV, _STATE_WARPS = 64, 8
 # The chunk kernel's warps: its serial inverse (63 row steps over a [64, 64] tile) syncs fewer
 # threads on two warps: 0.64 ms against 1.06 on eight for eight 1,024-token sequences.
 _CHUNK_WARPS = 2
@@ -194,14 +193,12 @@ def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
            u.stride(1), REPEATS=full["REPEATS"], K_DIM=full["K_DIM"], V_DIM=v_dim,
            BK=full["BK"], BVF=full["BV"], SEQ_BLOCK=_SEQ_BLOCK, num_warps=_CHUNK_WARPS,
            num_stages=1, **common)
-    tile, warps = next((bv, w) for pairs, bv, w in _STATE_TILES
-                       if pairs is None or seqs * heads < pairs)
-    shapes = heads_shapes(q, v, tile)
+    shapes = heads_shapes(q, v, _STATE_BV)
     q_s0, q_s1, k_s0, k_s1, _, _, g_s0, _, o_s0, o_s1, *pool = strides(q, k, v, g, beta, out,
                                                                        state_pool)
     launch(_state_kernel, (seqs, heads, triton.cdiv(v_dim, shapes["BV"])),
            q, k, g, w, u, out, cu_seqlens, state_pool, slots, has_initial,
            q.shape[2] ** -0.5 if scale is None else scale,
            q_s0, q_s1, k_s0, k_s1, g_s0, w.stride(0), w.stride(1), u.stride(0), u.stride(1),
-           o_s0, o_s1, *pool, num_warps=warps, num_stages=1, **common, **shapes)
+           o_s0, o_s1, *pool, num_warps=_STATE_WARPS, num_stages=1, **common, **shapes)
     return out

@@ -130,7 +130,7 @@ def test_prefix_cache_hits_through_state_snapshots(case):
 # ---- the kernels at the real head sizes, bf16 inputs (float32 states) ----------------------
 
 
-# Four sequences of 32 value heads take the state pass's 64-column tiles, one takes 32.
+# A batch of sequences, and a lone one.
 @pytest.mark.parametrize("lens,slots,initial", [
     (KERNEL_LENS, [4, 0, 2, 5], [True, False, True, False]), ([1000], [4], [True])])
 def test_gated_delta_prefill_at_real_heads(lens, slots, initial):
