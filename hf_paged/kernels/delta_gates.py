@@ -1,12 +1,7 @@
 """The Gated DeltaNet layers' per-token gates in one launch (twin:
 ``reference_gated_delta.gated_delta_gates``): the log decay ``g`` and the write strength
 ``beta`` of every (token, value head), where transformers' expression takes eight elementwise
-kernels a layer (casts, exp, softplus, sigmoid), each a launch of its own in a decode step.
-
-It is launched plainly, not as a programmatic dependent launch (``gdc``): launched that way
-(on an H100, in the decode graphs of the Qwen3.5-35B-A3B shape) a step's tokens came out
-different from the same step run eagerly, which they do not without it; the cause is not
-found, and the kernel is too short for the early launch to matter."""
+kernels a layer (casts, exp, softplus, sigmoid), each a launch of its own in a decode step."""
 
 from __future__ import annotations
 
@@ -14,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_paged.kernels.gdc import pdl_options, wait_for_previous
 from hf_paged.kernels.launch import launch
 from hf_paged.kernels.reference_gated_delta import check_gates
 
@@ -23,7 +19,8 @@ _SOFTPLUS_THRESHOLD = tl.constexpr(20.0)  # torch's softplus: x itself above it
 
 @triton.jit
 def _gates_kernel(a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, pairs, heads,
-                  a_s0, b_s0, BLOCK: tl.constexpr):
+                  a_s0, b_s0, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = idx < pairs
     row, head = (idx // heads).to(tl.int64), idx % heads
@@ -49,5 +46,6 @@ def gated_delta_gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
     beta = torch.empty(rows, heads, dtype=b.dtype, device=a.device)
     if rows * heads:
         launch(_gates_kernel, (triton.cdiv(rows * heads, _BLOCK),), a, b, a_log, dt_bias, g,
-               beta, rows * heads, heads, a.stride(0), b.stride(0), BLOCK=_BLOCK)
+               beta, rows * heads, heads, a.stride(0), b.stride(0), BLOCK=_BLOCK,
+               **pdl_options(a))
     return g, beta
