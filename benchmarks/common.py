@@ -119,6 +119,7 @@ def device_info(device: torch.device) -> dict[str, Any]:
     }
     if device.type == "cuda":
         info["cuda"] = torch.version.cuda
+        info["gpu_count"] = torch.cuda.device_count()  # on the machine, not only those used
         info["gpu_memory_gib"] = round(
             torch.cuda.get_device_properties(device).total_memory / 2**30, 1
         )
