@@ -86,12 +86,17 @@ def test_torchrun_on_gpus_identical_on_every_rank(tiny, tmp_path, size):
     assert ranks[0][0]["outputs"][0] == reference(models, "gqa4_untied", CALL)
 
 
-@pytest.mark.parametrize("size", SIZES)
-def test_a_killed_gpu_worker_raises_and_close_returns(tiny, tmp_path, size):
-    """NCCL waits forever for a dead rank: the caller must notice the death itself."""
+@pytest.mark.parametrize("size,options", [
+    on_gpus(2, GRAPHS, name="-symmetric-memory"), on_gpus(2, NCCL, name="-nccl-only"),
+    on_gpus(4, GRAPHS, name="-symmetric-memory")])
+def test_a_killed_gpu_worker_raises_and_close_returns(tiny, tmp_path, size, options):
+    """A collective waits forever for a dead rank (NCCL's until aborted, the symmetric-memory
+    all-reduce's spin for good): the caller must notice the death itself, and neither the
+    engine's close nor the process's exit may wait on the device."""
     paths, _ = tiny
     jobs = [dict(checkpoint=paths["gqa4_untied"], calls=[CALL], kill_worker=True,
-                 engine=dict(block_size=16, tensor_parallel_size=size, device="cuda"))]
+                 engine=dict(block_size=16, tensor_parallel_size=size, device="cuda",
+                             **options))]
     out = tmp_path / "results.json"
     run_jobs(jobs, out, timeout=TIMEOUT_S)
     report = json.loads(out.read_text())[0]["killed"]
