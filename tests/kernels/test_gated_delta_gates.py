@@ -14,6 +14,7 @@ from tests.kernels.conftest import DEVICE, HALF
 
 
 def gate_inputs(rows: int, heads: int, dtype: torch.dtype, a_log_dtype: torch.dtype):
+    torch.manual_seed(rows * heads)
     fused = torch.randn(rows, 3 * heads + 5, device=DEVICE) * 8
     if rows:  # a + dt_bias well above softplus's threshold (20) and far below zero
         fused[0, 5:7] = torch.tensor([30.0, -40.0])
@@ -36,9 +37,10 @@ def test_gates_match_twin(rows, heads, dtype, a_log_dtype):
     assert above.any() and not above.all()  # both branches of softplus
     # float32 exp and log against torch's: a few ulps of each gate
     torch.testing.assert_close(g, g_ref, rtol=1e-5, atol=1e-6 * g_ref.abs().max().item())
-    # beta rounded once to its dtype on both sides, from float32 sigmoids a few float32 ulps
-    # apart: within two rounding steps of its dtype
-    step = 2 * torch.finfo(dtype).eps * beta_ref.float().abs()
+    # float32 sigmoids a few ulps apart (exp's error and the division's; 2.2 at most over 40
+    # seeds), each rounded once to beta's dtype: in half precision at most one step apart
+    steps = 4 if dtype == torch.float32 else 2
+    step = steps * torch.finfo(dtype).eps * beta_ref.float().abs()
     assert ((beta.float() - beta_ref.float()).abs() <= step).all()
 
 
