@@ -22,6 +22,7 @@ import torch
 
 import hf_paged
 from benchmarks import common
+from benchmarks.summary import summary_row
 from benchmarks.systems import load_transformers_model
 
 BASELINES = ("generate",)
@@ -146,10 +147,10 @@ def main(argv: list[str] | None = None) -> None:
 def summary(data: dict) -> list[dict]:
     figures = data["hf_paged"]["hf_paged"]
     return [
-        common.summary_row("returned tok/s", figures["returned_tokens_per_s"],
+        summary_row("returned tok/s", figures["returned_tokens_per_s"],
                            data["baselines"], "returned_tokens_per_s", floor=None,
                            higher_is_better=True),
-        common.summary_row("peak KV GiB", figures["peak_kv_bytes"] / 2**30,
+        summary_row("peak KV GiB", figures["peak_kv_bytes"] / 2**30,
                            {name: {"peak_kv_gib": fig["peak_kv_bytes"] / 2**30}
                             if "peak_kv_bytes" in fig else fig
                             for name, fig in data["baselines"].items()},

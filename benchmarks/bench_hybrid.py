@@ -37,6 +37,7 @@ import torch
 
 from benchmarks import bench_latency, bench_throughput, common
 from benchmarks.floor import MemoryCost, floor_settings
+from benchmarks.summary import summary_row
 from benchmarks.systems import GenerateSystem, PagedSystem
 from benchmarks.workloads import Workload, add_w1_and_batch1_args, w1, w2_decode, w2_ttft, w3
 
@@ -151,17 +152,17 @@ def summary(data: dict) -> list[dict]:
     rows, paged = [], data["hf_paged"]
     same = paged.get(bench_throughput.SAME_REQUESTS, {})
     if "output_tokens_per_s" in (fig := paged.get("w1", {})):
-        rows.append(common.summary_row(
+        rows.append(summary_row(
             "W1 output tok/s", fig["output_tokens_per_s"], data["baselines"],
             "output_tokens_per_s", floor=fig["output_tokens"] / fig["floor_s"],
             higher_is_better=True, compare=same.get("output_tokens_per_s")))
     if "decode_ms_per_token" in (fig := paged.get("batch1", {})):
-        rows.append(common.summary_row(
+        rows.append(summary_row(
             "decode ms/token, batch 1", fig["decode_ms_per_token"], data["baselines"],
             "decode_ms_per_token", floor=fig.get("floor_ms_per_token"), higher_is_better=False))
     for label in W3_LINES:
         if "output_tokens_per_s" in (fig := paged.get(label, {})):
-            rows.append(common.summary_row(
+            rows.append(summary_row(
                 f"W3 output tok/s, {label[3:].replace('_', ' ')}", fig["output_tokens_per_s"],
                 {}, "output_tokens_per_s", floor=fig["output_tokens"] / fig["floor_s"],
                 higher_is_better=True))

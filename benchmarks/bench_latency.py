@@ -30,6 +30,7 @@ import torch
 
 from benchmarks import common
 from benchmarks.floor import MemoryCost, floor_settings
+from benchmarks.summary import summary_row
 from benchmarks.systems import GenerateSystem, PagedSystem, System
 from benchmarks.workloads import Workload, w2_decode, w2_ttft, warmup_requests
 
@@ -160,7 +161,7 @@ def summary(data: dict, floor_ms: float, ttft_prompt_len: int) -> list[dict]:
         ranks = mine["engine_config"]["tensor_parallel_size"]
         suffix = "" if label == "hf_paged" else f", {label.replace('_', ' ')}"
         rows += [
-            common.summary_row(
+            summary_row(
                 "decode ms/token, batch 1" + suffix,
                 mine["decode_ms_per_token"],
                 baselines,
@@ -168,7 +169,7 @@ def summary(data: dict, floor_ms: float, ttft_prompt_len: int) -> list[dict]:
                 floor=floor_ms / ranks,
                 higher_is_better=False,
             ),
-            common.summary_row(
+            summary_row(
                 f"time to first token ms, {ttft_prompt_len}-token prompt" + suffix,
                 mine["ttft_ms"],
                 baselines,
@@ -176,7 +177,7 @@ def summary(data: dict, floor_ms: float, ttft_prompt_len: int) -> list[dict]:
                 floor=None,
                 higher_is_better=False,
             ),
-            common.summary_row(
+            summary_row(
                 f"time to first streamed token ms, {ttft_prompt_len}-token prompt" + suffix,
                 mine["streamed_ttft_ms"],
                 baselines,

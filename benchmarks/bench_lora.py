@@ -44,6 +44,7 @@ from benchmarks.lora_adapters import (
     adapter_bytes,
     make_adapters,
 )
+from benchmarks.summary import summary_row
 from benchmarks.workloads import add_w1_and_batch1_args, w1, w2_decode
 
 PARTS = ("w1", "batch1")
@@ -167,19 +168,19 @@ def summary(data: dict) -> list[dict]:
     for n, fig in lines:
         if "output_tokens_per_s" not in fig:
             continue
-        rows.append(common.summary_row(
+        rows.append(summary_row(
             f"W1 output tok/s, {adapters_label(n)}", fig["output_tokens_per_s"],
             data["baselines"] if n == 1 else {}, "output_tokens_per_s",
             floor=fig["output_tokens"] / fig["floor_s"], higher_is_better=True,
             compare=same if n == 1 else None))
     for n, fig in lines:
         if n and base and "output_tokens_per_s" in fig:
-            rows.append(common.summary_row(
+            rows.append(summary_row(
                 f"W1 tok/s with {adapters_label(n)} over the base model's",
                 fig["output_tokens_per_s"] / base, {}, "", floor=None, higher_is_better=True))
     for n in (0, 1):
         if "decode_ms_per_token" in (fig := paged.get(f"batch1_{n}", {})):
-            rows.append(common.summary_row(
+            rows.append(summary_row(
                 f"decode ms/token, batch 1, {adapters_label(n)}", fig["decode_ms_per_token"],
                 data["baselines"] if n == 1 else {}, "decode_ms_per_token",
                 floor=fig.get("floor_ms_per_token"), higher_is_better=False))

@@ -51,6 +51,7 @@ from transformers import FineGrainedFP8Config, LogitsProcessor
 import hf_paged
 from benchmarks import bench_latency, bench_throughput, common, stock_fp8_kernel
 from benchmarks.floor import MemoryCost, floor_settings
+from benchmarks.summary import summary_row
 from benchmarks.systems import GenerateSystem, PagedSystem, free_memory
 from benchmarks.workloads import add_w1_and_batch1_args, w1, w2_decode, w2_ttft
 
@@ -232,14 +233,14 @@ def summary(data: dict) -> list[dict]:
     same = paged.get("w1_fp8_weights@baseline_requests", {})
     for line, name in names.items():
         if "output_tokens_per_s" in (fig := paged.get(f"w1_{line}", {})):
-            rows.append(common.summary_row(
+            rows.append(summary_row(
                 f"W1 output tok/s, {name}", fig["output_tokens_per_s"],
                 data["baselines"] if line == "fp8_weights" else {}, "output_tokens_per_s",
                 floor=fig["output_tokens"] / fig["floor_s"], higher_is_better=True,
                 compare=same.get("output_tokens_per_s") if line == "fp8_weights" else None))
     for line in ("bf16", "fp8_weights"):
         if "decode_ms_per_token" in (fig := paged.get(f"batch1_{line}", {})):
-            rows.append(common.summary_row(
+            rows.append(summary_row(
                 f"decode ms/token, batch 1, {names[line]}", fig["decode_ms_per_token"],
                 data["baselines"] if line == "fp8_weights" else {}, "decode_ms_per_token",
                 floor=fig.get("floor_ms_per_token"), higher_is_better=False))

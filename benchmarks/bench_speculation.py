@@ -46,6 +46,7 @@ from benchmarks import known_acceptance as known
 from benchmarks.bench_throughput import measure as measure_throughput
 from benchmarks.floor import MemoryCost, floor_settings
 from benchmarks.speculation_lines import Context, Line, as_assistant, measure_paged, measure_stock
+from benchmarks.summary import summary_row
 from benchmarks.systems import PagedSystem, load_transformers_model
 from benchmarks.workloads import Workload, w1
 
@@ -242,7 +243,7 @@ def summary(data: dict) -> list[dict]:
         if "error" in fig:
             continue
         if label.startswith("w1"):
-            row = common.summary_row(
+            row = summary_row(
                 "output tok/s, W1" + (" + ngram speculation" if label == "w1_ngram" else ""),
                 fig["output_tokens_per_s"], {}, "output_tokens_per_s",
                 floor=fig["output_tokens"] / fig["floor_s"], higher_is_better=True)
@@ -254,7 +255,7 @@ def summary(data: dict) -> list[dict]:
         name = beside.get(label)
         if label.startswith("draft_") and fig.get("changed_fraction") == assisted:
             name = "transformers_assisted"
-        row = common.summary_row(
+        row = summary_row(
             f"batch-1 tok/s, {fig['description']}", fig["tokens_per_s"],
             {name: stock[name]} if name in stock else {}, "tokens_per_s", floor=floor_per_s,
             higher_is_better=True)

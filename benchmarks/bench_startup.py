@@ -23,6 +23,7 @@ import time
 import torch
 
 from benchmarks import common
+from benchmarks.summary import summary_row
 
 # Run in the child: one engine start, its timings as the last line of output.
 _CHILD = """
@@ -81,7 +82,7 @@ def summarize(data: dict) -> list[dict]:
     figures = data["hf_paged"]["hf_paged"]
     rows = [("start-up s, fresh caches", figures["fresh_s"]),
             ("start-up s, warm caches", figures["warm_s"])]
-    return [common.summary_row(metric, seconds, {}, "", None, higher_is_better=False)
+    return [summary_row(metric, seconds, {}, "", None, higher_is_better=False)
             for metric, seconds in rows if seconds is not None]
 
 

@@ -31,6 +31,7 @@ import torch
 
 from benchmarks import common
 from benchmarks.floor import MemoryCost, floor_settings
+from benchmarks.summary import summary_row
 from benchmarks.systems import ContinuousBatchingSystem, GenerateSystem, PagedSystem, System
 from benchmarks.workloads import Workload, w1, w3, warmup_requests
 
@@ -239,7 +240,7 @@ def summary(data: dict) -> list[dict]:
     for i, label in enumerate(labels):
         figures = data["hf_paged"][label]
         rows.append(
-            common.summary_row(
+            summary_row(
                 "output tok/s" + ("" if label == "hf_paged" else f", {label.replace('_', ' ')}"),
                 figures["output_tokens_per_s"],
                 data["baselines"] if i == 0 else {},
