@@ -3,9 +3,10 @@ gated full attention) of the Qwen3.5-9B and Qwen3.5-35B-A3B shapes, each layer o
 shape. Tokens against stock transformers (``test_gpu_parity.check_parity``: equal until the
 first near-tie, every token a greedy choice under transformers' own logits; the MoE shape as
 ``test_moe_gpu`` holds Qwen3-MoE, since a bf16 routing flip moves a step by more than a
-near-tie); CUDA graphs equal to eager; decode graphs replayed over reused state slots and
-shrinking batches; prefix-cache hits through state snapshots; and the Gated DeltaNet kernels
-(prefill, decode, causal convolution, gated norm) against their twins at the real head sizes.
+near-tie); CUDA graphs equal to eager (the MoE shape: until a near-tie); decode graphs
+replayed over reused state slots and shrinking batches; prefix-cache hits through state
+snapshots; and the Gated DeltaNet kernels (prefill, decode, causal convolution, gated norm)
+against their twins at the real head sizes.
 
 transformers runs its own torch fallbacks for the linear layers here (no flash-linear-attention
 or causal-conv1d on the machine): slower, but the same numbers."""
@@ -27,6 +28,8 @@ from hf_paged.kernels.gated_norm import gated_rms_norm
 from hf_paged.random_checkpoint import make_checkpoint
 from tests.gpu.test_gpu_parity import (
     LENGTHS,
+    NEAR_TIE,
+    NEW,
     check_parity,
     left_padded,
     load_transformers,
@@ -93,9 +96,40 @@ def test_bf16_parity_with_graphs(case, batch, graph_tokens):
     assert_greedy(shape, graph_tokens, reference_run, model, batch)
 
 
+def eager_run(path, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eager engine's tokens and their float32 scores ``[rows, steps, vocab]``."""
+    ids, mask = batch
+    engine = hf_paged.from_pretrained(path, max_model_len=4096, gpu_memory_utilization=0.5,
+                                      max_num_seqs=16, dtype=torch.bfloat16, enforce_eager=True)
+    out = engine.generate(ids, attention_mask=mask, max_new_tokens=NEW, eos_token_id=None,
+                          output_scores=True, return_dict_in_generate=True)
+    engine.close()
+    scores = torch.stack(out.scores, 1).float().cpu()
+    tokens = out.sequences[:, ids.shape[1]:].cpu()
+    release(engine, out)
+    return tokens, scores
+
+
 def test_cuda_graphs_equal_eager(case, batch, graph_tokens):
-    eager, _ = run(case[1], batch, enforce_eager=True)
-    assert torch.equal(eager, graph_tokens)
+    """The dense shape: the same tokens. The MoE shape: the same tokens in each row until a
+    step where the eager run's own scores put the graphs' token within a near-tie of its own.
+    A prefill graph runs its bucket's padded row count, and cuBLAS picks its GEMM kernels by
+    row count, so a prefill's sums round differently from eager's; through a router choosing 8
+    of 256 experts that can flip an expert choice and move later logits by a near-tie or more
+    (measured on an H100: eager's logits parted from the graphs' by up to 1.05 before any
+    token differed, and with prefill graphs off, the decode graphs' logits matched eager's bit
+    for bit)."""
+    shape, path = case[0], case[1]
+    eager, scores = eager_run(path, batch)
+    if "a3b" not in shape:
+        assert torch.equal(eager, graph_tokens)
+        return
+    for row, (ours, theirs) in enumerate(zip(graph_tokens, eager)):
+        diff = (ours != theirs).nonzero()
+        if len(diff):
+            step = int(diff[0])
+            gap = float(scores[row, step, theirs[step]] - scores[row, step, ours[step]])
+            assert gap < NEAR_TIE, f"row {row} parts at step {step}, score gap {gap:.3f}"
 
 
 def test_decode_graphs_over_reused_slots_and_shrinking_batches(case):
