@@ -17,8 +17,9 @@ def attend_tiles(
     """Online-softmax update of ``(acc, m, denom)`` over key tiles ``[tile_lo, tile_hi)``.
     ``MASKED``: the tiles may hold keys past a row's position or past the context. The block
     table's entries lie ``table_stride`` apart (a decode graph's tables are column-major).
-    Keys and values are converted to the query's dtype as loaded: an FP8 cache's, exactly (the
-    caller folds their scales into ``scale_log2`` and the output)."""
+    Keys and values are converted to the query's dtype as loaded: an FP8 cache's, exactly, to
+    float16 (the caller converts the query and folds the scales into ``scale_log2`` and the
+    output)."""
     dims = tl.arange(0, BLOCK_D)
     for tile in range(tile_lo, tile_hi):
         keys = tile * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -18,9 +18,10 @@ only where it wins.
 
 Block-quantized FP8 weights (``kernels.block_scales``) take the same path with ``scales``: the
 strip is loaded as FP8 (16-byte loads of 16 elements, twice a bf16 strip's elements for the
-same bytes in flight), converted in registers, multiplied by its rows' scales of each 128-column
-block and rounded to the input's dtype as the plain path's ``dequantize`` rounds, then
-multiplied in float32 like a 16-bit weight (``worker/fp8_tuning.py`` chooses its rows).
+same bytes in flight), converted in registers and multiplied in float32 like a 16-bit weight;
+each 128-column block's sum is then multiplied by its row's scale (``worker/fp8_tuning.py``
+chooses its rows). The dequantized weight is never rounded to 16 bits, so the result differs
+from the plain path's ``dequantize`` then ``F.linear`` by float32 rounding, not by bf16's.
 """
 
 from __future__ import annotations
@@ -125,33 +126,29 @@ def _chunk(w, u, w_inv, u_inv, k, K, x_ptrs, res_ptrs, norm_ptrs, k_ok, inv_rms,
     if NORM:
         normed = (x.to(tl.float32) * inv_rms).to(x.dtype).to(tl.float32)
         x = (normed * _load(norm_ptrs, k_ok, EVEN).to(tl.float32)).to(x.dtype)
-    gate = tl.sum(_weight(w, w_inv, k, K, x.dtype, SCALE_K, EVEN)
-                  * x.to(tl.float32)[None, :], axis=1)
+    gate = _row_sums(w, w_inv, x, k, K, SCALE_K, EVEN)
     if GATED:
-        up = tl.sum(_weight(u, u_inv, k, K, x.dtype, SCALE_K, EVEN)
-                    * x.to(tl.float32)[None, :], axis=1)
-        return gate, up
+        return gate, _row_sums(u, u_inv, x, k, K, SCALE_K, EVEN)
     return gate, tl.zeros_like(gate)
 
 
 @triton.jit
-def _weight(w, inv_ptrs, k, K, dtype: tl.constexpr, SCALE_K: tl.constexpr,
-            EVEN: tl.constexpr):
-    """A strip chunk's values in float32; with SCALE_K, FP8 values times their blocks' scales
-    (``inv_ptrs``: each strip row's scale row), rounded to the input's ``dtype`` as
-    ``block_scales.dequantize`` rounds them for the plain path."""
+def _row_sums(w, inv_ptrs, x, k, K, SCALE_K: tl.constexpr, EVEN: tl.constexpr):
+    """Each strip row's product with the input chunk ``x``, in float32. With SCALE_K the FP8
+    values are summed block by block and each block's sum is multiplied by its scale
+    (``inv_ptrs``: each strip row's scale row), so an element costs its conversion and one
+    multiply-add: scaling, or rounding the dequantized weight to 16 bits, element by element
+    made the kernel bound by the conversions, not by memory (on an H100)."""
+    products = w.to(tl.float32) * x.to(tl.float32)[None, :]
     if SCALE_K:
         BLOCK_N: tl.constexpr = w.shape[0]
         BLOCK_K: tl.constexpr = w.shape[1]
         blocks = k // SCALE_K + tl.arange(0, BLOCK_K // SCALE_K)
         scale = _load(inv_ptrs[:, None] + blocks[None, :],
                       (blocks < tl.cdiv(K, SCALE_K))[None, :], EVEN)
-        values = tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // SCALE_K, SCALE_K))
-        values = (values * scale[:, :, None]).to(dtype).to(tl.float32)
-        values = tl.reshape(values, (BLOCK_N, BLOCK_K))
-    else:
-        values = w.to(tl.float32)
-    return values
+        sums = tl.sum(tl.reshape(products, (BLOCK_N, BLOCK_K // SCALE_K, SCALE_K)), axis=2)
+        return tl.sum(sums * scale, axis=1)
+    return tl.sum(products, axis=1)
 
 
 @triton.jit
