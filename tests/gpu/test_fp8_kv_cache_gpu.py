@@ -23,11 +23,30 @@ CUDA = torch.device("cuda")
 SLACK = 0.05
 
 
+def neighbour_caches(x: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, shape
+                     ) -> list[torch.Tensor]:
+    """The cache bytes of ``x / scale`` stored from the float32 values one ulp below and one
+    above the quotient: where the two differ, the quotient sits within an ulp of an e4m3
+    rounding boundary."""
+    y = x.float() / scale[:, None]
+    keep = slots >= 0
+    caches = []
+    for toward in (float("-inf"), float("inf")):
+        near = torch.nextafter(y, torch.full_like(y, toward)).clamp(-448, 448).to(FP8)
+        cache = torch.zeros(shape, dtype=torch.uint8, device=CUDA)
+        cache.view(-1, *shape[2:]).index_copy_(0, slots[keep].long(), bits(near[keep]))
+        caches.append(cache)
+    return caches
+
+
 def test_store_rounds_as_the_reference():
-    """The cache holds exactly the reference's e4m3 rounding of the rotated keys and the values
-    the kernel wrote: the rotation itself may differ from the reference's by a bf16 step of its
+    """The cache holds the reference's e4m3 rounding of the rotated keys and the values the
+    kernel wrote: the rotation itself may differ from the reference's by a bf16 step of its
     inputs (another rsqrt, fused products), which near a cancellation is many e4m3 steps of a
-    small key; the non-FP8 tests hold the rotation to the reference."""
+    small key; the non-FP8 tests hold the rotation to the reference. Every byte is the
+    reference's, except where the float32 quotient lies within an ulp of an e4m3 rounding
+    boundary: there the kernel's division and torch's may round the quotient's last bit apart
+    (an H100 run had one such key of 307,200), and either neighbour's rounding is right."""
     torch.manual_seed(0)
     _, args = attention_inputs(300, 16, 8, 128, 64, 8, torch.bfloat16)
     caches = [torch.zeros(c.shape, device=CUDA).to(FP8) for c in args[8:10]]
@@ -36,11 +55,15 @@ def test_store_rounds_as_the_reference():
     norm_rope_store(*args[:8], *caches, args[10], k_scale, v_scale)
     key, value = args[1:3]  # the rotated keys, written in place
     reference.store_kv(key, value, *expected, args[10], k_scale, v_scale)
-    for name, got, want in zip("kv", caches, expected):
-        wrong = (bits(got) != bits(want)).nonzero()
-        first = tuple(wrong[0]) if len(wrong) else ()
-        assert not len(wrong), (f"{len(wrong)} {name} cache bytes differ, first at {first}: "
-                                f"{bits(got)[first]} against {bits(want)[first]}")
+    for name, x, scale, got, want in zip("kv", (key, value), (k_scale, v_scale), caches,
+                                         expected):
+        below, above = neighbour_caches(x, scale, args[10], got.shape)
+        got, want = bits(got), bits(want)
+        wrong = (got != want) & (got != below) & (got != above)
+        first = tuple(wrong.nonzero()[0]) if wrong.any() else ()
+        assert not wrong.any(), (f"{int(wrong.sum())} {name} cache bytes differ, first at "
+                                 f"{first}: {got[first]} against {want[first]}")
+        print(f"{name} cache: {int((got != want).sum())} bytes at a rounding boundary differ")
 
 
 @pytest.mark.parametrize("num_splits,shared", [(1, 0), (None, 0), (4, 0), (None, 5)])
