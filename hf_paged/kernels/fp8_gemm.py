@@ -1,7 +1,7 @@
 """Block-scaled FP8 projections of more rows than the small-M kernel serves (larger decode
 batches, prefill): ``x [M, K] @ W.T`` with ``W`` float8_e4m3fn and its ``BlockScales``.
 
-Two GEMMs; start-up times both per projection shape (``worker/fp8_tuning.py``):
+Three paths; start-up times them per projection shape (``worker/fp8_tuning.py``):
 
 - ``dequant_linear``: the weight tile is converted and scaled in registers, rounded to the
   activations' dtype and multiplied on the 16-bit tensor cores: the plain path's numbers
@@ -11,13 +11,19 @@ Two GEMMs; start-up times both per projection shape (``worker/fp8_tuning.py``):
   for fine-grained FP8), then each K block of the FP8 tensor cores' product is scaled by
   ``a_scale[m, kb] * inv[rows[n], kb]`` into a float32 accumulator: twice the 16-bit
   tensor cores' rate, at the cost of the activations' rounding to FP8 and one more launch.
+- ``cublas_linear``: the whole weight dequantized into a scratch tensor of the activations'
+  dtype (``dequantize_weight``), then ``F.linear`` (cuBLAS): ``dequant_linear``'s numbers.
+  Writing and reading the scratch costs three bytes an element, which a large GEMM (prefill)
+  repays where cuBLAS outruns the Triton GEMMs; the weight stays FP8 in memory, and the
+  scratch lives only through the call.
 
-Both take K in steps of at most one scale block, so a step reads one scale per weight row.
+The GEMMs take K in steps of at most one scale block, so a step reads one scale per weight row.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -25,6 +31,7 @@ from hf_paged.kernels.block_scales import FP8, FP8_MAX, MIN_AMAX, BlockScales
 from hf_paged.kernels.launch import launch
 
 _GROUPS_PER_PROGRAM = 8
+_DEQUANT_TILE = (16, 256)  # weight rows by columns a program of ``dequantize_weight`` converts
 
 
 @triton.jit
@@ -170,3 +177,42 @@ def w8a8_linear(x: torch.Tensor, weight: torch.Tensor, scales: BlockScales,
     tensor cores, in ``x``'s dtype."""
     q, a_scale = act_quant(x, scales.block_k)
     return _gemm(q, a_scale, weight, scales, bias, x.dtype)
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, inv_ptr, rows_ptr, out_ptr, N, K, w_s0, inv_s0, out_s0,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr):
+    ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (ns < N)[:, None] & (ks < K)[None, :]
+    grid_row = tl.load(rows_ptr + ns, mask=ns < N, other=0).to(tl.int64)
+    scale = tl.load(inv_ptr + grid_row[:, None] * inv_s0 + (ks // SCALE_K)[None, :], mask=mask,
+                    other=0.0)
+    w = tl.load(w_ptr + ns.to(tl.int64)[:, None] * w_s0 + ks[None, :], mask=mask, other=0.0)
+    tl.store(out_ptr + ns.to(tl.int64)[:, None] * out_s0 + ks[None, :],
+             (w.to(tl.float32) * scale).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequantize_weight(weight: torch.Tensor, scales: BlockScales, dtype: torch.dtype
+                      ) -> torch.Tensor:
+    """Triton twin of ``block_scales.dequantize`` for a 2-D weight: each element times its
+    block's scale in float32, rounded once to ``dtype``."""
+    n, k = weight.shape
+    assert weight.stride(1) == scales.inv.stride(-1) == 1
+    out = torch.empty((n, k), dtype=dtype, device=weight.device)
+    block_n, block_k = _DEQUANT_TILE
+    if n and k:
+        launch(_dequant_kernel, (triton.cdiv(n, block_n), triton.cdiv(k, block_k)), weight,
+               scales.inv, scales.rows, out, n, k, weight.stride(0), scales.inv.stride(0),
+               out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, SCALE_K=scales.block_k,
+               num_warps=4)
+    return out
+
+
+def cublas_linear(x: torch.Tensor, weight: torch.Tensor, scales: BlockScales,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` over the FP8 ``weight`` dequantized whole to ``x``'s dtype: the numbers of
+    ``reference.dequant_linear``, on cuBLAS."""
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(f"weight has {weight.shape[1]} input features, x has {x.shape[1]}")
+    return F.linear(x, dequantize_weight(weight, scales, x.dtype), bias)

@@ -70,6 +70,7 @@ class _ParallelLinear(nn.Linear):
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
         self.small_m_rows = 0  # up to how many rows the small-M kernel serves (start-up's choice)
         self.w8a8_rows = 0  # FP8 weights: from how many rows the w8a8 GEMM serves (start-up's)
+        self.cublas_rows = 0  # FP8 weights: from how many rows dequantize-then-cuBLAS serves
         self.block: tuple[int, int] | None = None  # FP8: (rows, columns) a scale covers
         self.lora: LoraStack | None = None  # adapters' low-rank deltas, once one is loaded
 
@@ -102,7 +103,7 @@ class _ParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = kernels.linear(x, self.weight, self.bias, self.small_m_rows, scales=self.scales,
-                             w8a8_rows=self.w8a8_rows)
+                             w8a8_rows=self.w8a8_rows, cublas_rows=self.cublas_rows)
         return out if self.lora is None else self.lora.add_to(out, x)
 
     def _copy(self, param: nn.Parameter, loaded, dim: int, dst: int, src: int, size: int
@@ -156,7 +157,8 @@ class ColumnParallelLinear(_ParallelLinear):
         lora = self.lora is not None and self.lora.active()
         out, residual = kernels.normed_linear(
             x, residual, norm.weight, norm.eps, self.weight, self.bias, self.small_m_rows,
-            gated and not lora, scales=self.scales, w8a8_rows=self.w8a8_rows, offset=norm.offset)
+            gated and not lora, scales=self.scales, w8a8_rows=self.w8a8_rows, offset=norm.offset,
+            cublas_rows=self.cublas_rows)
         if lora:
             out = self.lora.add_to(out, residual, (norm.weight, norm.eps), gated)
         return out, residual
@@ -277,7 +279,7 @@ class RowParallelLinear(_ParallelLinear):
         shares reduces them once)."""
         bias = self.bias if self.tp.rank == 0 else None
         out = kernels.linear(x, self.weight, bias, self.small_m_rows, scales=self.scales,
-                             w8a8_rows=self.w8a8_rows)
+                             w8a8_rows=self.w8a8_rows, cublas_rows=self.cublas_rows)
         if self.lora is not None:  # a rank's share of the delta, summed with the products
             out = self.lora.add_to(out, x)
         return out

@@ -1,16 +1,16 @@
 """Which kernels serve the block-quantized FP8 projections, measured at start-up per projection
 shape as ``projection_tuning`` measures the 16-bit ones.
 
-An FP8 projection has three Triton kernels (``kernels.small_m``, ``kernels.fp8_gemm``): the
-small-M kernel for decode's few rows, and for more rows the GEMM that dequantizes the weight
-tile by tile (16-bit tensor cores) or the w8a8 GEMM (the activations quantized per 128-column
-group, FP8 tensor cores: twice the rate, plus a quantization launch and the activations'
-rounding). For each shape start-up times, over every layer's weight of that shape in a CUDA
-graph: the small-M kernel against the dequantizing GEMM at 1, 2, 4 and 8 rows (the gate/up
-projection with its SwiGLU product), which sets ``small_m_rows`` by ``small_m_rows``'s rule;
-and both GEMMs at ``_GEMM_ROWS``, which sets ``w8a8_rows``: the fewest rows from which the
-w8a8 GEMM was faster at every larger count measured (0: never). The choice is cached on disk
-with the 16-bit one's (``cached_report``).
+An FP8 projection has four paths (``kernels.small_m``, ``kernels.fp8_gemm``): the small-M
+kernel for decode's few rows, and for more rows the GEMM that dequantizes the weight tile by
+tile (16-bit tensor cores), the w8a8 GEMM (the activations quantized per 128-column group, FP8
+tensor cores: twice the rate, plus a quantization launch and the activations' rounding) or the
+whole weight dequantized into a scratch tensor for cuBLAS. For each shape start-up times, over
+every layer's weight of that shape in a CUDA graph: the small-M kernel against the
+dequantizing GEMM at 1, 2, 4 and 8 rows (the gate/up projection with its SwiGLU product),
+which sets ``small_m_rows`` by ``small_m_rows``'s rule; and the three others at
+``_GEMM_ROWS``, which set ``cublas_rows`` and ``w8a8_rows`` by ``gemm_rows``. The choice is
+cached on disk with the 16-bit one's (``cached_report``).
 """
 
 from __future__ import annotations
@@ -48,6 +48,20 @@ def w8a8_rows(dequant_us: dict[int, float], w8a8_us: dict[int, float]) -> int:
     return rows
 
 
+def gemm_rows(dequant_us: dict[int, float], w8a8_us: dict[int, float],
+              cublas_us: dict[int, float]) -> tuple[int, int]:
+    """``(w8a8_rows, cublas_rows)``: cuBLAS over the dequantized weight from the fewest rows at
+    which it was the fastest of the three at every larger count measured (0: never); below
+    those, the w8a8 GEMM by ``w8a8_rows``'s rule over the counts left."""
+    cublas = 0
+    for r in sorted(dequant_us, reverse=True):
+        if not cublas_us[r] < min(dequant_us[r], w8a8_us[r]):
+            break
+        cublas = r
+    below = {r: us for r, us in dequant_us.items() if not cublas or r < cublas}
+    return w8a8_rows(below, w8a8_us), cublas
+
+
 def scales_of(module: nn.Module) -> BlockScales | None:
     """The block scales of an FP8 projection (None for any other module)."""
     scales = getattr(module, "scales", None)
@@ -55,7 +69,8 @@ def scales_of(module: nn.Module) -> BlockScales | None:
 
 
 def tune_fp8_projections(layers: nn.Module, dtype: torch.dtype) -> dict[str, dict]:
-    """Set ``small_m_rows`` and ``w8a8_rows`` on every bias-free FP8 projection in ``layers``
+    """Set ``small_m_rows``, ``w8a8_rows`` and ``cublas_rows`` on every bias-free FP8 projection
+    in ``layers``
     (on CUDA), timed on inputs of the model's ``dtype``, and return, per weight shape (``fp8``,
     and ``gated`` for a merged gate/up projection), the microseconds measured and the
     choice."""
@@ -84,6 +99,7 @@ def tune_fp8_projections(layers: nn.Module, dtype: torch.dtype) -> dict[str, dic
         for m in modules:
             m.small_m_rows = report[name]["small_m_rows"] if name in report else 0
             m.w8a8_rows = report[name]["w8a8_rows"] if name in report else 0
+            m.cublas_rows = report[name]["cublas_rows"] if name in report else 0
     return report
 
 
@@ -106,10 +122,12 @@ def _kernels(gated: bool) -> dict[str, Callable]:
     if gated:
         return {"small_m": lambda x, w: small_m.gated_linear(x, *w),
                 "dequant": lambda x, w: kernels.silu_and_mul(fp8_gemm.dequant_linear(x, *w)),
-                "w8a8": lambda x, w: kernels.silu_and_mul(fp8_gemm.w8a8_linear(x, *w))}
+                "w8a8": lambda x, w: kernels.silu_and_mul(fp8_gemm.w8a8_linear(x, *w)),
+                "cublas": lambda x, w: kernels.silu_and_mul(fp8_gemm.cublas_linear(x, *w))}
     return {"small_m": lambda x, w: small_m.linear(x, *w),
             "dequant": lambda x, w: fp8_gemm.dequant_linear(x, *w),
-            "w8a8": lambda x, w: fp8_gemm.w8a8_linear(x, *w)}
+            "w8a8": lambda x, w: fp8_gemm.w8a8_linear(x, *w),
+            "cublas": lambda x, w: fp8_gemm.cublas_linear(x, *w)}
 
 
 def _measure(groups: dict[str, list[_ParallelLinear]], dtype: torch.dtype) -> dict[str, dict]:
@@ -128,7 +146,8 @@ def _measure(groups: dict[str, list[_ParallelLinear]], dtype: torch.dtype) -> di
             run = _kernels(name.endswith("gated"))
             n, k = weights[0][0].shape
             times: dict[str, dict[int, float]] = {"gemm_us": {}, "small_m_us": {},
-                                                  "dequant_us": {}, "w8a8_us": {}}
+                                                  "dequant_us": {}, "w8a8_us": {},
+                                                  "cublas_us": {}}
             for rows in _ROWS:  # up to the small-M kernel's first loss
                 x = torch.randn(rows, k, dtype=dtype, device=weights[0][0].device)
                 times["gemm_us"][rows] = _micros(run["dequant"], x, weights)
@@ -140,9 +159,11 @@ def _measure(groups: dict[str, list[_ParallelLinear]], dtype: torch.dtype) -> di
                 some = weights[:max(1, _GRAPH_OUTPUT_BYTES // (rows * n * x.element_size()))]
                 times["dequant_us"][rows] = _micros(run["dequant"], x, some)
                 times["w8a8_us"][rows] = _micros(run["w8a8"], x, some)
+                times["cublas_us"][rows] = _micros(run["cublas"], x, some)
+            w8a8, cublas = gemm_rows(times["dequant_us"], times["w8a8_us"], times["cublas_us"])
             report[name] = dict(**times,
                                 small_m_rows=small_m_rows(times["gemm_us"],
                                                           times["small_m_us"]),
-                                w8a8_rows=w8a8_rows(times["dequant_us"], times["w8a8_us"]))
+                                w8a8_rows=w8a8, cublas_rows=cublas)
     torch.cuda.empty_cache()  # the timing graphs' memory
     return report

@@ -1,9 +1,9 @@
 """The kernels' GPU variants compile for an H100 (sm_90) on this machine: the FP8 paths (FP8
-weights in the small-M kernel, both block-scaled GEMMs, FP8 experts; an FP8 KV cache in the
-store and in decode, split decode, cascade and prefill attention) and their 16-bit twins; the
-LoRA kernels at decode and prefill; RMSNorm (blocks of rows per head, and with the residual
-add); the Gated DeltaNet layers' convolution (prefill, decode), gated RMSNorm, and chunked
-prefill and decode (Qwen3-Next's heads).
+weights in the small-M kernel, both block-scaled GEMMs, the whole weight's dequantization, FP8
+experts; an FP8 KV cache in the store and in decode, split decode, cascade and prefill
+attention) and their 16-bit twins; the LoRA kernels at decode and prefill; RMSNorm (blocks
+of rows per head, and with the residual add); the Gated DeltaNet layers' convolution
+(prefill, decode), gated RMSNorm, and chunked prefill and decode (Qwen3-Next's heads).
 The interpreter runs their arithmetic in the other tests; this catches what only the compiler
 refuses. (``hopper_target`` says how.)"""
 
@@ -46,6 +46,7 @@ def projections() -> None:
         kernels.normed_linear(x1, x1.clone(), norm, 1e-6, gated, None, 8, True, g)
     for w8a8_rows in (0, 16):  # dequantize-in-the-tile, then w8a8
         kernels.linear(x64, w, None, 8, s, w8a8_rows=w8a8_rows)
+    kernels.linear(x64, w, None, 8, s, cublas_rows=16)  # the weight dequantized for cuBLAS
 
 
 def experts() -> None:

@@ -12,7 +12,7 @@ import torch
 
 from hf_paged import kernels
 from hf_paged.kernels import fp8_gemm, reference, small_m
-from hf_paged.kernels.block_scales import FP8, BlockScales, grid_rows
+from hf_paged.kernels.block_scales import FP8, BlockScales, dequantize, grid_rows
 from tests.kernels.conftest import DEVICE, HALF
 
 # (rows of each merged part, input features): one aligned part; unaligned parts and K.
@@ -95,16 +95,27 @@ def test_act_quant_matches_its_twin_bit_for_bit():
 @pytest.mark.parametrize("dtype", [torch.float32, HALF])
 @pytest.mark.parametrize("rows", [20, 70])
 @pytest.mark.parametrize("parts,k", SHAPES)
-@pytest.mark.parametrize("name", ["dequant_linear", "w8a8_linear"])
+@pytest.mark.parametrize("name", ["dequant_linear", "w8a8_linear", "cublas_linear"])
 def test_gemms(name, dtype, rows, parts, k):
     """The w8a8 GEMM to 1e-2 in any dtype: a GPU's FP8 tensor cores accumulate a K block's
-    products with fewer bits than float32 (the interpreter's are exact)."""
+    products with fewer bits than float32 (the interpreter's are exact). The cuBLAS path has
+    the dequantizing GEMM's twin."""
     weight, scales = fp8_weight(parts, k)
     x = rand(rows, k, dtype=dtype)
     bias = rand(sum(parts), dtype=dtype) if rows == 70 else None
-    expected = getattr(reference, name)(x, weight, scales, bias)
+    twin = "dequant_linear" if name == "cublas_linear" else name
+    expected = getattr(reference, twin)(x, weight, scales, bias)
     assert_near(getattr(fp8_gemm, name)(x, weight, scales, bias), expected,
                 1e-2 if name == "w8a8_linear" else None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("parts,k", SHAPES)
+def test_dequantize_weight_bit_for_bit(dtype, parts, k):
+    """The cuBLAS path's scratch weight is exactly the plain path's dequantized one."""
+    weight, scales = fp8_weight(parts, k)
+    assert torch.equal(fp8_gemm.dequantize_weight(weight, scales, dtype),
+                       dequantize(weight, scales, dtype))
 
 
 def test_w8a8_twin_stays_near_the_definition():
@@ -118,7 +129,8 @@ def test_w8a8_twin_stays_near_the_definition():
 
 def test_dispatch(monkeypatch):
     """FP8 projections go to the small-M kernel up to its rows, to the dequantizing GEMM
-    below ``w8a8_rows`` and to the w8a8 one from there; off Triton, to the plain path."""
+    below ``w8a8_rows``, to the w8a8 one from there and to cuBLAS from ``cublas_rows``; off
+    Triton, to the plain path."""
     monkeypatch.setattr(kernels, "_TRITON_ON_CPU", True)
     calls = []
     monkeypatch.setattr(kernels, "_triton_kernel", lambda module, name: lambda *a: (
@@ -129,12 +141,15 @@ def test_dispatch(monkeypatch):
     kernels.linear(x(5), weight, None, 4, scales)
     kernels.linear(x(5), weight, None, 4, scales, w8a8_rows=16)
     kernels.linear(x(16), weight, None, 4, scales, w8a8_rows=16)
+    kernels.linear(x(64), weight, None, 4, scales, w8a8_rows=16, cublas_rows=64)
+    kernels.linear(x(63), weight, None, 4, scales, w8a8_rows=16, cublas_rows=64)
     kernels.linear(x(1), weight, rand(48, dtype=HALF), 4, scales)  # a bias: no small-M
     kernels.gated_linear(x(2), weight, 4, scales)
     kernels.normed_linear(x(2), None, torch.ones(128, dtype=HALF), 1e-6, weight, None, 4,
                           False, scales)
     assert calls == ["linear", "dequant_linear", "dequant_linear", "w8a8_linear",
-                     "dequant_linear", "gated_linear", "normed_linear"]
+                     "cublas_linear", "w8a8_linear", "dequant_linear", "gated_linear",
+                     "normed_linear"]
     monkeypatch.setattr(kernels, "_TRITON_ON_CPU", False)
     if DEVICE.type == "cpu":
         calls.clear()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_paged.worker.fp8_tuning import w8a8_rows
+from hf_paged.worker.fp8_tuning import gemm_rows, w8a8_rows
 from hf_paged.worker.projection_tuning import cached_report, small_m_rows, tune_projections
 
 
@@ -53,3 +53,14 @@ def test_w8a8_serves_from_the_fewest_rows_where_it_won_at_every_larger_count():
     assert w8a8_rows(dequant, {16: 9.0, 64: 13.0, 256: 25.0, 1024: 60.0, 4096: 220.0}) == 256
     assert w8a8_rows(dequant, {16: 9.0, 64: 11.0, 256: 25.0, 1024: 60.0, 4096: 220.0}) == 16
     assert w8a8_rows(dequant, {16: 9.0, 64: 11.0, 256: 25.0, 1024: 60.0, 4096: 401.0}) == 0
+
+
+def test_cublas_serves_from_the_fewest_rows_where_it_beat_both_gemms_at_every_larger_count():
+    dequant = {16: 10.0, 64: 12.0, 256: 30.0, 1024: 100.0, 4096: 400.0}
+    w8a8 = {16: 12.0, 64: 11.0, 256: 25.0, 1024: 60.0, 4096: 220.0}
+    # cuBLAS from 1,024 rows; below, w8a8 won at 64 and 256
+    assert gemm_rows(dequant, w8a8, {16: 20, 64: 20, 256: 40, 1024: 50, 4096: 200}) == (64, 1024)
+    # beaten by w8a8 at the most rows: never cuBLAS, w8a8 as alone
+    assert gemm_rows(dequant, w8a8, {16: 5, 64: 5, 256: 5, 1024: 5, 4096: 230}) == (64, 0)
+    # fastest everywhere: cuBLAS from the fewest rows measured, w8a8 never
+    assert gemm_rows(dequant, w8a8, {r: 1.0 for r in dequant}) == (0, 16)
