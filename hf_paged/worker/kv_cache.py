@@ -6,7 +6,9 @@ An FP8 cache (``kv_cache_dtype="fp8"``) holds float8_e4m3fn, one byte an element
 memory holds twice the tokens of a bfloat16 one; each layer carries the float32 scales of its
 keys and values per KV head, ``k_scale`` / ``v_scale`` ``[kv_heads]``, beside its caches: the
 checkpoint's where it ships them, else calibrated at start-up (``worker.kv_scales``). They are
-updated in place only, so the CUDA graphs that read them by address see them.
+updated in place only, so the CUDA graphs that read them by address see them. Its attention
+computes in float16 (``kernels.attention``), so a model whose queries could leave float16's
+range is refused (``check_float16_queries``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,28 @@ import torch
 
 from hf_paged import kernels
 from hf_paged.device_copy import to_device
+
+FLOAT16_MAX = 65504.0
+
+
+def check_float16_queries(attention_layers: list) -> None:
+    """Raise unless every layer's queries stay within float16's range, where an FP8 cache's
+    attention tiles hold them: a query head is RMS-normalised (``q_norm``), so each of its
+    elements is at most ``sqrt(head_dim)`` times the norm weight's largest magnitude (RoPE
+    rotates pairs of elements, which keeps that bound)."""
+    for i, layer in enumerate(attention_layers):
+        norm = getattr(layer, "q_norm", None)
+        if norm is None:
+            raise ValueError(f"kv_cache_dtype='fp8': attention layer {i} has no q_norm, so its "
+                             "queries have no bound within float16's range")
+        weight = norm.weight.detach().float() + (1.0 if norm.offset else 0.0)
+        largest = float(weight.abs().max())
+        if layer.head_dim**0.5 * largest > FLOAT16_MAX:
+            raise ValueError(
+                f"kv_cache_dtype='fp8': attention layer {i}'s q_norm.weight (largest magnitude "
+                f"{largest:.4g}) lets a query element reach {layer.head_dim**0.5 * largest:.4g},"
+                f" beyond float16's {FLOAT16_MAX:,.0f}, in which the FP8 cache's attention "
+                "computes; use kv_cache_dtype='auto'")
 
 
 def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -33,6 +57,7 @@ class KVCache:
         # Whether start-up calibrates the scales: an FP8 cache whose checkpoint shipped none.
         self.calibrates = False
         if dtype == torch.float8_e4m3fn:
+            check_float16_queries(attention_layers)
             self.calibrates = any(layer.k_scale is None for layer in attention_layers)
             for layer in attention_layers:
                 if self.calibrates or layer.k_scale is None:
