@@ -23,13 +23,14 @@ attends tiles of ``BLOCK_Q`` query tokens to the shared prefix, reading each key
 the decode kernel covers only each sequence's own keys after it, and the partial results merge
 as the splits do.
 
-An FP8 cache (float8_e4m3fn, one code path by the constexpr ``FP8``): the tiles' products run
-in float16, so keys and values are converted as loaded with one packed convert per two
-elements (exact; to bf16 a Hopper GPU takes three converts per two, which bound the kernel
-below the bandwidth a byte an element allows), the query too (exact: every served family
-RMS-normalises its queries and keys per head, far inside float16's range) and the softmax's
-probabilities (more precise than in bf16). The KV head's key scale is folded into the softmax
-scale and its value scale into the output, so a decode step reads one byte an element.
+An FP8 cache (float8_e4m3fn, one code path by the constexpr ``FP8``): with 16-bit queries the
+tiles' products run in float16, so keys and values are converted as loaded with one packed
+convert per two elements (exact; to bf16 a Hopper GPU takes three converts per two, which
+bound the kernel below the bandwidth a byte an element allows), the query too (exact within
+float16's range, which ``worker.kv_cache.check_float16_queries`` makes sure of at start-up)
+and the softmax's probabilities (more precise than in bf16); float32 queries keep float32.
+The KV head's key scale is folded into the softmax scale and its value scale into the output,
+so a decode step reads one byte an element.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def _attention_kernel(
         return
     q = tl.load(q_ptr + q_rows[:, None] * q_s0 + head[:, None] * q_s1 + dims[None, :], mask=mask,
                 other=0.0)
-    if FP8:  # the tiles in float16 (module docstring)
+    if FP8 and q.dtype != tl.float32:  # 16-bit queries: the tiles in float16 (module docstring)
         q = q.to(tl.float16)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)

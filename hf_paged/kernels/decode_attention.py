@@ -44,7 +44,7 @@ def shared_prefix_kernel(
     q_rows = tok.to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * q_s0 + head[:, None] * q_s1 + dims[None, :], mask=mask,
                 other=0.0)
-    if FP8:  # the tiles in float16, as ``kernels.attention``
+    if FP8 and q.dtype != tl.float32:  # 16-bit queries: float16 tiles, as ``kernels.attention``
         q = q.to(tl.float16)
     n_tiles = tl.load(shared_ptr) // BLOCK_N
     per_split = tl.cdiv(n_tiles, tl.num_programs(2))

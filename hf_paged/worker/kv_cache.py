@@ -23,11 +23,14 @@ FLOAT16_MAX = 65504.0
 
 def check_float16_queries(attention_layers: list) -> None:
     """Raise unless every layer's queries stay within float16's range, where an FP8 cache's
-    attention tiles hold them: a query head is RMS-normalised (``q_norm``), so each of its
-    elements is at most ``sqrt(head_dim)`` times the norm weight's largest magnitude (RoPE
-    rotates pairs of elements, which keeps that bound)."""
+    attention tiles hold 16-bit queries: a query head is RMS-normalised (``q_norm``), so each
+    of its elements is at most ``sqrt(head_dim)`` times the norm weight's largest magnitude
+    (RoPE rotates pairs of elements, which keeps that bound). A float32 model's attention
+    stays in float32."""
     for i, layer in enumerate(attention_layers):
         norm = getattr(layer, "q_norm", None)
+        if norm is not None and norm.weight.dtype == torch.float32:
+            continue
         if norm is None:
             raise ValueError(f"kv_cache_dtype='fp8': attention layer {i} has no q_norm, so its "
                              "queries have no bound within float16's range")

@@ -230,11 +230,13 @@ def test_scales_missing_for_a_layer_are_refused_by_key(checkpoints, tmp_path):
 
 
 def test_queries_beyond_float16_are_refused_by_layer(checkpoints, tmp_path):
-    """The FP8 cache's attention computes in float16: a q_norm weight that lets a normed query
-    pass 65,504 refuses the cache, naming the layer; the float cache still serves it."""
+    """The FP8 cache's attention computes 16-bit queries in float16: a q_norm weight that lets
+    a normed query pass 65,504 refuses the cache, naming the layer; the float cache, and the
+    FP8 cache of a float32 model (float32 tiles), still serve it."""
     head_dim = TINY_CONFIGS["gqa_tied"]["head_dim"]
     path = with_scales(checkpoints, tmp_path, {"model.layers.1.self_attn.q_norm.weight":
                                                torch.full((head_dim,), 7e4)})
     with pytest.raises(ValueError, match=r"layer 1's q_norm\.weight .* beyond float16"):
-        engine(path, "gqa_tied", "fp8")
-    engine(path, "gqa_tied", "auto")
+        engine(path, "gqa_tied", "fp8", dtype=torch.bfloat16)
+    engine(path, "gqa_tied", "auto", dtype=torch.bfloat16)
+    engine(path, "gqa_tied", "fp8", dtype=torch.float32)
