@@ -39,6 +39,8 @@ SHAPES: dict[str, dict] = {
                  num_attention_heads=16, tie_word_embeddings=True),
     "8b": dict(_QWEN3, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                num_attention_heads=32, tie_word_embeddings=False),
+    "32b": dict(_QWEN3, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                num_attention_heads=64, tie_word_embeddings=False),
     # Qwen3-MoE: every layer sparse, top-k weights renormalised, as the released checkpoints.
     "tiny-moe": dict(_QWEN3, model_type="qwen3_moe", vocab_size=1024, hidden_size=64,
                      intermediate_size=128, moe_intermediate_size=32, num_experts=8,
@@ -50,6 +52,10 @@ SHAPES: dict[str, dict] = {
                     moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
                     norm_topk_prob=True, num_hidden_layers=48, num_attention_heads=32,
                     num_key_value_heads=4, tie_word_embeddings=False),
+    "235b-a22b": dict(_QWEN3, model_type="qwen3_moe", hidden_size=4096,
+                      intermediate_size=12288, moe_intermediate_size=1536, num_experts=128,
+                      num_experts_per_tok=8, norm_topk_prob=True, num_hidden_layers=94,
+                      num_attention_heads=64, num_key_value_heads=4, tie_word_embeddings=False),
     # Hybrids: Gated DeltaNet layers with a gated attention layer every fourth (transformers'
     # default layer_types), partial RoPE (a quarter of head_dim), untied as the releases.
     "tiny-next": dict(_TINY_HYBRID, model_type="qwen3_next", intermediate_size=128,
