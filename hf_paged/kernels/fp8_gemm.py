@@ -57,7 +57,10 @@ def _round_e4m3(v):
     # The spacing of e4m3 values around v: 3 mantissa bits; 2**-9 below 2**-6 (subnormals).
     step = (tl.maximum(exponent, 127 - 6) - 3) << 23
     magic = step.to(tl.float32, bitcast=True) * 12582912.0  # 1.5 * 2**23 steps
-    return (v + magic) - magic
+    # On the magnitude, the sign put back after: a negative value rounding to zero stays -0,
+    # as the cast keeps it.
+    rounded = (tl.abs(v) + magic) - magic
+    return tl.where(v.to(tl.int32, bitcast=True) < 0, -rounded, rounded)
 
 
 def act_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
