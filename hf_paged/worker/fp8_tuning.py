@@ -70,10 +70,9 @@ def scales_of(module: nn.Module) -> BlockScales | None:
 
 def tune_fp8_projections(layers: nn.Module, dtype: torch.dtype) -> dict[str, dict]:
     """Set ``small_m_rows``, ``w8a8_rows`` and ``cublas_rows`` on every bias-free FP8 projection
-    in ``layers``
-    (on CUDA), timed on inputs of the model's ``dtype``, and return, per weight shape (``fp8``,
-    and ``gated`` for a merged gate/up projection), the microseconds measured and the
-    choice."""
+    in ``layers`` (on CUDA), timed on inputs of the model's ``dtype``, and return, per weight
+    shape (``fp8``, and ``gated`` for a merged gate/up projection), the microseconds measured
+    and the choice."""
     groups: dict[str, list[_ParallelLinear]] = defaultdict(list)
     for module in layers.modules():
         w = module.weight if isinstance(module, _ParallelLinear) else None

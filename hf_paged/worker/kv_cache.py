@@ -6,9 +6,9 @@ An FP8 cache (``kv_cache_dtype="fp8"``) holds float8_e4m3fn, one byte an element
 memory holds twice the tokens of a bfloat16 one; each layer carries the float32 scales of its
 keys and values per KV head, ``k_scale`` / ``v_scale`` ``[kv_heads]``, beside its caches: the
 checkpoint's where it ships them, else calibrated at start-up (``worker.kv_scales``). They are
-updated in place only, so the CUDA graphs that read them by address see them. Its attention
-computes in float16 (``kernels.attention``), so a model whose queries could leave float16's
-range is refused (``check_float16_queries``).
+updated in place only, so the CUDA graphs that read them by address see them. With 16-bit
+queries its attention computes in float16 (``kernels.attention``), so a 16-bit model whose
+queries could leave float16's range is refused (``check_float16_queries``).
 """
 
 from __future__ import annotations
