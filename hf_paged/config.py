@@ -8,6 +8,7 @@ ATTENTION_BACKENDS = ("triton", "sdpa", "flash_attn")
 SPECULATIVE_METHODS = ("ngram", "draft")
 # "auto": the model's dtype; the others: float8_e4m3fn with per-KV-head scales.
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+MOE_PARALLEL = ("intermediate", "experts")
 
 
 @dataclass
@@ -59,6 +60,13 @@ class EngineConfig:
             ``AutoModelForCausalLM.from_pretrained``, whose ``generate`` deals each call's rows
             (a row's beams and return sequences together) to the replicas with the fewest
             outstanding tokens (prompt plus new-token budget) and returns them in order.
+        moe_parallel: how tensor parallelism splits a mixture-of-experts layer's routed
+            experts: ``"intermediate"`` (the default: every rank holds every expert's slice
+            of ``moe_intermediate_size``) or ``"experts"`` (expert parallelism: each rank holds
+            ``num_experts / tensor_parallel_size`` whole experts and computes only the routed
+            pairs that reach them; the activations stay replicated, so the same all-reduce
+            sums the ranks' shares). A shared expert is split by its intermediate size either
+            way.
         disable_custom_all_reduce: on CUDA, reduce across ranks with NCCL alone instead of
             through symmetric memory (which serves tensors of up to 2,048 tokens' hidden
             states, at the sizes where start-up measured it faster than NCCL).
@@ -103,6 +111,7 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     disable_custom_all_reduce: bool = False
+    moe_parallel: str = "intermediate"
     speculative_method: str | None = None
     speculative_model: str | None = None
     num_speculative_tokens: int = 4
@@ -149,6 +158,9 @@ class EngineConfig:
                 f"attention_backend must be one of {ATTENTION_BACKENDS} or None, "
                 f"got {self.attention_backend!r}"
             )
+        if self.moe_parallel not in MOE_PARALLEL:
+            raise ValueError(f"moe_parallel must be one of {MOE_PARALLEL}, "
+                             f"got {self.moe_parallel!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, "
                              f"got {self.kv_cache_dtype!r}")

@@ -61,13 +61,15 @@ def family_for(config_or_model_type: PretrainedConfig | str) -> ModuleType:
 
 
 def check_model(config: PretrainedConfig, tp_size: int,
-                quantization: Fp8Scheme | None = None) -> None:
+                quantization: Fp8Scheme | None = None, expert_parallel: bool = False) -> None:
     """Raise ValueError, naming the problem, unless hf_paged can run ``config``'s model split
     over ``tp_size`` tensor-parallel ranks: its family's checks, then the split's (which must
-    not cut the blocks of ``quantization``'s FP8 weights)."""
+    not cut the blocks of ``quantization``'s FP8 weights; ``expert_parallel``: routed experts
+    split whole, ``EngineConfig.moe_parallel``)."""
     family = family_for(config)
     family.check_config(config)
-    family.check_shardable(config, tp_size, quantization and quantization.block)
+    family.check_shardable(config, tp_size, quantization and quantization.block,
+                           expert_parallel)
 
 
 __all__ = ["REGISTRY", "all_families", "check_model", "family_for", "supported_description",

@@ -13,9 +13,10 @@ model_types to it and imports it on first use. The next family copies this shape
 - ``PACKED_MODULES``: its fused weight groups, checkpoint projection -> (merged module, shard
   id), which the loader fills and ``state_dict()`` splits back; ``packed_sizes(config)``: each
   merged module's part sizes, in checkpoint order.
-- ``check_config(config)`` and ``check_shardable(config, tp_size, block)``: a ValueError
-  naming what the modules cannot run, or what ``tp_size`` ranks cannot split (both numbers
-  named; ``block``: FP8 weights' block size, whose blocks a rank's slice must not cut).
+- ``check_config(config)`` and ``check_shardable(config, tp_size, block, expert_parallel)``:
+  a ValueError naming what the modules cannot run, or what ``tp_size`` ranks cannot split
+  (both numbers named; ``block``: FP8 weights' block size, whose blocks a rank's slice must
+  not cut; ``expert_parallel``: routed experts split whole, not by their intermediate size).
 - ``checkpoint_keys(expected, found)``: transformers' keys and full shapes (``expected``)
   restated in the layout of a checkpoint holding the keys ``found``, where a family's
   checkpoints name tensors otherwise; ``weight_target(name)``: the parameter a checkpoint
@@ -104,7 +105,8 @@ def check_config(config: PretrainedConfig) -> None:
 
 
 def check_shardable(config: PretrainedConfig, tp_size: int,
-                    block: tuple[int, int] | None = None) -> None:
+                    block: tuple[int, int] | None = None, expert_parallel: bool = False
+                    ) -> None:
     """Raise ValueError, naming both numbers, when ``tp_size`` ranks cannot split the model
     (with FP8 weights of ``block``: without cutting a block)."""
     kv_head_layout(config.num_attention_heads, config.num_key_value_heads, tp_size)

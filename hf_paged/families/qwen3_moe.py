@@ -67,18 +67,21 @@ def _has_dense_layers(config: PretrainedConfig) -> bool:
 
 
 def check_shardable(config: PretrainedConfig, tp_size: int,
-                    block: tuple[int, int] | None = None) -> None:
+                    block: tuple[int, int] | None = None, expert_parallel: bool = False
+                    ) -> None:
     """Raise ValueError, naming both numbers, when ``tp_size`` ranks cannot split the model:
     attention's heads, the dense layers' ``intermediate_size`` (when there are dense layers)
     and every expert's ``moe_intermediate_size`` (with FP8 weights of ``block``: without
-    cutting a block)."""
+    cutting a block), or with ``expert_parallel`` the experts themselves (``num_experts``)."""
     kv_head_layout(config.num_attention_heads, config.num_key_value_heads, tp_size)
     qwen3.check_attention_blocks(config, tp_size, block)
     if _has_dense_layers(config):
         divide(config.intermediate_size, tp_size, "intermediate_size")
         qwen3.check_mlp_blocks("intermediate_size", config.intermediate_size, tp_size, block,
                                "gate_up_proj", "down_proj")
-    if config.num_experts:
+    if config.num_experts and expert_parallel:
+        divide(config.num_experts, tp_size, "num_experts")
+    elif config.num_experts:
         divide(config.moe_intermediate_size, tp_size, "moe_intermediate_size")
         qwen3.check_mlp_blocks("moe_intermediate_size", config.moe_intermediate_size, tp_size,
                                block, "the experts' gate_up_proj", "the experts' down_proj")

@@ -122,10 +122,12 @@ def check_config(config: PretrainedConfig) -> None:
 
 
 def check_shardable(config: PretrainedConfig, tp_size: int,
-                    block: tuple[int, int] | None = None) -> None:
+                    block: tuple[int, int] | None = None, expert_parallel: bool = False
+                    ) -> None:
     """Raise ValueError, naming both numbers, when ``tp_size`` ranks cannot split the model:
     attention's heads, the linear layers' key and value heads, the dense and the experts'
-    intermediate sizes. FP8 weights (``block``) are refused."""
+    intermediate sizes (with ``expert_parallel``, the routed experts themselves:
+    ``num_experts``). FP8 weights (``block``) are refused."""
     if block is not None:
         raise ValueError(f"FP8 checkpoints of {config.model_type} are not supported by hf_paged")
     kv_head_layout(config.num_attention_heads, config.num_key_value_heads, tp_size)
@@ -134,7 +136,10 @@ def check_shardable(config: PretrainedConfig, tp_size: int,
     if not all(sparse):
         divide(config.intermediate_size, tp_size, "intermediate_size")
     if any(sparse):
-        divide(config.moe_intermediate_size, tp_size, "moe_intermediate_size")
+        if expert_parallel:
+            divide(config.num_experts, tp_size, "num_experts")
+        else:
+            divide(config.moe_intermediate_size, tp_size, "moe_intermediate_size")
         divide(config.shared_expert_intermediate_size, tp_size,
                "shared_expert_intermediate_size")
 

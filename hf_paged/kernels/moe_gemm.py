@@ -163,14 +163,18 @@ def _moe_down_kernel(
 
 
 @triton.jit
-def _moe_sum_kernel(rows_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _moe_sum_kernel(rows_ptr, ids_ptr, out_ptr, hidden, TOP_K: tl.constexpr,
+                    BLOCK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < hidden
     acc = tl.zeros([BLOCK], tl.float32)
     for slot in tl.static_range(TOP_K):
-        acc += tl.load(rows_ptr + (token * TOP_K + slot) * hidden + cols, mask=mask).to(
-            tl.float32)
+        # a pair of expert -1 (another rank's) computed no row: it adds nothing (the id read
+        # for every column, one address: a single load)
+        expert = tl.load(ids_ptr + token * TOP_K + slot + tl.zeros([BLOCK], tl.int64))
+        acc += tl.load(rows_ptr + (token * TOP_K + slot) * hidden + cols,
+                       mask=mask & (expert >= 0), other=0.0).to(tl.float32)
     tl.store(out_ptr + token * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -195,7 +199,8 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: t
                 w13_scales: BlockScales | None = None, w2_scales: BlockScales | None = None,
                 ) -> torch.Tensor:
     """Triton twin of ``reference.moe_experts``: ``x [T, H]`` through the experts
-    ``ids [T, k]`` (distinct in a row) of ``w13 [E, 2I, H]`` (gate rows, then up rows) and
+    ``ids [T, k]`` (distinct in a row; -1: none of these, the pair adds nothing) of
+    ``w13 [E, 2I, H]`` (gate rows, then up rows) and
     ``w2 [E, H, I]``, weighted by ``weights [T, k]`` and summed per token; ``[T, H]`` in
     ``x``'s dtype. ``config`` overrides ``moe_config``'s tiles. ``w13_scales`` /
     ``w2_scales`` (both or neither): the experts are float8_e4m3fn with these block scales."""
@@ -217,7 +222,8 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: t
         cfg = dataclasses.replace(cfg, block_k=scale_k)
     if scale_k % cfg.block_k:
         raise ValueError(f"config.block_k={cfg.block_k} must divide the scales' {scale_k}")
-    sorted_pairs, block_expert, used = moe_align(ids.contiguous(), num_experts, cfg.block_m)
+    ids = ids.contiguous()
+    sorted_pairs, block_expert, used = moe_align(ids, num_experts, cfg.block_m)
     pairs, blocks = tokens * top_k, block_expert.numel()
     # float32 products in full precision (not TF32), as torch's matmul by default; the half
     # types ignore it
@@ -237,6 +243,6 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: t
            act, w2, s2, rows2, weights.contiguous(), rows, sorted_pairs, block_expert, used,
            pairs, blocks, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1), s2_se,
            s2_sn, rows.stride(0), EVEN_K=inter % cfg.block_k == 0, **meta)
-    launch(_moe_sum_kernel, (tokens, triton.cdiv(hidden, _SUM_BLOCK)), rows, out, hidden,
-           TOP_K=top_k, BLOCK=_SUM_BLOCK)
+    launch(_moe_sum_kernel, (tokens, triton.cdiv(hidden, _SUM_BLOCK)), rows, ids, out,
+           hidden, TOP_K=top_k, BLOCK=_SUM_BLOCK)
     return out

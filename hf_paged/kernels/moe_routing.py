@@ -127,7 +127,8 @@ def _moe_scatter_kernel(ids_ptr, hist_ptr, sorted_ptr, block_expert_ptr, used_pt
     # A pair's rank among its expert's pairs of the chunk, counting from 0.
     rank = tl.sum(one_hot * tl.cumsum(one_hot, axis=0), axis=1) - 1
     dest = tl.sum(one_hot * (offsets + before)[None, :], axis=1) + rank
-    tl.store(sorted_ptr + dest, pairs, mask=valid)
+    # A pair of expert -1 (on another rank, under expert parallelism) has no slot.
+    tl.store(sorted_ptr + dest, pairs, mask=valid & (tl.sum(one_hot, axis=1) > 0))
     if chunk == 0:
         tl.store(used_ptr, tl.sum(padded, axis=0))
         # Each expert's padding slots (fewer than BLOCK_M) hold the sentinel num_pairs.
@@ -155,6 +156,7 @@ def moe_align(ids: torch.Tensor, num_experts: int,
               block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Group the pairs of ``ids [T, k]`` (each row's experts distinct) by expert.
 
+    A pair of expert -1 is left out (an expert on another rank, under expert parallelism).
     Returns ``sorted_pairs [max_slots]`` int32 (each expert's pairs in order, then the
     sentinel ``T * k`` up to a multiple of ``block_m``; the experts one after another in
     index order), ``block_expert [max_slots // block_m]`` int32 (the expert of each block)

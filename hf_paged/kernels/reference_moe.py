@@ -28,8 +28,9 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: t
                 w13_scales: BlockScales | None = None, w2_scales: BlockScales | None = None,
                 ) -> torch.Tensor:
     """transformers' Qwen3MoeExperts: token ``t`` of ``x [T, H]`` goes through its experts
-    ``ids[t]`` (distinct in a row), each ``F.linear(silu(gate) * up, w2[e])`` with ``gate,
-    up`` the halves of ``F.linear(x[t], w13[e])``, times ``weights[t, slot]``, summed.
+    ``ids[t]`` (distinct in a row; -1: another rank's expert, which adds nothing), each
+    ``F.linear(silu(gate) * up, w2[e])`` with ``gate, up`` the halves of
+    ``F.linear(x[t], w13[e])``, times ``weights[t, slot]``, summed.
 
     ``w13 [E, 2I, H]`` holds an expert's gate rows then its up rows and ``w2 [E, H, I]`` its
     down projection; under tensor parallelism, a rank's slices of both. As transformers, the
@@ -42,6 +43,8 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: t
     ids = ids.long()
     inter = w2.shape[-1]
     for expert in ids.unique().tolist():
+        if expert < 0:  # another rank's expert (expert parallelism): the pair adds nothing
+            continue
         slot, token = torch.where(ids.T == expert)
         hidden = F.linear(x[token], _expert(w13, w13_scales, expert, x.dtype))
         hidden = F.silu(hidden[:, :inter]) * hidden[:, inter:]

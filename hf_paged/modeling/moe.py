@@ -4,7 +4,11 @@ transformers' parameter layout (``gate.weight``, ``experts.gate_up_proj``,
 
 Under tensor parallelism every rank holds every expert's slice of ``moe_intermediate_size``
 (its rows of gate and of up, its columns of down) and the router whole; the block's output is
-a partial sum, all-reduced once as the dense MLP's down projection is.
+a partial sum, all-reduced once as the dense MLP's down projection is. Under expert
+parallelism (``TensorParallel.expert_parallel``) a rank holds a contiguous range of whole
+experts instead and computes only the pairs routed to them (the others' ids become -1, which
+the kernels skip); the activations are replicated as before, so the same all-reduce sums the
+ranks' shares.
 """
 
 from __future__ import annotations
@@ -41,11 +45,16 @@ class PagedExperts(nn.Module):
                  tp: TensorParallel = SINGLE):
         super().__init__()
         self.tp = tp
-        self.intermediate = divide(intermediate, tp.size, "moe_intermediate_size")
+        if tp.expert_parallel:  # this rank's experts whole
+            self.num_local = divide(num_experts, tp.size, "num_experts")
+            self.first_expert, self.intermediate = tp.rank * self.num_local, intermediate
+        else:  # every expert's slice
+            self.num_local, self.first_expert = num_experts, 0
+            self.intermediate = divide(intermediate, tp.size, "moe_intermediate_size")
         local = self.intermediate
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * local, hidden),
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_local, 2 * local, hidden),
                                          requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, local),
+        self.down_proj = nn.Parameter(torch.empty(self.num_local, hidden, local),
                                       requires_grad=False)
         self.block: tuple[int, int] | None = None  # FP8: (rows, columns) a scale covers
 
@@ -81,16 +90,32 @@ class PagedExperts(nn.Module):
             w13_scales=BlockScales(self.gate_up_proj_scale_inv, self.gate_up_rows, self.block[1]),
             w2_scales=BlockScales(self.down_proj_scale_inv, self.down_rows, self.block[1]))
 
+    def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Routed experts' ``ids`` as this rank holds them: -1 for another rank's."""
+        if not self.tp.expert_parallel:
+            return ids
+        local = ids - self.first_expert
+        return torch.where((local >= 0) & (local < self.num_local), local, -1)
+
     def weight_loader(self, param: nn.Parameter, loaded,
                       shard_id: tuple[int, int | None] | None = None) -> None:
-        local, start = self.intermediate, self.tp.rank * self.intermediate
         expert = None if shard_id is None else shard_id[0]
+        ranks, rank = self.tp.size, self.tp.rank
+        if self.tp.expert_parallel:  # this rank's experts, whole
+            ranks, rank = 1, 0
+            if expert is None:
+                loaded = narrow(loaded, 0, self.first_expert, self.num_local)
+            elif not 0 <= expert - self.first_expert < self.num_local:
+                return  # another rank's expert
+            else:
+                expert -= self.first_expert
+        local, start = self.intermediate, rank * self.intermediate
         if param is self.down_proj or param is getattr(self, "down_proj_scale_inv", None):
             self._copy(param, loaded, expert, 1, 0, start, local)  # this rank's columns
             return
         # gate/up: this rank's gate rows, then its up rows
         parts = (0, 1) if shard_id is None else (shard_id[1],)
-        full = local * self.tp.size
+        full = local * ranks
         for part in parts:
             src = start + (part * full if shard_id is None else 0)
             self._copy(param, loaded, expert, 0, part, src, local)
@@ -143,4 +168,4 @@ class SparseMoEBlock(nn.Module):
         logits = kernels.linear(x, self.gate.weight)
         weights, ids = kernels.moe_route(logits, self.top_k, self.norm_topk_prob)
         return kernels.moe_experts(x, self.experts.gate_up_proj, self.experts.down_proj,
-                                   weights, ids, **self.experts.scales)
+                                   weights, self.experts.local_ids(ids), **self.experts.scales)

@@ -17,11 +17,14 @@ import torch.distributed as dist
 class TensorParallel:
     """``rank`` of ``size`` ranks; ``group`` carries the device collectives (NCCL on CUDA,
     gloo on CPU) and is None when there is one rank. ``fast_all_reduce``, when set, returns
-    the sum of a tensor over the ranks, or None to leave it to the group."""
+    the sum of a tensor over the ranks, or None to leave it to the group. ``expert_parallel``:
+    routed experts are split whole over the ranks, not by their intermediate size
+    (``EngineConfig.moe_parallel``)."""
 
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
+    expert_parallel: bool = False
     fast_all_reduce: Callable[[torch.Tensor], torch.Tensor | None] | None = field(
         default=None, compare=False)
 

@@ -243,7 +243,8 @@ def check_spec(spec: WorkerSpec, quantization_config: object = None) -> None:
     spec.quantization = quantization.resolve(spec.hf_config, quantization_config)
     if spec.quantization is not None:
         fp8.check_device(spec.quantization, spec.device)
-    check_model(spec.hf_config, spec.config.tensor_parallel_size, spec.quantization)
+    check_model(spec.hf_config, spec.config.tensor_parallel_size, spec.quantization,
+                expert_parallel=spec.config.moe_parallel == "experts")
     spec.config.attention_backend = resolve_backend(
         spec.config.attention_backend, spec.device, spec.config.block_size)
 

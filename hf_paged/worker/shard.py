@@ -39,6 +39,8 @@ def build_shard(spec: WorkerSpec, tp: TensorParallel, device: torch.device) -> t
     calls it at the same point: on CUDA it first maps the ranks' all-reduce buffers."""
     if device.type == "cuda" and tp.size > 1 and not spec.config.disable_custom_all_reduce:
         tp = _with_symmetric_all_reduce(spec, tp, device)
+    tp = dataclasses.replace(
+        tp, expert_parallel=tp.size > 1 and spec.config.moe_parallel == "experts")
     logger.info("rank %d of %d: loading the weights on %s", tp.rank, tp.size, device)
     if device.type == "cuda":
         hash_triton_in_background()

@@ -107,6 +107,23 @@ def test_experts(dtype, shape):
                  reference.moe_experts(x, w13, w2, weights, ids))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, HALF])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_pairs_of_another_ranks_experts_add_nothing(dtype, shape):
+    """Expert parallelism: a pair of expert -1 (held by another rank) has no slot in the
+    layout and adds nothing to its token (a token with none left sums to zero)."""
+    tokens, experts, top_k, hidden, inter = shape
+    x = rand(tokens, hidden, dtype=dtype)
+    w13, w2 = expert_weights(experts, hidden, inter, dtype)
+    weights, ids = routing(tokens, experts, top_k, dtype)
+    ids = torch.where(ids % 2 == 1, -1, ids).contiguous()  # the odd experts are elsewhere
+    assert_close(moe_experts(x, w13, w2, weights, ids),
+                 reference.moe_experts(x, w13, w2, weights, ids))
+    sorted_pairs, _, used = moe_align(ids, experts, 16)
+    kept = {p for p, e in enumerate(ids.flatten().tolist()) if e >= 0}
+    assert set(sorted_pairs[: int(used)].tolist()) - {ids.numel()} == kept
+
+
 def test_routed_end_to_end_with_int64_ids_and_a_given_config():
     """The router's output fed to the experts (ids as transformers' int64 too), with tiles
     other than the default: larger M blocks, several steps along K and N."""

@@ -19,6 +19,7 @@ import pytest
 from transformers import AutoConfig
 
 import hf_paged
+from hf_paged.families import check_model
 from hf_paged.random_checkpoint import quantize_fp8
 from tests.conftest import left_padded
 
@@ -40,6 +41,8 @@ LOOKUP = dict(CALL, generate=dict(max_new_tokens=40, prompt_lookup_num_tokens=3,
 DP_CALL = dict(lengths=[5, 9, 14, 3, 11], seed=7, generate=dict(max_new_tokens=8))
 SPAWNED = ["gqa_tied", "mha_untied", "one_kv_head"]
 MOE = "e6_k3_raw_dense0"
+# Expert parallelism: each of the two ranks holds three of the MoE checkpoint's six experts.
+EXPERTS = dict(tensor_parallel_size=2, moe_parallel="experts")
 # FP8 blocks small enough that two ranks' slices are whole blocks of these tiny shapes.
 FP8_BLOCKS = {"gqa4_untied": (32, 32), MOE: (16, 16)}
 
@@ -95,7 +98,8 @@ def torchrun(checkpoints, moe_checkpoints, fp8_checkpoints, tmp_path_factory
              ) -> list[list[dict]]:
     """Two launched ranks: one TP=2 engine, a TP=2 Qwen3-MoE engine (every expert split
     along moe_intermediate_size, a dense layer among the sparse ones), then one engine each
-    for data parallelism, then TP=2 engines of FP8 checkpoints (dense and MoE)."""
+    for data parallelism, then TP=2 engines of FP8 checkpoints (dense and MoE), then the MoE
+    engines again with the experts split whole (bf16 weights and FP8)."""
     jobs = [dict(checkpoint=checkpoints["gqa4_untied"],
                  engine=dict(CPU, tensor_parallel_size=2),
                  calls=[CALL, SAMPLED, SCORED, BEAMS, LOOKUP]),
@@ -108,6 +112,10 @@ def torchrun(checkpoints, moe_checkpoints, fp8_checkpoints, tmp_path_factory
                  engine=dict(CPU, tensor_parallel_size=2), calls=[CALL, BEAMS]),
             dict(checkpoint=fp8_checkpoints[MOE], engine=dict(CPU, **TIGHT,
                                                               tensor_parallel_size=2),
+                 calls=[CALL]),
+            dict(checkpoint=moe_checkpoints[MOE], engine=dict(CPU, **TIGHT, **EXPERTS),
+                 calls=[CALL, BEAMS]),
+            dict(checkpoint=fp8_checkpoints[MOE], engine=dict(CPU, **TIGHT, **EXPERTS),
                  calls=[CALL])]
     out = tmp_path_factory.mktemp("torchrun") / "results.json"
     run_jobs(jobs, out, ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"])
@@ -185,10 +193,22 @@ def test_tp2_qwen3_moe_matches_transformers(torchrun, moe_models):
     assert rank0["stats"]["num_preemptions"] > 0, rank0["stats"]
 
 
+def test_tp2_expert_parallel_qwen3_moe_matches_transformers(torchrun, moe_models):
+    """moe_parallel="experts": each rank computes only the pairs routed to its three experts
+    and the all-reduce sums the shares; greedy with preemption, chunked prefill and prefix
+    hits, and beams."""
+    rank0, rank1 = (results[5] for results in torchrun)
+    assert rank0["outputs"] == rank1["outputs"] == [reference(moe_models, MOE, CALL),
+                                                    reference(moe_models, MOE, BEAMS)]
+    assert rank0["stats"]["num_preemptions"] > 0, rank0["stats"]
+
+
 def test_tp2_fp8_checkpoints_match_tp1(torchrun, fp8_checkpoints):
-    """Each rank reads its slices of the FP8 weights and of their scale grids: the tokens are
-    the single-process engine's (greedy and beams, dense; greedy with preemption, MoE)."""
-    for index, (name, calls) in enumerate([("gqa4_untied", [CALL, BEAMS]), (MOE, [CALL])], 3):
+    """Each rank reads its slices of the FP8 weights and of their scale grids (or, with the
+    experts split whole, its experts' weights and grids): the tokens are the single-process
+    engine's (greedy and beams, dense; greedy with preemption, MoE both ways)."""
+    for index, name, calls in [(3, "gqa4_untied", [CALL, BEAMS]), (4, MOE, [CALL]),
+                               (6, MOE, [CALL])]:
         rank0, rank1 = (results[index]["outputs"] for results in torchrun)
         with hf_paged.from_pretrained(fp8_checkpoints[name], **CPU) as engine:
             vocab = engine.hf_config.vocab_size
@@ -197,7 +217,7 @@ def test_tp2_fp8_checkpoints_match_tp1(torchrun, fp8_checkpoints):
                 ids, mask = left_padded(call["lengths"], vocab, seed=call["seed"])
                 expected.append(engine.generate(ids, attention_mask=mask,
                                                 **call["generate"]).tolist())
-        assert rank0 == rank1 == expected, name
+        assert rank0 == rank1 == expected, (index, name)
 
 
 def test_data_parallel_under_accelerate(torchrun, hf_models):
@@ -212,3 +232,16 @@ def test_tp_size_the_heads_cannot_split_is_refused_before_any_process_starts(che
         hf_paged.from_pretrained(checkpoints["gqa_tied"], tensor_parallel_size=3)
     with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
         hf_paged.from_pretrained(checkpoints["gqa_tied"], tensor_parallel_size=0)
+
+
+def test_moe_parallel_is_checked_before_any_process_starts(moe_checkpoints):
+    """An unknown split, and experts that the ranks cannot share out whole, are refused by
+    name; without expert parallelism the same ranks split every expert's slice."""
+    with pytest.raises(ValueError, match="moe_parallel must be one of"):
+        hf_paged.from_pretrained(moe_checkpoints[MOE], moe_parallel="layers")
+    config = AutoConfig.from_pretrained(moe_checkpoints["e16_k4_wide"])
+    config.num_experts = 6
+    check_model(config, 4)
+    with pytest.raises(ValueError, match=r"num_experts \(6\) is not divisible by "
+                                         r"tensor_parallel_size \(4\)"):
+        check_model(config, 4, expert_parallel=True)
