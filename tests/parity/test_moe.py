@@ -134,6 +134,20 @@ def test_fused_and_per_expert_layouts_load_alike(moe_checkpoints, moe_models, tm
         assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=12), ref)
 
 
+def test_both_layouts_load_with_the_experts_split_whole(moe_checkpoints, moe_models, tmp_path):
+    """moe_parallel="experts" over two gloo ranks: each loads its four experts of the
+    per-expert layer (skipping the other rank's keys) and of the fused one (narrowed along the
+    experts); the tokens are transformers'."""
+    name = "e8_k2_tied"
+    path = _rewrite(moe_checkpoints[name], tmp_path / "mixed", lambda t: _fuse_layer(t, 1, 8))
+    ids, mask = left_padded(LENGTHS, VOCAB, seed=6)
+    ref = moe_models[name].generate(ids, attention_mask=mask, max_new_tokens=12,
+                                    do_sample=False)
+    with hf_paged.from_pretrained(path, **ENGINE, tensor_parallel_size=2,
+                                  moe_parallel="experts") as engine:
+        assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=12), ref)
+
+
 @pytest.mark.parametrize("edit, named", [
     (lambda t: t.pop("model.layers.1.mlp.experts.5.up_proj.weight"),
      r"missing \(1\):\n    model.layers.1.mlp.experts.5.up_proj.weight"),
