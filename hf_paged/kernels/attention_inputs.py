@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from hf_paged.kernels.e4m3 import round_e4m3
 from hf_paged.kernels.gdc import pdl_options, wait_for_previous
 from hf_paged.kernels.launch import launch
 
@@ -25,23 +26,11 @@ def _mul(a, b, dtype: tl.constexpr):
 
 @triton.jit
 def _cache_value(x, scale, FP8: tl.constexpr):
-    """``x`` as the cache stores it: ``reference.quantize_kv`` into an FP8 cache. The rounding
-    to e4m3 (to nearest, ties to even) is float32 arithmetic, so the cast only converts an
-    exact value: Triton's interpreter, which the CPU tests run, rounds float8 casts otherwise
-    (up at ties, and 31.9 to 16 for want of a carry into the exponent)."""
+    """``x`` as the cache stores it: ``reference.quantize_kv`` into an FP8 cache, rounded
+    by ``round_e4m3`` so that the cast only converts an exact value."""
     if FP8:
         # IEEE division, as torch's (``/`` on float32 is an approximate one on the GPU).
-        y = tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -448.0, 448.0)
-        # The step between e4m3 values around y: 3 bits below its leading one, and 2**-9 (the
-        # subnormals') below 2**-6; as a biased float32 exponent, and its exact reciprocal.
-        exponent = tl.maximum((y.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6) - 3
-        step = (exponent << 23).to(tl.float32, bitcast=True)
-        inverse = ((254 - exponent) << 23).to(tl.float32, bitcast=True)
-        # Adding and taking away 1.5 * 2**23 rounds |y| / step <= 16 to an integer, ties to
-        # even; on the magnitude, with the sign put back after, so that a negative value
-        # rounding to zero stays -0 (as torch's cast keeps it).
-        rounded = ((tl.abs(y) * inverse + 12582912.0) - 12582912.0) * step
-        y = tl.where(y.to(tl.int32, bitcast=True) < 0, -rounded, rounded)
+        y = round_e4m3(tl.clamp(tl.math.div_rn(x.to(tl.float32), scale), -448.0, 448.0))
         stored = y.to(tl.float8e4nv)
     else:  # one return after an if/else: the GPU compiler rejected an early return's other type
         stored = x

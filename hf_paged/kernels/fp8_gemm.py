@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from hf_paged.kernels.block_scales import FP8, FP8_MAX, MIN_AMAX, BlockScales
+from hf_paged.kernels.e4m3 import round_e4m3
 from hf_paged.kernels.launch import launch
 
 _GROUPS_PER_PROGRAM = 8
@@ -42,25 +43,9 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, x_s0, q_s0, s_s0, GROUP: tl.conste
     cols = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     x = tl.load(x_ptr + row * x_s0 + cols, mask=cols < K, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_AMAX) / MAX
-    q = _round_e4m3(tl.clamp(tl.math.div_rn(x, scale[:, None]), -MAX, MAX))
+    q = round_e4m3(tl.clamp(tl.math.div_rn(x, scale[:, None]), -MAX, MAX))
     tl.store(q_ptr + row * q_s0 + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
     tl.store(s_ptr + row * s_s0 + groups, scale, mask=groups * GROUP < K)
-
-
-@triton.jit
-def _round_e4m3(v):
-    """``v`` (within float8_e4m3fn's range) rounded to the nearest float8_e4m3fn value, ties
-    to even, in float32 arithmetic: the conversion that follows is then exact. The hardware
-    conversion rounds the same way; Triton's interpreter rounds ties up and does not carry a
-    rounded-up mantissa into the exponent (124.3 became 64), so the tests would not see it."""
-    exponent = (v.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    # The spacing of e4m3 values around v: 3 mantissa bits; 2**-9 below 2**-6 (subnormals).
-    step = (tl.maximum(exponent, 127 - 6) - 3) << 23
-    magic = step.to(tl.float32, bitcast=True) * 12582912.0  # 1.5 * 2**23 steps
-    # On the magnitude, the sign put back after: a negative value rounding to zero stays -0,
-    # as the cast keeps it.
-    rounded = (tl.abs(v) + magic) - magic
-    return tl.where(v.to(tl.int32, bitcast=True) < 0, -rounded, rounded)
 
 
 def act_quant(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

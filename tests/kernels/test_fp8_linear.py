@@ -3,7 +3,7 @@ the small-M kernel reading FP8 strips (plain, gated, normed), the activations' q
 the two block-scaled GEMMs, on sizes that fill no 128-block (merged parts whose rows are not
 multiples of 128 included), and the dispatch between them. Triton's interpreter runs FP8
 tensors and FP8 ``tl.dot``; its float32 to FP8 conversion misrounds, which the quantization
-kernel avoids by rounding in float32 first (``fp8_gemm._round_e4m3``)."""
+kernel avoids by rounding in float32 first (``kernels.e4m3``)."""
 
 from __future__ import annotations
 
