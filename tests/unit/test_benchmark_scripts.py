@@ -267,3 +267,16 @@ def test_lora_adapters_against_the_base(tiny, tmp_path):
     assert data["summary"][1]["speedup"]["transformers_generate"] > 0
     assert "| lora (tiny) | cpu | W1 output tok/s, 2 adapters |" in report.table(
         report.load(tmp_path))
+
+
+def test_data_parallel_weak_scaling_gives_each_replica_a_whole_workload(tiny, tmp_path):
+    """``--weak-scaling``: two replicas run twice the requests, and the scaling is reported."""
+    bench_throughput.main([*tiny, "--num-requests", "3", "--max-input-len", "16",
+                           "--max-output-len", "4", "--data-parallel-size", "1", "2",
+                           "--weak-scaling", "--extra-lines", "--results-dir", str(tmp_path),
+                           "--baselines"])
+    data = json.loads((tmp_path / "w1-cpu.json").read_text())
+    runs = data["hf_paged"]
+    assert [runs[f"data_parallel_size_{n}"]["num_requests"] for n in (1, 2)] == [3, 6]
+    assert data["workload_description"]["weak_scaling"]
+    assert set(data["data_parallel_scaling"]) == {"data_parallel_size_1", "data_parallel_size_2"}
