@@ -181,9 +181,9 @@ def child() -> None:
     conn = Connection(int(sys.argv[1]))
     _, load = conn.recv()
     try:
-        import hf_paged
+        from hf_paged.integrations.causal_lm import AutoModelForCausalLM
 
-        model = hf_paged.AutoModelForCausalLM.from_pretrained(load.pop("model"), **load)
+        model = AutoModelForCausalLM.from_pretrained(load.pop("model"), **load)
     except Exception as error:
         conn.send(("failed", f"{type(error).__name__}: {error}"))
         return
