@@ -63,11 +63,11 @@ class EngineConfig:
         moe_parallel: how tensor parallelism splits a mixture-of-experts layer's routed
             experts: ``"intermediate"`` (the default, which measured as fast at W1 and faster
             at batch 1 on the Qwen3-30B-A3B shape over two GPUs: every rank holds every
-            expert's slice of ``moe_intermediate_size``) or ``"experts"`` (expert parallelism: each rank holds
-            ``num_experts / tensor_parallel_size`` whole experts and computes only the routed
-            pairs that reach them; the activations stay replicated, so the same all-reduce
-            sums the ranks' shares). A shared expert is split by its intermediate size either
-            way.
+            expert's slice of ``moe_intermediate_size``) or ``"experts"`` (expert
+            parallelism: each rank holds ``num_experts / tensor_parallel_size`` whole experts
+            and computes only the routed pairs that reach them; the activations stay
+            replicated, so the same all-reduce sums the ranks' shares). A shared expert is
+            split by its intermediate size either way.
         disable_custom_all_reduce: on CUDA, reduce across ranks with NCCL alone instead of
             through symmetric memory (which serves tensors of up to 2,048 tokens' hidden
             states, at the sizes where start-up measured it faster than NCCL).
