@@ -68,8 +68,8 @@ def check_model(config: PretrainedConfig, tp_size: int,
     split whole, ``EngineConfig.moe_parallel``)."""
     family = family_for(config)
     family.check_config(config)
-    family.check_shardable(config, tp_size, quantization and quantization.block,
-                           expert_parallel)
+    block = quantization.block if quantization and not quantization.dequantize else None
+    family.check_shardable(config, tp_size, block, expert_parallel)
 
 
 __all__ = ["REGISTRY", "all_families", "check_model", "family_for", "supported_description",

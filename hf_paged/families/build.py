@@ -53,7 +53,8 @@ def build_model(
     # Every rank checks (and fails alike); rank 0 alone logs.
     weights, conversions = language_model_keys(Checkpoint.open(checkpoint), config.model_type,
                                                   expected.ignored, log=tp.rank == 0)
-    shapes, dtypes = family.checkpoint_keys(expected.shapes, weights.shapes.keys()), {}
+    float_shapes = family.checkpoint_keys(expected.shapes, weights.shapes.keys())
+    shapes, dtypes = float_shapes, {}
     if quantization is not None:
         shapes, dtypes, kept = fp8_model.checkpoint_keys(shapes, converted, quantization)
     # The KV-cache scales are optional keys, consumed below.
@@ -61,8 +62,13 @@ def build_model(
                        ignored=re.compile(f"{expected.ignored.pattern}|{KV_SCALE_KEYS.pattern}"))
     kv_scales = read_kv_scales(weights, config.num_hidden_layers, config.num_key_value_heads)
     hf.to(dtype)  # on meta; FP8 weights replace float ones after the cast
+    dequantizing = quantization is not None and quantization.dequantize
     scales = (fp8_model.hold_fp8(hf, kept, family.PACKED_MODULES, quantization)
-              if quantization is not None else [])
+              if quantization is not None and not dequantizing else [])
+    # An FP8 checkpoint dequantized as it loads: each FP8 weight read with its scale grid.
+    read_with = ({key: fp8_model.scale_key(key)
+                  for key in fp8_model.fp8_weights(float_shapes, converted)}
+                 if dequantizing else {})
     tied = ties_embeddings(weights, bool(getattr(config, "tie_word_embeddings", False)),
                            log=tp.rank == 0)
     sources = match_keys(weights, expected, tied, log=tp.rank == 0)
@@ -76,11 +82,15 @@ def build_model(
         if getattr(module, "block", None) is not None:
             module.init_scale_rows()
     quantized_on_load = quantization is not None and not quantization.pre_quantized
-    load_weights(hf, weights, sources, family.weight_target, scales if quantized_on_load else ())
+    load_weights(hf, weights, sources, family.weight_target, scales if quantized_on_load else (),
+                 read_with, lambda key, weight, inv: fp8_model.dequantized(
+                     key, weight, inv, quantization.block, dtype))
     for layer, (k_scale, v_scale) in kv_scales.items():
         hf.model.layers[layer].self_attn.set_kv_scales(k_scale.to(device), v_scale.to(device))
     if quantized_on_load:  # now an FP8 model, saved as one (as in transformers)
         config.quantization_config = fp8_model.saved_config(quantization, skip, converted - kept)
+    if dequantizing:  # an unquantized model now, as transformers leaves it
+        del config.quantization_config
     if conversions:  # saved back in the checkpoint's layout, as transformers does
         hf._weight_conversions = conversions
     return PagedModel(hf)

@@ -263,13 +263,20 @@ def target_of(name: str, packed_modules: PackedModules) -> tuple[str, object]:
 @torch.no_grad()
 def load_weights(model: nn.Module, checkpoint: Checkpoint, sources: dict[str, str],
                  weight_target: Callable[[str], tuple[str, object]],
-                 filled_alongside: Collection[str] = ()) -> None:
+                 filled_alongside: Collection[str] = (),
+                 read_with: dict[str, str] | None = None,
+                 combine: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 ) -> None:
     """Copy each checkpoint tensor (``match_keys``' choice) into its (shard of a) parameter,
     which ``weight_target`` names with the shard id the parameter's loader takes (the part
     of a merged parameter). ``filled_alongside``: parameters no key names, which loaders fill
-    with others (the scales of weights quantized as they load)."""
+    with others (the scales of weights quantized as they load). ``read_with``: keys loaded as
+    ``combine(key, tensor, companion)`` with a companion key's whole tensor, which fills no
+    parameter of its own (an FP8 weight dequantized with its scales as it loads)."""
     params = dict(model.named_parameters())
-    targets = {key: weight_target(key) for key in sources}
+    read_with = read_with or {}
+    companions = set(read_with.values())
+    targets = {key: weight_target(key) for key in sources if key not in companions}
     # A guard against a swapped module that transformers' keys do not describe: every
     # parameter must be filled, and by keys that name it.
     named = {target for target, _ in targets.values()} | set(filled_alongside)
@@ -279,8 +286,8 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, sources: dict[str, st
                            f"{unfilled}, unknown {unknown}")
     device = next(iter(params.values())).device
     by_file: dict[str, list[str]] = {}
-    for key, src in sources.items():
-        by_file.setdefault(checkpoint.files[src], []).append(key)
+    for key in targets:
+        by_file.setdefault(checkpoint.files[sources[key]], []).append(key)
     for file, keys in by_file.items():
         with safe_open(file, framework="pt", device=str(device)) as f:
             for key in keys:
@@ -289,9 +296,18 @@ def load_weights(model: nn.Module, checkpoint: Checkpoint, sources: dict[str, st
                 module = model.get_submodule(target.rpartition(".")[0])
                 loader = getattr(module, "weight_loader", None)
                 tensor = f.get_slice(checkpoint.key(sources[key]))
+                if key in read_with:
+                    tensor = combine(key, tensor[()], _whole(checkpoint, sources[read_with[key]],
+                                                             device))
                 if loader is None:  # replicated on every rank
                     params[target].copy_(tensor[()])
                 elif shard_id is None:
                     loader(params[target], tensor)
                 else:
                     loader(params[target], tensor, shard_id)
+
+
+def _whole(checkpoint: Checkpoint, source: str, device: torch.device) -> torch.Tensor:
+    """Checkpoint key ``source``'s whole tensor on ``device``."""
+    with safe_open(checkpoint.files[source], framework="pt", device=str(device)) as f:
+        return f.get_tensor(checkpoint.key(source))

@@ -51,7 +51,8 @@ def resolve(config: PretrainedConfig, passed: object = None) -> Fp8Scheme | None
     ``quantization_config`` given to ``from_pretrained``) when the checkpoint is not; None for
     an unquantized model. Raises ValueError naming the ``quant_method`` or setting that is not
     served. As in transformers, a checkpoint's own config wins over a passed one of the same
-    method (whose loading attributes apply); of another method, it is an error."""
+    method (whose loading attributes apply); of another method, it is an error. A passed
+    ``dequantize=True`` for an unquantized checkpoint asks for nothing: None."""
     own = as_dict(getattr(config, "quantization_config", None))
     passed = as_dict(passed)
     if own is None and passed is None:
@@ -61,8 +62,8 @@ def resolve(config: PretrainedConfig, passed: object = None) -> Fp8Scheme | None
                          f"{_method(own)!r}, the passed config names {_method(passed)!r}")
     method = (_served(_method(own), "the checkpoint's quantization_config") if own is not None
               else _served(_method(passed), "quantization_config"))
-    module = importlib.import_module(SERVED[method])
-    return module.resolve(own, passed)
+    scheme = importlib.import_module(SERVED[method]).resolve(own, passed)
+    return None if scheme.dequantize and not scheme.pre_quantized else scheme
 
 
 __all__ = ["SERVED", "Fp8Scheme", "as_dict", "resolve"]

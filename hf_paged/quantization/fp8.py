@@ -5,7 +5,9 @@ Qwen's and DeepSeek's FP8 checkpoints and transformers' ``FineGrainedFP8Config``
 ``resolve`` reads such a config into an ``Fp8Scheme`` (plain data: it travels to the
 tensor-parallel ranks) or refuses, by name, what hf_paged does not serve: static activation
 scales, per-tensor scales (no ``weight_block_size``), ``ue8m0`` scales, FP4 experts, FP8
-embeddings, ``dequantize=True``, another ``fmt`` than e4m3.
+embeddings, another ``fmt`` than e4m3. ``dequantize=True`` (transformers' loading attribute)
+loads an FP8 checkpoint's weights dequantized into the model dtype, as transformers does: the
+model is then an unquantized one.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ _KEYS = {"quant_method", "activation_scheme", "weight_block_size", "fmt", "scale
 # Settings at the values hf_paged serves (a missing key takes transformers' default).
 # ``weight_block_size`` is required.
 _SERVED_VALUES = {"activation_scheme": "dynamic", "fmt": "e4m3", "scale_fmt": "float",
-                  "expert_dtype": "fp8", "dequantize": False}
+                  "expert_dtype": "fp8"}
 # transformers' loading attributes: a passed config's override the checkpoint's.
 _LOADING_ATTRIBUTES = ("dequantize", "modules_to_not_convert")
 
@@ -38,13 +40,16 @@ class Fp8Scheme:
     modules_to_not_convert: tuple[str, ...] | None
     pre_quantized: bool  # the checkpoint holds FP8 weights; else they are quantized on load
     config: dict  # the quantization_config as config.json keeps it
+    # An FP8 checkpoint's weights dequantized into the model dtype as they load (transformers'
+    # ``dequantize=True``): the model holds no FP8 weight, and keeps no quantization_config.
+    dequantize: bool = False
 
 
 def check_device(scheme: Fp8Scheme, device: torch.device) -> None:
     """Raise ValueError when the kernels of ``device`` cannot read ``scheme``'s blocks: on
     CUDA a GEMM's K step (at least 16, the tensor cores' depth) stays within one scale column,
     so blocks narrower than 16 columns are served on the CPU path only."""
-    if device.type == "cuda" and scheme.block[1] < 16:
+    if device.type == "cuda" and scheme.block[1] < 16 and not scheme.dequantize:
         raise _refuse("weight_block_size", list(scheme.block), "on CUDA the block's input "
                       "width must be at least 16")
 
@@ -108,6 +113,7 @@ def resolve(own: dict | None, passed: dict | None) -> Fp8Scheme:
         modules_to_not_convert=None if skip is None else tuple(skip),
         pre_quantized=own is not None,
         config=config,
+        dequantize=bool(config.get("dequantize", False)),
     )
 
 

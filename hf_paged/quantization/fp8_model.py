@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+import torch
 from torch import nn
 from transformers import FineGrainedFP8Config
 from transformers.integrations.finegrained_fp8 import (
@@ -23,6 +24,7 @@ from transformers.integrations.finegrained_fp8 import (
 )
 from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
 
+from hf_paged.kernels.block_scales import BlockScales, dequantize, grid_rows
 from hf_paged.modeling.linear import cdiv
 from hf_paged.quantization.fp8 import Fp8Scheme
 
@@ -35,8 +37,10 @@ def converted_modules(skeleton: nn.Module, scheme: Fp8Scheme) -> tuple[set[str],
     """The modules of transformers' model (on meta; replaced in place) that its FP8 loading
     converts, by transformers' own quantizer and ``replace_with_fp8_linear``, and its
     ``modules_to_not_convert`` as the quantizer resolved them."""
+    # Which modules an FP8 checkpoint holds in FP8 (transformers converts none when it
+    # dequantizes, but the checkpoint holds the same FP8 tensors).
     settings = {k: v for k, v in scheme.config.items()
-                if k not in ("quant_method", "fmt", "ignored_layers")}
+                if k not in ("quant_method", "fmt", "ignored_layers", "dequantize")}
     config = FineGrainedFP8Config(**{**settings, "modules_to_not_convert": (
         None if scheme.modules_to_not_convert is None else list(scheme.modules_to_not_convert))})
     quantizer = FineGrainedFP8HfQuantizer(config, pre_quantized=scheme.pre_quantized)
@@ -92,6 +96,12 @@ def grid_shape(key: str, shape: tuple[int, ...], block: tuple[int, int]) -> tupl
     return (*shape[:-2], rows, cdiv(k, bk))
 
 
+def fp8_weights(shapes: dict[str, tuple[int, ...]], converted: Collection[str]) -> list[str]:
+    """The keys, among an unquantized model's checkpoint keys ``shapes``, of the weights that
+    the converted modules hold in FP8."""
+    return [k for k, shape in shapes.items() if is_weight(k, shape) and owner(k, converted)]
+
+
 def checkpoint_keys(shapes: dict[str, tuple[int, ...]], converted: set[str],
                     scheme: Fp8Scheme
                     ) -> tuple[dict[str, tuple[int, ...]], dict[str, tuple[str, ...]], set[str]]:
@@ -100,8 +110,7 @@ def checkpoint_keys(shapes: dict[str, tuple[int, ...]], converted: set[str],
     converted weight in FP8 with its grid; quantized on load, the float weights whose
     every block is whole are quantized (transformers' ``Fp8Quantize`` leaves the others as
     they are), the module's other weights with them or it stays float."""
-    weights = {k: owner(k, converted) for k, shape in shapes.items() if is_weight(k, shape)}
-    weights = {k: module for k, module in weights.items() if module is not None}
+    weights = {k: owner(k, converted) for k in fp8_weights(shapes, converted)}
     if not scheme.pre_quantized:
         bn, bk = scheme.block
         partial = {module for k, module in weights.items()
@@ -114,6 +123,17 @@ def checkpoint_keys(shapes: dict[str, tuple[int, ...]], converted: set[str],
         out[scale_key(key)] = grid_shape(key, shapes[key], scheme.block)
         dtypes[scale_key(key)] = SCALE_DTYPES
     return out, dtypes, converted
+
+
+def dequantized(key: str, weight: torch.Tensor, inv: torch.Tensor, block: tuple[int, int],
+                dtype: torch.dtype) -> torch.Tensor:
+    """Checkpoint weight ``key``'s FP8 values times their grid ``inv``'s scales, in float32,
+    rounded once to ``dtype``, as transformers' ``Fp8Dequantize`` loads them (a fused
+    gate/up weight's grid stacks gate's and up's)."""
+    n = weight.shape[-2]
+    parts = [n // 2, n // 2] if key.endswith(_FUSED_GATE_UP) else [n]
+    scales = BlockScales(inv.float(), grid_rows(parts, block[0], inv.device), block[1])
+    return dequantize(weight, scales, dtype)
 
 
 def hold_fp8(model: nn.Module, converted: set[str], packed_modules: dict[str, tuple[str, object]],

@@ -43,6 +43,8 @@ SPAWNED = ["gqa_tied", "mha_untied", "one_kv_head"]
 MOE = "e6_k3_raw_dense0"
 # Expert parallelism: each of the two ranks holds three of the MoE checkpoint's six experts.
 EXPERTS = dict(tensor_parallel_size=2, moe_parallel="experts")
+# transformers' FineGrainedFP8Config(dequantize=True) as a dict (jobs travel as JSON)
+DEQUANTIZE = {"quant_method": "fp8", "weight_block_size": [128, 128], "dequantize": True}
 # FP8 blocks small enough that two ranks' slices are whole blocks of these tiny shapes.
 FP8_BLOCKS = {"gqa4_untied": (32, 32), MOE: (16, 16)}
 
@@ -99,7 +101,8 @@ def torchrun(checkpoints, moe_checkpoints, fp8_checkpoints, tmp_path_factory
     """Two launched ranks: one TP=2 engine, a TP=2 Qwen3-MoE engine (every expert split
     along moe_intermediate_size, a dense layer among the sparse ones), then one engine each
     for data parallelism, then TP=2 engines of FP8 checkpoints (dense and MoE), then the MoE
-    engines again with the experts split whole (bf16 weights and FP8)."""
+    engines again with the experts split whole (bf16 weights and FP8), then the FP8 MoE
+    checkpoint dequantized as it loads."""
     jobs = [dict(checkpoint=checkpoints["gqa4_untied"],
                  engine=dict(CPU, tensor_parallel_size=2),
                  calls=[CALL, SAMPLED, SCORED, BEAMS, LOOKUP]),
@@ -116,7 +119,9 @@ def torchrun(checkpoints, moe_checkpoints, fp8_checkpoints, tmp_path_factory
             dict(checkpoint=moe_checkpoints[MOE], engine=dict(CPU, **TIGHT, **EXPERTS),
                  calls=[CALL, BEAMS]),
             dict(checkpoint=fp8_checkpoints[MOE], engine=dict(CPU, **TIGHT, **EXPERTS),
-                 calls=[CALL])]
+                 calls=[CALL]),
+            dict(checkpoint=fp8_checkpoints[MOE], engine=dict(
+                CPU, tensor_parallel_size=2, quantization_config=DEQUANTIZE), calls=[CALL])]
     out = tmp_path_factory.mktemp("torchrun") / "results.json"
     run_jobs(jobs, out, ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"])
     return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in (0, 1)]
@@ -205,12 +210,14 @@ def test_tp2_expert_parallel_qwen3_moe_matches_transformers(torchrun, moe_models
 
 def test_tp2_fp8_checkpoints_match_tp1(torchrun, fp8_checkpoints):
     """Each rank reads its slices of the FP8 weights and of their scale grids (or, with the
-    experts split whole, its experts' weights and grids): the tokens are the single-process
-    engine's (greedy and beams, dense; greedy with preemption, MoE both ways)."""
-    for index, name, calls in [(3, "gqa4_untied", [CALL, BEAMS]), (4, MOE, [CALL]),
-                               (6, MOE, [CALL])]:
+    experts split whole, its experts' weights and grids; or dequantized, its slices of the
+    float weights): the tokens are the single-process engine's (greedy and beams, dense;
+    greedy with preemption, MoE both ways)."""
+    for index, name, calls, load in [(3, "gqa4_untied", [CALL, BEAMS], {}),
+                                     (4, MOE, [CALL], {}), (6, MOE, [CALL], {}),
+                                     (7, MOE, [CALL], dict(quantization_config=DEQUANTIZE))]:
         rank0, rank1 = (results[index]["outputs"] for results in torchrun)
-        with hf_paged.from_pretrained(fp8_checkpoints[name], **CPU) as engine:
+        with hf_paged.from_pretrained(fp8_checkpoints[name], **CPU, **load) as engine:
             vocab = engine.hf_config.vocab_size
             expected = []
             for call in calls:

@@ -78,7 +78,6 @@ def test_a_passed_config_of_another_method_than_the_checkpoints_is_refused():
     (dict(weight_block_size=[128]), "weight_block_size=[128]"),
     (dict(weight_block_size=[0, 128]), "weight_block_size=[0, 128]"),
     (dict(weight_block_size=[128, 96]), "weight_block_size=[128, 96]"),
-    (dict(dequantize=True), "dequantize=True"),
     (dict(modules_to_convert=["model.embed_tokens"]), "modules_to_convert="),
     (dict(expert_dtype="fp4"), "expert_dtype='fp4'"),
     (dict(kv_cache_scheme={"num_bits": 8}), "kv_cache_scheme="),
@@ -117,6 +116,17 @@ def test_fine_grained_fp8_resolves_to_plain_data():
         (128, 128), None, False)
     assert passed.config["quant_method"] == "fp8" and json.dumps(passed.config)
     assert quantization.resolve(Qwen3Config()) is None
+    assert not own.dequantize and not passed.dequantize
+
+
+def test_dequantize_is_a_loading_attribute_of_fp8_checkpoints_only():
+    """transformers' ``dequantize=True``: an FP8 checkpoint loads dequantized (its block still
+    names the grid); asked of an unquantized checkpoint, there is nothing to dequantize."""
+    dequantizing = FineGrainedFP8Config(dequantize=True)
+    scheme = quantization.resolve(Qwen3Config(quantization_config=FP8), dequantizing)
+    assert scheme.dequantize and scheme.pre_quantized and scheme.block == (128, 128)
+    fp8.check_device(scheme, torch.device("cuda"))  # no kernel reads it: any block will do
+    assert quantization.resolve(Qwen3Config(), dequantizing) is None
 
 
 @pytest.mark.parametrize("shape, tp, message", [
