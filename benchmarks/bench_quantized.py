@@ -134,6 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     add_w1_and_batch1_args(parser)
     parser.add_argument("--ttft-prompt-len", type=int, default=1024)
     parser.add_argument("--baseline-new-tokens", type=int, default=64)
+    parser.add_argument("--baseline-max-output-len", type=int,
+                        help="W1's baseline requests (and hf_paged's line on them) generate at "
+                        "most this many tokens each: stock FP8 MoE generate is slow")
     parser.add_argument("--agreement-prompts", type=int, default=8)
     parser.add_argument("--agreement-tokens", type=int, default=128)
     parser.add_argument("--stock-fp8-kernel", metavar="PATH",
@@ -148,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     stock_fp8_kernel.register(args.stock_fp8_kernel)
     top = common.max_token_id(args.model)
     workload = w1(args.num_requests, args.max_input_len, args.max_output_len, top)
-    few = workload.head(args.baseline_requests)
+    few = workload.head(args.baseline_requests).capped(args.baseline_max_output_len)
     costs = {"bf16": MemoryCost.from_checkpoint(args.model, dtype)}
     if args.fp8_model:
         costs["fp8_weights"] = MemoryCost.from_checkpoint(args.fp8_model, dtype)
@@ -162,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         "batch1": {"prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                    "repeats": args.repeats, "baseline_new_tokens": args.baseline_new_tokens},
         "kv_agreement": {"prompts": args.agreement_prompts, "tokens": args.agreement_tokens},
+        "baseline_max_output_len": args.baseline_max_output_len,
     }
     result["floor"] = {name: floor_settings(device, args.bandwidth, cost)
                        for name, cost in costs.items()}

@@ -23,6 +23,11 @@ class Workload(NamedTuple):
         """The first ``n`` requests."""
         return Workload(self.prompts[:n], self.max_new_tokens[:n])
 
+    def capped(self, n: int | None) -> Workload:
+        """The same requests with at most ``n`` new tokens each (None: as they are)."""
+        return self if n is None else Workload(self.prompts, [min(m, n)
+                                                              for m in self.max_new_tokens])
+
     def dealt(self, parts: int) -> list[Workload]:
         """The requests dealt to ``parts`` data-parallel replicas by the engine's own rule
         (``data_parallel.deal``: heaviest first, prompt plus new tokens, to the least loaded)."""

@@ -170,6 +170,7 @@ def test_quantized_weights_against_bf16(tiny, tmp_path):
     bench_quantized.main([
         *tiny, "--fp8-model", fp8, "--parts", "w1", "batch1", "--num-requests", "4",
         "--max-input-len", "32", "--max-output-len", "8", "--baseline-requests", "2",
+        "--baseline-max-output-len", "3",
         "--batch-size", "2", "--repeats", "1", "--prompt-len", "16", "--new-tokens", "4",
         "--ttft-prompt-len", "32", "--baseline-new-tokens", "2", "--tag", "tiny",
         "--results-dir", str(tmp_path)])
@@ -185,6 +186,8 @@ def test_quantized_weights_against_bf16(tiny, tmp_path):
         "dequantized on load (CPU)")
     assert baseline["output_tokens_per_s"] and baseline["decode_ms_per_token"]
     assert data["summary"][1]["speedup"]["transformers_generate"] > 0
+    # the baseline's requests capped at 3 new tokens, hf_paged's line on them too
+    assert data["hf_paged"]["w1_fp8_weights@baseline_requests"]["output_tokens"] == 6
 
 
 @pytest.mark.skipif("kv_cache_dtype" not in EngineConfig.__dataclass_fields__,
