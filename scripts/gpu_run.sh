@@ -78,7 +78,8 @@
 #       and 4 for 30b-a3b (24 layers) plus its copy: one shape a call, the larger ones with
 #       BASELINES=0 if the call is short (30b-a3b: stock's FP8 MoE generate did not finish 8 of
 #       W1's requests in 5 minutes; QUANT_ARGS="--baseline-max-output-len 64" caps them). The
-#       8b and 30b-a3b checkpoints and their copies (24 + 45 GB) do not fit one 64 GiB disk together: one of them a machine
+#       8b and 30b-a3b checkpoints and their copies (24 + 45 GB) do not fit one 64 GiB disk
+#       together: one of them a machine
 #       STOCK_FP8_KERNEL=PATH: a local copy of the hub package kernels-community/finegrained-fp8
 #       for transformers' FP8 baseline on a machine without the hub (benchmarks.stock_fp8_kernel)
 #   speculation: W6 (benchmarks.bench_speculation): an 8B target and three 0.6B drafts of known
