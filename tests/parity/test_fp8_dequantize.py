@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from transformers import FineGrainedFP8Config
 import hf_paged
 from hf_paged.kernels.block_scales import FP8
 from tests.conftest import FP8_CONFIGS, FP8_CUT, left_padded
-from tests.parity.test_fp8 import ENGINE, LENGTHS, definition_checkpoint
+from tests.parity.test_fp8 import ENGINE, LENGTHS, assert_logits_match, definition_checkpoint
 from tests.unit.test_fp8_checkpoints import edit_config
 
 NAMES = ["blocks_untied", "cut_200_300", "moe_blocks_dense0", "moe_cut_160"]
@@ -70,12 +71,7 @@ def test_greedy_tokens_and_logits_match_transformers(models, oracles, name):
     ids, mask = left_padded(LENGTHS, FP8_CONFIGS[name]["vocab_size"], seed=4)
     kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False)
     assert torch.equal(models[name].generate(ids, **kwargs), oracles[name].generate(ids, **kwargs))
-    with torch.no_grad():
-        ref = oracles[name](ids, attention_mask=mask).logits
-        out = models[name](ids, attention_mask=mask).logits
-    kept = mask.bool()
-    torch.testing.assert_close(out[kept], ref[kept], rtol=0,
-                               atol=1e-5 * ref[kept].abs().max().item())
+    assert_logits_match(models[name], oracles[name], ids, mask)
 
 
 def test_save_pretrained_writes_float_weights_as_transformers_does(models, oracles, tmp_path):
@@ -91,8 +87,6 @@ def test_save_pretrained_writes_float_weights_as_transformers_does(models, oracl
 
 def test_dequantize_in_the_checkpoints_own_config(fp8_checkpoints, models, tmp_path):
     """The loading attribute in config.json itself is read the same way."""
-    import shutil
-
     path = shutil.copytree(fp8_checkpoints["moe_blocks_dense0"], tmp_path / "own")
     edit_config(str(path), lambda c: c["quantization_config"].update(dequantize=True))
     with hf_paged.AutoModelForCausalLM.from_pretrained(str(path), **ENGINE) as model:
