@@ -39,12 +39,14 @@ _ROWS = (1, 2, 4, 8)
 _MARGIN = 0.9
 
 
-def small_m_rows(cublas_us: dict[int, float], small_m_us: dict[int, float]) -> int:
-    """The most rows up to which the small-M kernel won at every row count measured (the
-    counts after its first loss may be missing: they are not measured)."""
+def small_m_rows(cublas_us: dict[int, float], small_m_us: dict[int, float],
+                 margin: float = _MARGIN) -> int:
+    """The most rows up to which the small-M kernel took under ``margin`` of the other's time
+    at every row count measured (the counts after its first loss may be missing: they are not
+    measured)."""
     rows = 0
     for r in sorted(cublas_us):
-        if r not in small_m_us or not small_m_us[r] < _MARGIN * cublas_us[r]:
+        if r not in small_m_us or not small_m_us[r] < margin * cublas_us[r]:
             break
         rows = r
     return rows

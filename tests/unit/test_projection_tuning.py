@@ -18,6 +18,13 @@ def test_the_kernel_serves_up_to_the_rows_where_it_won_clearly_at_every_count():
     assert small_m_rows(cublas, {1: 1.0, 2: 9.0}) == 1  # not measured past its first loss
 
 
+def test_fp8_small_m_rows_take_any_win():  # FP8: against the project's own GEMM, no margin
+    gemm = {1: 43.5, 2: 43.0}
+    assert small_m_rows(gemm, {1: 39.8, 2: 44.0}) == 0
+    assert small_m_rows(gemm, {1: 39.8, 2: 44.0}, margin=1.0) == 1
+    assert small_m_rows(gemm, {1: 43.5}, margin=1.0) == 0  # a tie is no win
+
+
 def test_projections_off_cuda_keep_cublas(checkpoints):
     import hf_paged
 
