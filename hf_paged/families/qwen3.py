@@ -168,6 +168,10 @@ def swap_decoder(model: nn.Module, attention_backend: str, max_positions: int,
         layer.mlp = feed_forward(layer)
         layer.input_layernorm = RMSNorm(config.hidden_size, eps, zero_centred)
         layer.post_attention_layernorm = RMSNorm(config.hidden_size, eps, zero_centred)
+        if not zero_centred:  # the small-M kernel fuses these norms into the projections after
+            for block, proj in ((layer.self_attn, "qkv_proj"), (layer.mlp, "gate_up_proj")):
+                if isinstance(block, (Qwen3PagedAttention, Qwen3PagedMLP)):
+                    getattr(block, proj).fuses_norm = True
     inner.norm = RMSNorm(config.hidden_size, eps, zero_centred)
     inner.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
     inner.rotary_emb = RotaryEmbedding(inner.rotary_emb, max_positions)

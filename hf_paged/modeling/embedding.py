@@ -41,8 +41,12 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits over this rank's vocabulary slice (padded to the common shard width);
     ``gather`` puts the full vocabulary together on rank 0."""
 
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel = SINGLE):
+        super().__init__(vocab_size, hidden_size, tp)
+        self.small_m_rows = 0  # up to how many rows the small-M kernel serves (start-up's choice)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = kernels.linear(hidden, self.weight, small_m_rows=self.small_m_rows)
         if self.tp.size == 1:
             return logits
         return F.pad(logits, (0, self.shard_size - logits.shape[-1]))

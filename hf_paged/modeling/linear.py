@@ -144,6 +144,9 @@ class ColumnParallelLinear(_ParallelLinear):
                  tp: TensorParallel = SINGLE):
         super().__init__(in_features, divide(out_features, tp.size, "output features"), bias, tp)
         self.in_features, self.out_features = in_features, out_features
+        # The model calls it through ``normed`` with an RMSNorm the small-M kernel takes in
+        # (set by the family): start-up times the small-M kernel with the norm fused, as it runs.
+        self.fuses_norm = False
 
     def normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
                gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

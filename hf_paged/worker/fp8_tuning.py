@@ -27,8 +27,16 @@ from torch import nn
 from hf_paged import kernels
 from hf_paged.kernels.block_scales import FP8, BlockScales
 from hf_paged.kernels.launch import compiling_only
-from hf_paged.modeling.linear import MergedColumnParallelLinear, _ParallelLinear
-from hf_paged.worker.projection_tuning import _ROWS, _micros, cached_report, small_m_rows
+from hf_paged.modeling.linear import _ParallelLinear
+from hf_paged.worker.projection_tuning import (
+    _ROWS,
+    _micros,
+    cached_report,
+    group_name,
+    small_m_kernel,
+    small_m_rows,
+    timed_pair,
+)
 
 logger = logging.getLogger(__name__)
 _GEMM_ROWS = (16, 64, 256, 1024, 4096)
@@ -75,18 +83,15 @@ def scales_of(module: nn.Module) -> BlockScales | None:
 
 def tune_fp8_projections(layers: nn.Module, dtype: torch.dtype) -> dict[str, dict]:
     """Set ``small_m_rows``, ``w8a8_rows`` and ``cublas_rows`` on every bias-free FP8 projection
-    in ``layers`` (on CUDA), timed on inputs of the model's ``dtype``, and return, per weight
-    shape (``fp8``, and ``gated`` for a merged gate/up projection), the microseconds measured
-    and the choice."""
+    in ``layers`` (on CUDA), timed on inputs of the model's ``dtype``, and return, per timing
+    group (``projection_tuning.group_name``), the microseconds measured and the choice."""
     groups: dict[str, list[_ParallelLinear]] = defaultdict(list)
     for module in layers.modules():
         w = module.weight if isinstance(module, _ParallelLinear) else None
         if w is not None and module.bias is None and w.is_cuda and w.dtype == FP8:
             if scales_of(module) is None:
                 raise ValueError(f"an FP8 projection of shape {tuple(w.shape)} has no scales")
-            gated = isinstance(module, MergedColumnParallelLinear)
-            name = "x".join(map(str, w.shape)) + " fp8" + (" gated" if gated else "")
-            groups[name].append(module)
+            groups[group_name(module, "fp8")].append(module)
     if not groups or not kernels.triton_available():
         return {}
     first = next(iter(groups.values()))[0]
@@ -120,18 +125,16 @@ def _kernel_digest() -> str:
 
 
 def _kernels(gated: bool) -> dict[str, Callable]:
-    """The kernels start-up chooses between, as ``(x, (weight, scales))`` callables."""
-    from hf_paged.kernels import fp8_gemm, small_m
+    """The kernels start-up chooses between, as ``(x, (weight, scales))`` callables (the
+    small-M kernel's also takes ``projection_tuning.small_m_kernel``'s ``norm``)."""
+    from hf_paged.kernels import fp8_gemm
 
-    if gated:
-        return {"small_m": lambda x, w: small_m.gated_linear(x, *w),
-                "dequant": lambda x, w: kernels.silu_and_mul(fp8_gemm.dequant_linear(x, *w)),
-                "w8a8": lambda x, w: kernels.silu_and_mul(fp8_gemm.w8a8_linear(x, *w)),
-                "cublas": lambda x, w: kernels.silu_and_mul(fp8_gemm.cublas_linear(x, *w))}
-    return {"small_m": lambda x, w: small_m.linear(x, *w),
-            "dequant": lambda x, w: fp8_gemm.dequant_linear(x, *w),
-            "w8a8": lambda x, w: fp8_gemm.w8a8_linear(x, *w),
-            "cublas": lambda x, w: fp8_gemm.cublas_linear(x, *w)}
+    small_m = small_m_kernel(gated)
+    after = kernels.silu_and_mul if gated else (lambda out: out)
+    return {"small_m": lambda x, w, norm=None: small_m(x, w[0], w[1], norm),
+            "dequant": lambda x, w: after(fp8_gemm.dequant_linear(x, *w)),
+            "w8a8": lambda x, w: after(fp8_gemm.w8a8_linear(x, *w)),
+            "cublas": lambda x, w: after(fp8_gemm.cublas_linear(x, *w))}
 
 
 def _measure(groups: dict[str, list[_ParallelLinear]], dtype: torch.dtype) -> dict[str, dict]:
@@ -139,23 +142,25 @@ def _measure(groups: dict[str, list[_ParallelLinear]], dtype: torch.dtype) -> di
         with compiling_only():  # every variant, side by side
             for name, modules in groups.items():
                 w = modules[0].weight
-                for rows in (1, *_GEMM_ROWS):  # the small-M kernel at one row only
-                    for kernel, run in _kernels(name.endswith("gated")).items():
-                        if rows == 1 or kernel != "small_m":
-                            run(w.new_empty(rows, w.shape[1], dtype=dtype),
-                                (w, scales_of(modules[0])))
+                run, weight = _kernels("gated" in name.split()), (w, scales_of(modules[0]))
+                for rows in (1, *_GEMM_ROWS):
+                    x = w.new_empty(rows, w.shape[1], dtype=dtype)
+                    for kernel in ("dequant", "w8a8", "cublas"):
+                        run[kernel](x, weight)
+                timed_pair(name, run["dequant"], run["small_m"], x[:1])[1](x[:1], weight)
         report = {}
         for name, modules in groups.items():
             weights = [(m.weight, scales_of(m)) for m in modules]
-            run = _kernels(name.endswith("gated"))
+            run = _kernels("gated" in name.split())
             n, k = weights[0][0].shape
             times: dict[str, dict[int, float]] = {"gemm_us": {}, "small_m_us": {},
                                                   "dequant_us": {}, "w8a8_us": {},
                                                   "cublas_us": {}}
             for rows in _ROWS:  # up to the small-M kernel's first loss
                 x = torch.randn(rows, k, dtype=dtype, device=weights[0][0].device)
-                times["gemm_us"][rows] = _micros(run["dequant"], x, weights)
-                times["small_m_us"][rows] = _micros(run["small_m"], x, weights)
+                theirs, ours = timed_pair(name, run["dequant"], run["small_m"], x)
+                times["gemm_us"][rows] = _micros(theirs, x, weights)
+                times["small_m_us"][rows] = _micros(ours, x, weights)
                 if small_m_rows(times["gemm_us"], times["small_m_us"], _SMALL_M_MARGIN) < rows:
                     break
             for rows in _GEMM_ROWS:

@@ -7,11 +7,16 @@ shape, on the GPU and weights it will run with, start-up times both at 1, 2, 4 a
 (stopping at the small-M kernel's first loss): a CUDA graph of the projection over every layer's
 weight of that shape (so the weights stream from memory as in a real step, not from L2), timed
 on replay. The merged gate/up projection is timed with its SwiGLU product: the gated small-M
-kernel against cuBLAS then ``silu_and_mul``. The small-M kernel then serves up to the most rows
-at which it took under ``_MARGIN`` of cuBLAS's time at every row count up to there; the margin
-keeps the choice stable between runs. The choice is cached on disk (``cached_report``): only the
-first start-up with a given GPU, model shape and software pays for the timings. FP8
-projections are chosen for in ``fp8_tuning``.
+kernel against cuBLAS then ``silu_and_mul``. A projection the model calls after an RMSNorm the
+small-M kernel takes in (``fuses_norm``: Qwen3's qkv and gate/up) is timed so: the kernel with
+the norm and residual add fused, against ``add_rms_norm`` then cuBLAS (on an H100 the fused norm
+added 2 us a layer to Qwen3-8B's FP8 qkv and 7 to its gate/up at one row, each program
+normalising its own copy of the row). The LM head is timed as one more projection (one row:
+390 us against cuBLAS's 436 at Qwen3-8B's width, H100). The small-M kernel then serves up to
+the most rows at which it took under ``_MARGIN`` of cuBLAS's time at every row count up to
+there; the margin keeps the choice stable between runs. The choice is cached on disk
+(``cached_report``): only the first start-up with a given GPU, model shape and software pays
+for the timings. FP8 projections are chosen for in ``fp8_tuning``.
 """
 
 from __future__ import annotations
@@ -32,11 +37,13 @@ from torch import nn
 from hf_paged import kernels
 from hf_paged.cuda_graphs import graph_micros
 from hf_paged.kernels.launch import compiling_only
+from hf_paged.modeling.embedding import ParallelLMHead
 from hf_paged.modeling.linear import MergedColumnParallelLinear, _ParallelLinear
 
 logger = logging.getLogger(__name__)
 _ROWS = (1, 2, 4, 8)
 _MARGIN = 0.9
+_EPS = 1e-6  # the timed norms' epsilon (any: it does not change the work)
 
 
 def small_m_rows(cublas_us: dict[int, float], small_m_us: dict[int, float],
@@ -52,17 +59,30 @@ def small_m_rows(cublas_us: dict[int, float], small_m_us: dict[int, float],
     return rows
 
 
-def tune_projections(layers: nn.Module) -> dict[str, dict]:
-    """Set ``small_m_rows`` on every bias-free 16-bit projection in ``layers`` (on CUDA) and
-    return, per weight shape (``gated``: a merged gate/up projection, timed with its SwiGLU
-    product), the microseconds measured and the rows chosen. A start-up with the same GPU,
-    shapes and software reads the choice back from the cache folder (``cached_report``)."""
-    groups: dict[str, list[_ParallelLinear]] = defaultdict(list)
-    for module in layers.modules():
-        w = module.weight if isinstance(module, _ParallelLinear) else None
-        if w is not None and module.bias is None and w.is_cuda and w.element_size() == 2:
-            gated = isinstance(module, MergedColumnParallelLinear)
-            groups["x".join(map(str, w.shape)) + (" gated" if gated else "")].append(module)
+def group_name(module: nn.Module, kind: str = "") -> str:
+    """The timing group of a projection: its weight's shape, then ``kind`` (``fp8``), ``gated``
+    (a merged gate/up projection, timed with its SwiGLU product), ``normed`` (timed with the
+    RMSNorm fused in) or ``lm_head``."""
+    words = ["x".join(map(str, module.weight.shape)), kind]
+    if isinstance(module, ParallelLMHead):
+        words.append("lm_head")
+    else:
+        words.append("gated" if isinstance(module, MergedColumnParallelLinear) else "")
+        words.append("normed" if getattr(module, "fuses_norm", False) else "")
+    return " ".join(w for w in words if w)
+
+
+def tune_projections(layers: nn.Module, lm_head: nn.Module | None = None) -> dict[str, dict]:
+    """Set ``small_m_rows`` on every bias-free 16-bit projection in ``layers`` and on
+    ``lm_head`` (on CUDA) and return, per timing group (``group_name``), the microseconds
+    measured and the rows chosen. A start-up with the same GPU, shapes and software reads the
+    choice back from the cache folder (``cached_report``)."""
+    groups: dict[str, list[nn.Module]] = defaultdict(list)
+    for module in [*layers.modules(), *([lm_head] if lm_head is not None else [])]:
+        w = module.weight if isinstance(module, (_ParallelLinear, ParallelLMHead)) else None
+        if (w is not None and getattr(module, "bias", None) is None and w.is_cuda
+                and w.element_size() == 2):
+            groups[group_name(module)].append(module)
     if not groups or not kernels.triton_available():
         return {}
     weight = next(iter(groups.values()))[0].weight
@@ -78,6 +98,27 @@ def tune_projections(layers: nn.Module) -> dict[str, dict]:
         for m in modules:
             m.small_m_rows = report[name]["small_m_rows"] if name in report else 0
     return report
+
+
+def timed_pair(name: str, theirs: Callable, ours: Callable, x: torch.Tensor
+               ) -> tuple[Callable, Callable]:
+    """``(theirs, ours)`` as ``(x, w)`` callables for group ``name``, with ``ours`` a small-M
+    kernel taking ``(x, w)`` (its gated form for a gated group): for a ``normed`` group
+    ``theirs`` runs after ``add_rms_norm`` of ``x`` and a residual and ``ours`` is the small-M
+    kernel with that norm fused (``ours`` must then accept ``normed_linear``'s keywords).
+    Both compute what the model computes there."""
+    if "normed" not in name.split():
+        return theirs, ours
+    residual = torch.randn_like(x)
+    norm = torch.ones(x.shape[1], dtype=x.dtype, device=x.device)
+
+    def theirs_normed(x: torch.Tensor, w) -> torch.Tensor:
+        return theirs(kernels.add_rms_norm(x, residual, norm, _EPS)[0], w)
+
+    def ours_normed(x: torch.Tensor, w) -> torch.Tensor:
+        return ours(x, w, norm=(residual, norm, _EPS))
+
+    return theirs_normed, ours_normed
 
 
 def cached_report(kind: str, key: dict, measure: Callable[[], dict]) -> dict:
@@ -111,27 +152,42 @@ def _kernel_digest() -> str:
     return hashlib.sha256(text + Path(__file__).read_bytes()).hexdigest()[:16]
 
 
-def _measure(groups: dict[str, list[_ParallelLinear]]) -> dict[str, dict]:
+def small_m_kernel(gated: bool) -> Callable:
+    """The small-M kernel as ``(x, w, scales=None, norm=None)``; ``norm``: ``(residual,
+    weight, eps)`` of an RMSNorm fused in."""
     from hf_paged.kernels import small_m  # Triton, imported only where it runs
 
-    def kernels_for(gated: bool) -> tuple[Callable, Callable]:
-        if gated:
-            return kernels.gated_linear, small_m.gated_linear  # cuBLAS + silu_and_mul, or ours
-        return F.linear, small_m.linear
+    def run(x: torch.Tensor, w: torch.Tensor, scales=None, norm=None) -> torch.Tensor:
+        if norm is not None:
+            return small_m.normed_linear(x, norm[0], norm[1], norm[2], w, gated, scales)[0]
+        return (small_m.gated_linear if gated else small_m.linear)(x, w, scales)
 
+    return run
+
+
+def timed_kernels(name: str, x: torch.Tensor) -> tuple[Callable, Callable]:
+    """``timed_pair`` of a 16-bit group: cuBLAS (then ``silu_and_mul`` for a gated group)
+    against the small-M kernel."""
+    gated = "gated" in name.split()
+    theirs = kernels.gated_linear if gated else F.linear
+    return timed_pair(name, theirs, small_m_kernel(gated), x)
+
+
+def _measure(groups: dict[str, list[nn.Module]]) -> dict[str, dict]:
     with torch.inference_mode():
         with compiling_only():  # each shape's variant, side by side
             for name, modules in groups.items():
                 w = modules[0].weight
-                kernels_for(name.endswith("gated"))[1](w.new_empty(1, w.shape[1]), w)
+                x = w.new_empty(1, w.shape[1])
+                timed_kernels(name, x)[1](x, w)
         report = {}
         for name, modules in groups.items():
             weights = [m.weight for m in modules]
-            theirs, ours = kernels_for(name.endswith("gated"))
             cublas, mine = {}, {}
             for rows in _ROWS:  # up to the small-M kernel's first loss
                 x = torch.randn(rows, weights[0].shape[1], dtype=weights[0].dtype,
                                 device=weights[0].device)
+                theirs, ours = timed_kernels(name, x)
                 cublas[rows] = _micros(theirs, x, weights)
                 mine[rows] = _micros(ours, x, weights)
                 if small_m_rows(cublas, mine) < rows:

@@ -72,7 +72,7 @@ class Startup:
                       f"({self._state_bytes() / 2**30:.2f} GiB)")
         if cuda:
             with self._stage("projections", "timing the projections"):
-                self.projection_timings = tune_projections(self.model.layers)
+                self.projection_timings = tune_projections(self.model.layers, self.model.lm_head)
                 self.projection_timings |= tune_fp8_projections(
                     self.model.layers, self.model.embed_tokens.weight.dtype)
             chosen = {shape: r["small_m_rows"] for shape, r in self.projection_timings.items()}

@@ -11,6 +11,7 @@ import torch
 import hf_paged
 from hf_paged import kernels
 from hf_paged.kernels.small_m import MAX_ROWS
+from hf_paged.modeling.embedding import ParallelLMHead
 from hf_paged.modeling.linear import _ParallelLinear
 from tests.conftest import left_padded
 
@@ -18,8 +19,8 @@ from tests.conftest import left_padded
 def kernel_and_twin_tokens(monkeypatch, path: str, dtype: torch.dtype,
                            small_m: bool = False, **options) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens of three prompts through the Triton kernels (interpreter), then through the
-    plain-torch twins; ``small_m`` sends every projection of decode rows to the small-M kernel,
-    as start-up may choose on a GPU; ``options``: engine options."""
+    plain-torch twins; ``small_m`` sends every projection (the LM head too) of decode rows to
+    the small-M kernel, as start-up may choose on a GPU; ``options``: engine options."""
     ids, mask = left_padded([5, 9, 3], 1024, seed=4)
 
     def tokens(through_triton: bool) -> torch.Tensor:
@@ -27,8 +28,8 @@ def kernel_and_twin_tokens(monkeypatch, path: str, dtype: torch.dtype,
         backend = "triton" if through_triton else "sdpa"
         with hf_paged.from_pretrained(path, device="cpu", dtype=dtype,
                                       attention_backend=backend, **options) as engine:
-            for module in engine.model.layers.modules() if small_m else ():
-                if isinstance(module, _ParallelLinear):
+            for module in engine.model.hf_model.modules() if small_m else ():
+                if isinstance(module, (_ParallelLinear, ParallelLMHead)):
                     module.small_m_rows = MAX_ROWS
             return engine.generate(ids, attention_mask=mask, max_new_tokens=6)
 

@@ -6,7 +6,14 @@ from __future__ import annotations
 import torch
 
 from hf_paged.worker.fp8_tuning import gemm_rows, w8a8_rows
-from hf_paged.worker.projection_tuning import cached_report, small_m_rows, tune_projections
+from hf_paged.modeling.embedding import ParallelLMHead
+from hf_paged.modeling.linear import _ParallelLinear
+from hf_paged.worker.projection_tuning import (
+    cached_report,
+    group_name,
+    small_m_rows,
+    tune_projections,
+)
 
 
 def test_the_kernel_serves_up_to_the_rows_where_it_won_clearly_at_every_count():
@@ -23,6 +30,35 @@ def test_fp8_small_m_rows_take_any_win():  # FP8: against the project's own GEMM
     assert small_m_rows(gemm, {1: 39.8, 2: 44.0}) == 0
     assert small_m_rows(gemm, {1: 39.8, 2: 44.0}, margin=1.0) == 1
     assert small_m_rows(gemm, {1: 43.5}, margin=1.0) == 0  # a tie is no win
+
+
+def _groups(path: str) -> dict[str, set[str]]:
+    """The timing group of every projection and LM head of ``path``'s model, by module name
+    (the layer index left out)."""
+    import hf_paged
+
+    with hf_paged.from_pretrained(path, device="cpu") as engine:
+        names: dict[str, set[str]] = {}
+        for full, module in engine.model.hf_model.named_modules():
+            if isinstance(module, (_ParallelLinear, ParallelLMHead)):
+                key = ".".join(p for p in full.split(".") if not p.isdigit())
+                names.setdefault(key, set()).add(group_name(module))
+        return names
+
+
+def test_timing_groups_name_what_the_model_runs(checkpoints, hybrid_checkpoints):
+    """Qwen3's qkv and gate/up are timed with the RMSNorm the small-M kernel fuses into them,
+    the LM head as itself; a hybrid family's zero-centred norms are not fused: no group of it
+    is normed."""
+    groups = _groups(checkpoints["gqa4_untied"])  # hidden 128, 8 + 2 + 2 heads of 32
+    assert groups["model.layers.self_attn.qkv_proj"] == {"384x128 normed"}
+    assert all(name.endswith(" gated normed") for name in groups["model.layers.mlp.gate_up_proj"])
+    assert groups["model.layers.self_attn.o_proj"] == {"128x256"}
+    assert all("normed" not in name for name in groups["model.layers.mlp.down_proj"])
+    assert all(name.endswith(" lm_head") for name in groups["lm_head"])
+    hybrid = _groups(hybrid_checkpoints["next_dense1"])
+    assert not any("normed" in name for names in hybrid.values() for name in names)
+    assert all(name.endswith(" lm_head") for name in hybrid["lm_head"])
 
 
 def test_projections_off_cuda_keep_cublas(checkpoints):

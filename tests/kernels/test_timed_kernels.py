@@ -1,0 +1,37 @@
+"""The kernel pairs start-up times per projection group (``worker/projection_tuning``,
+``worker/fp8_tuning``) compute the same thing on each side, as the model computes it there: a
+plain, a gated (SwiGLU) and a normed group (the RMSNorm and residual add before the
+projection, fused into the small-M kernel on one side), 16-bit and block-quantized FP8."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_paged.kernels.block_scales import BlockScales, grid_rows, quantize
+from hf_paged.worker.fp8_tuning import _kernels
+from hf_paged.worker.projection_tuning import timed_kernels, timed_pair
+from tests.kernels.conftest import DEVICE, HALF, assert_close
+
+
+@pytest.mark.parametrize("kind", ["", "gated", "normed", "gated normed", "lm_head"])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_both_sides_of_a_timed_pair_agree(kind, fp8):
+    gen = torch.Generator().manual_seed(3)
+    n, k, rows = 2 * 96, 256, 2
+    weight = (torch.randn(n, k, generator=gen) / k**0.5).to(DEVICE)
+    x = torch.randn(rows, k, generator=gen).to(DEVICE, HALF)
+    name = f"{n}x{k} {'fp8 ' if fp8 else ''}{kind}".strip()
+    if fp8:
+        q, inv = quantize(weight, (128, 128))
+        w = (q, BlockScales(inv, grid_rows([n], 128, DEVICE), 128))
+        run = _kernels("gated" in kind.split())
+        theirs, ours = timed_pair(name, run["dequant"], run["small_m"], x)
+        unnormed = run["dequant"]
+    else:
+        w = weight.to(HALF)
+        theirs, ours = timed_kernels(name, x)
+        unnormed = timed_kernels(name.replace(" normed", ""), x)[0]
+    assert_close(ours(x, w), theirs(x, w))
+    if "normed" in kind.split():  # the norm is really there
+        assert not torch.allclose(theirs(x, w).float(), unnormed(x, w).float(), atol=1e-2)
