@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from hf_paged.worker.fp8_tuning import gemm_rows, w8a8_rows
 from hf_paged.modeling.embedding import ParallelLMHead
 from hf_paged.modeling.linear import _ParallelLinear
+from hf_paged.worker.fp8_tuning import gemm_rows, w8a8_rows
 from hf_paged.worker.projection_tuning import (
     cached_report,
     group_name,
