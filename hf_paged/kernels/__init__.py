@@ -116,13 +116,14 @@ def normed_linear(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
     weight: torch.Tensor, bias: torch.Tensor | None = None, small_m_rows: int = 0,
     gated: bool = False, scales: BlockScales | None = None, w8a8_rows: int = 0,
-    offset: bool = False, cublas_rows: int = 0,
+    offset: bool = False, cublas_rows: int = 0, fuse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The projection (``gated``: ``gated_linear``) of ``rms_norm(x + residual)`` (``offset``:
     the zero-centred norm), and ``x + residual`` (``x`` when ``residual`` is None), as
     ``add_rms_norm`` then the projection compute them; where ``_small_m`` says (and the norm is
-    Qwen3's), one small-M kernel does it all."""
-    if (not offset and _small_m(x, weight, bias, small_m_rows, scales)
+    Qwen3's), one small-M kernel does it all, unless not ``fuse`` (start-up measured the
+    norm's own launch then the small-M kernel faster)."""
+    if (fuse and not offset and _small_m(x, weight, bias, small_m_rows, scales)
             and norm_weight.dtype == x.dtype and (residual is None or residual.stride(1) == 1)):
         return _triton_kernel("small_m", "normed_linear")(x, residual, norm_weight, eps, weight,
                                                           gated, scales)

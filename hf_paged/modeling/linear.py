@@ -145,23 +145,25 @@ class ColumnParallelLinear(_ParallelLinear):
         super().__init__(in_features, divide(out_features, tp.size, "output features"), bias, tp)
         self.in_features, self.out_features = in_features, out_features
         # The model calls it through ``normed`` with an RMSNorm the small-M kernel takes in
-        # (set by the family): start-up times the small-M kernel with the norm fused, as it runs.
+        # (set by the family): start-up times the small-M kernel with the norm fused and after
+        # the norm's own launch, and sets ``norm_apart`` where the second was faster.
         self.fuses_norm = False
+        self.norm_apart = False
 
     def normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module,
                gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(self(norm(x, residual)[0]), x + residual)`` (``gated``: the SwiGLU product of
         the merged gate/up output), in one small-M kernel where it serves (the norm is an
-        ``RMSNorm``, whose launch that saves). In a step with adapter rows the projection
-        keeps its fused norm but not its SwiGLU product, which comes after the deltas: the
-        LoRA kernels normalise the residual stream themselves and, for gate/up, take the
-        product in their last launch (adapters are served on families whose norms have no
-        offset)."""
+        ``RMSNorm``, whose launch that saves) unless start-up set ``norm_apart``. In a step
+        with adapter rows the projection keeps its fused norm but not its SwiGLU product,
+        which comes after the deltas: the LoRA kernels normalise the residual stream
+        themselves and, for gate/up, take the product in their last launch (adapters are
+        served on families whose norms have no offset)."""
         lora = self.lora is not None and self.lora.active()
         out, residual = kernels.normed_linear(
             x, residual, norm.weight, norm.eps, self.weight, self.bias, self.small_m_rows,
             gated and not lora, scales=self.scales, w8a8_rows=self.w8a8_rows, offset=norm.offset,
-            cublas_rows=self.cublas_rows)
+            cublas_rows=self.cublas_rows, fuse=not self.norm_apart)
         if lora:
             out = self.lora.add_to(out, residual, (norm.weight, norm.eps), gated)
         return out, residual

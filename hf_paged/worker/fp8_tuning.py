@@ -29,13 +29,13 @@ from hf_paged.kernels.block_scales import FP8, BlockScales
 from hf_paged.kernels.launch import compiling_only
 from hf_paged.modeling.linear import _ParallelLinear
 from hf_paged.worker.projection_tuning import (
-    _ROWS,
     _micros,
     cached_report,
     group_name,
+    set_choice,
     small_m_kernel,
-    small_m_rows,
-    timed_pair,
+    time_small_m,
+    timed_variants,
 )
 
 logger = logging.getLogger(__name__)
@@ -105,8 +105,8 @@ def tune_fp8_projections(layers: nn.Module, dtype: torch.dtype) -> dict[str, dic
         logger.warning("FP8 projections stay on the dequantizing GEMM: timing failed (%s)", e)
         report = {}
     for name, modules in groups.items():
+        set_choice(modules, report.get(name))
         for m in modules:
-            m.small_m_rows = report[name]["small_m_rows"] if name in report else 0
             m.w8a8_rows = report[name]["w8a8_rows"] if name in report else 0
             m.cublas_rows = report[name]["cublas_rows"] if name in report else 0
     return report
@@ -147,22 +147,23 @@ def _measure(groups: dict[str, list[_ParallelLinear]], dtype: torch.dtype) -> di
                     x = w.new_empty(rows, w.shape[1], dtype=dtype)
                     for kernel in ("dequant", "w8a8", "cublas"):
                         run[kernel](x, weight)
-                timed_pair(name, run["dequant"], run["small_m"], x[:1])[1](x[:1], weight)
+                for kernel, timed in timed_variants(name, run["dequant"], run["small_m"],
+                                                    x[:1]).items():
+                    if kernel != "other":
+                        timed(x[:1], weight)
         report = {}
         for name, modules in groups.items():
             weights = [(m.weight, scales_of(m)) for m in modules]
             run = _kernels("gated" in name.split())
             n, k = weights[0][0].shape
-            times: dict[str, dict[int, float]] = {"gemm_us": {}, "small_m_us": {},
-                                                  "dequant_us": {}, "w8a8_us": {},
+            times: dict[str, dict[int, float]] = {"dequant_us": {}, "w8a8_us": {},
                                                   "cublas_us": {}}
-            for rows in _ROWS:  # up to the small-M kernel's first loss
-                x = torch.randn(rows, k, dtype=dtype, device=weights[0][0].device)
-                theirs, ours = timed_pair(name, run["dequant"], run["small_m"], x)
-                times["gemm_us"][rows] = _micros(theirs, x, weights)
-                times["small_m_us"][rows] = _micros(ours, x, weights)
-                if small_m_rows(times["gemm_us"], times["small_m_us"], _SMALL_M_MARGIN) < rows:
-                    break
+
+            def variants_at(rows: int, name=name, run=run, k=k, device=weights[0][0].device):
+                x = torch.randn(rows, k, dtype=dtype, device=device)
+                return x, timed_variants(name, run["dequant"], run["small_m"], x)
+
+            choice = time_small_m(variants_at, weights, _SMALL_M_MARGIN)
             for rows in _GEMM_ROWS:
                 x = torch.randn(rows, k, dtype=dtype, device=weights[0][0].device)
                 some = weights[:max(1, _GRAPH_OUTPUT_BYTES // (rows * n * x.element_size()))]
@@ -170,9 +171,7 @@ def _measure(groups: dict[str, list[_ParallelLinear]], dtype: torch.dtype) -> di
                 times["w8a8_us"][rows] = _micros(run["w8a8"], x, some)
                 times["cublas_us"][rows] = _micros(run["cublas"], x, some)
             w8a8, cublas = gemm_rows(times["dequant_us"], times["w8a8_us"], times["cublas_us"])
-            report[name] = dict(**times,
-                                small_m_rows=small_m_rows(times["gemm_us"], times["small_m_us"],
-                                                          _SMALL_M_MARGIN),
+            report[name] = dict(gemm_us=choice.pop("other_us"), **choice, **times,
                                 w8a8_rows=w8a8, cublas_rows=cublas)
     torch.cuda.empty_cache()  # the timing graphs' memory
     return report

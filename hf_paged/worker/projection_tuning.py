@@ -95,30 +95,64 @@ def tune_projections(layers: nn.Module, lm_head: nn.Module | None = None) -> dic
         logger.warning("projections stay on cuBLAS: timing the small-M kernel failed (%s)", e)
         report = {}
     for name, modules in groups.items():
-        for m in modules:
-            m.small_m_rows = report[name]["small_m_rows"] if name in report else 0
+        set_choice(modules, report.get(name))
     return report
 
 
-def timed_pair(name: str, theirs: Callable, ours: Callable, x: torch.Tensor
-               ) -> tuple[Callable, Callable]:
-    """``(theirs, ours)`` as ``(x, w)`` callables for group ``name``, with ``ours`` a small-M
-    kernel taking ``(x, w)`` (its gated form for a gated group): for a ``normed`` group
-    ``theirs`` runs after ``add_rms_norm`` of ``x`` and a residual and ``ours`` is the small-M
-    kernel with that norm fused (``ours`` must then accept ``normed_linear``'s keywords).
-    Both compute what the model computes there."""
+def timed_variants(name: str, theirs: Callable, ours: Callable, x: torch.Tensor
+                   ) -> dict[str, Callable]:
+    """The kernels start-up times for group ``name`` at ``x``'s rows, as ``(x, w)`` callables
+    computing what the model computes there: ``other`` (``theirs``) and ``small_m`` (``ours``,
+    a small-M kernel, its gated form for a gated group). For a ``normed`` group ``other`` runs
+    after ``add_rms_norm`` of ``x`` and a residual, ``small_m`` has that norm fused in (``ours``
+    must then take ``small_m_kernel``'s ``norm``), and ``small_m_apart`` is the norm's own
+    launch then the small-M kernel."""
     if "normed" not in name.split():
-        return theirs, ours
+        return {"other": theirs, "small_m": ours}
     residual = torch.randn_like(x)
     norm = torch.ones(x.shape[1], dtype=x.dtype, device=x.device)
 
-    def theirs_normed(x: torch.Tensor, w) -> torch.Tensor:
-        return theirs(kernels.add_rms_norm(x, residual, norm, _EPS)[0], w)
+    def after_norm(projection: Callable) -> Callable:
+        return lambda x, w: projection(kernels.add_rms_norm(x, residual, norm, _EPS)[0], w)
 
-    def ours_normed(x: torch.Tensor, w) -> torch.Tensor:
-        return ours(x, w, norm=(residual, norm, _EPS))
+    return {"other": after_norm(theirs),
+            "small_m": lambda x, w: ours(x, w, norm=(residual, norm, _EPS)),
+            "small_m_apart": after_norm(ours)}
 
-    return theirs_normed, ours_normed
+
+def time_small_m(variants_at: Callable[[int], tuple[torch.Tensor, dict[str, Callable]]],
+                 weights: list, margin: float = _MARGIN) -> dict:
+    """Time ``variants_at(rows)``'s ``(x, timed_variants)`` over ``weights`` at 1, 2, 4 and 8
+    rows, up to the small-M kernel's first loss, and choose its rows by ``small_m_rows`` with
+    ``margin``. A normed group's two small-M variants are both timed at one row, and the
+    faster serves (``norm_apart``: the norm's own launch then the kernel; on an H100 the norm
+    fused into Qwen3-8B's FP8 gate/up kernel cost 7 us a layer, more than a launch)."""
+    other: dict[int, float] = {}
+    mine: dict[int, float] = {}
+    report, apart = {}, False
+    for rows in _ROWS:
+        x, run = variants_at(rows)
+        other[rows] = _micros(run["other"], x, weights)
+        if rows == 1 and "small_m_apart" in run:
+            fused = _micros(run["small_m"], x, weights)
+            unfused = _micros(run["small_m_apart"], x, weights)
+            report.update(small_m_fused_us=fused, small_m_apart_us=unfused)
+            apart = unfused < fused
+            mine[rows] = min(fused, unfused)
+        else:
+            mine[rows] = _micros(run["small_m_apart" if apart else "small_m"], x, weights)
+        if small_m_rows(other, mine, margin) < rows:
+            break
+    return dict(report, other_us=other, small_m_us=mine,
+                small_m_rows=small_m_rows(other, mine, margin), norm_apart=apart)
+
+
+def set_choice(modules: list[nn.Module], choice: dict | None) -> None:
+    """Start-up's choice (None: none was measured) onto each module of a timing group."""
+    for m in modules:
+        m.small_m_rows = choice["small_m_rows"] if choice else 0
+        if getattr(m, "fuses_norm", False):
+            m.norm_apart = bool(choice and choice.get("norm_apart"))
 
 
 def cached_report(kind: str, key: dict, measure: Callable[[], dict]) -> dict:
@@ -165,35 +199,33 @@ def small_m_kernel(gated: bool) -> Callable:
     return run
 
 
-def timed_kernels(name: str, x: torch.Tensor) -> tuple[Callable, Callable]:
-    """``timed_pair`` of a 16-bit group: cuBLAS (then ``silu_and_mul`` for a gated group)
+def timed_kernels(name: str, x: torch.Tensor) -> dict[str, Callable]:
+    """``timed_variants`` of a 16-bit group: cuBLAS (then ``silu_and_mul`` for a gated group)
     against the small-M kernel."""
     gated = "gated" in name.split()
     theirs = kernels.gated_linear if gated else F.linear
-    return timed_pair(name, theirs, small_m_kernel(gated), x)
+    return timed_variants(name, theirs, small_m_kernel(gated), x)
 
 
 def _measure(groups: dict[str, list[nn.Module]]) -> dict[str, dict]:
     with torch.inference_mode():
-        with compiling_only():  # each shape's variant, side by side
+        with compiling_only():  # each shape's variants, side by side
             for name, modules in groups.items():
                 w = modules[0].weight
                 x = w.new_empty(1, w.shape[1])
-                timed_kernels(name, x)[1](x, w)
+                for kernel, run in timed_kernels(name, x).items():
+                    if kernel != "other":
+                        run(x, w)
         report = {}
         for name, modules in groups.items():
             weights = [m.weight for m in modules]
-            cublas, mine = {}, {}
-            for rows in _ROWS:  # up to the small-M kernel's first loss
-                x = torch.randn(rows, weights[0].shape[1], dtype=weights[0].dtype,
-                                device=weights[0].device)
-                theirs, ours = timed_kernels(name, x)
-                cublas[rows] = _micros(theirs, x, weights)
-                mine[rows] = _micros(ours, x, weights)
-                if small_m_rows(cublas, mine) < rows:
-                    break
-            report[name] = dict(cublas_us=cublas, small_m_us=mine,
-                                small_m_rows=small_m_rows(cublas, mine))
+
+            def variants_at(rows: int, name=name, w=weights[0]):
+                x = torch.randn(rows, w.shape[1], dtype=w.dtype, device=w.device)
+                return x, timed_kernels(name, x)
+
+            choice = time_small_m(variants_at, weights)
+            report[name] = dict(cublas_us=choice.pop("other_us"), **choice)
     torch.cuda.empty_cache()  # the timing graphs' memory
     return report
 

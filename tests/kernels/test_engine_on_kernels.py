@@ -16,11 +16,13 @@ from hf_paged.modeling.linear import _ParallelLinear
 from tests.conftest import left_padded
 
 
-def kernel_and_twin_tokens(monkeypatch, path: str, dtype: torch.dtype,
-                           small_m: bool = False, **options) -> tuple[torch.Tensor, torch.Tensor]:
+def kernel_and_twin_tokens(monkeypatch, path: str, dtype: torch.dtype, small_m: bool = False,
+                           norm_apart: bool = False, **options
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """The tokens of three prompts through the Triton kernels (interpreter), then through the
     plain-torch twins; ``small_m`` sends every projection (the LM head too) of decode rows to
-    the small-M kernel, as start-up may choose on a GPU; ``options``: engine options."""
+    the small-M kernel, as start-up may choose on a GPU (``norm_apart``: after the norm's own
+    launch rather than with the norm fused in, as it also may); ``options``: engine options."""
     ids, mask = left_padded([5, 9, 3], 1024, seed=4)
 
     def tokens(through_triton: bool) -> torch.Tensor:
@@ -31,15 +33,20 @@ def kernel_and_twin_tokens(monkeypatch, path: str, dtype: torch.dtype,
             for module in engine.model.hf_model.modules() if small_m else ():
                 if isinstance(module, (_ParallelLinear, ParallelLMHead)):
                     module.small_m_rows = MAX_ROWS
+                    if getattr(module, "fuses_norm", False):
+                        module.norm_apart = norm_apart
             return engine.generate(ids, attention_mask=mask, max_new_tokens=6)
 
     return tokens(True), tokens(False)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the kernels always run")
-def test_decode_through_the_kernels_gives_the_reference_tokens(checkpoints, monkeypatch):
+@pytest.mark.parametrize("norm_apart", [False, True])
+def test_decode_through_the_kernels_gives_the_reference_tokens(checkpoints, monkeypatch,
+                                                               norm_apart):
     triton_tokens, twin_tokens = kernel_and_twin_tokens(
-        monkeypatch, checkpoints["gqa4_untied"], torch.float16, small_m=True)
+        monkeypatch, checkpoints["gqa4_untied"], torch.float16, small_m=True,
+        norm_apart=norm_apart)
     assert torch.equal(triton_tokens, twin_tokens)
 
 

@@ -71,12 +71,20 @@ def test_rows_of_a_strided_batch():
 
 def test_dispatch_takes_the_kernel_only_up_to_the_chosen_rows(monkeypatch):
     monkeypatch.setattr(kernels, "_TRITON_ON_CPU", True)
-    monkeypatch.setattr(kernels, "_triton_kernel", lambda module, name: lambda *a: name)
+    monkeypatch.setattr(kernels, "_triton_kernel", lambda module, name: (
+        (lambda *a, **k: a[0]) if module == "rmsnorm" else (lambda *a, **k: name)))
     weight = rand(32, 64, dtype=HALF)
     assert kernels.linear(rand(4, 64, dtype=HALF), weight, small_m_rows=4) == "linear"
     assert kernels.gated_linear(rand(4, 64, dtype=HALF), weight, small_m_rows=4) == "gated_linear"
     # more rows than chosen: the projection, then silu_and_mul
     assert kernels.gated_linear(rand(5, 64, dtype=HALF), weight, small_m_rows=4) == "silu_and_mul"
+    norm = torch.ones(64, dtype=HALF)
+    assert kernels.normed_linear(rand(2, 64, dtype=HALF), None, norm, 1e-6, weight,
+                                 small_m_rows=4) == "normed_linear"
+    # the norm apart (start-up's choice): the norm's launch, then the small-M kernel
+    out, _ = kernels.normed_linear(rand(2, 64, dtype=HALF), None, norm, 1e-6, weight,
+                                   small_m_rows=4, fuse=False)  # (the norm patched to pass x)
+    assert out == "linear"
     for x, rows, bias in [(rand(5, 64, dtype=HALF), 4, None),  # more rows than chosen
                           (rand(1, 64, dtype=HALF), 0, None),  # not chosen at all
                           (rand(1, 64, dtype=HALF), 4, rand(32, dtype=HALF))]:  # a bias

@@ -1,7 +1,8 @@
-"""The kernel pairs start-up times per projection group (``worker/projection_tuning``,
-``worker/fp8_tuning``) compute the same thing on each side, as the model computes it there: a
-plain, a gated (SwiGLU) and a normed group (the RMSNorm and residual add before the
-projection, fused into the small-M kernel on one side), 16-bit and block-quantized FP8."""
+"""The kernels start-up times per projection group (``worker/projection_tuning``,
+``worker/fp8_tuning``) compute the same thing, as the model computes it there: a plain, a
+gated (SwiGLU) and a normed group (the RMSNorm and residual add before the projection: its
+own launch before the GEMM, fused into the small-M kernel or its own launch before it), 16-bit
+and block-quantized FP8."""
 
 from __future__ import annotations
 
@@ -10,13 +11,13 @@ import torch
 
 from hf_paged.kernels.block_scales import BlockScales, grid_rows, quantize
 from hf_paged.worker.fp8_tuning import _kernels
-from hf_paged.worker.projection_tuning import timed_kernels, timed_pair
+from hf_paged.worker.projection_tuning import timed_kernels, timed_variants
 from tests.kernels.conftest import DEVICE, HALF, assert_close
 
 
 @pytest.mark.parametrize("kind", ["", "gated", "normed", "gated normed", "lm_head"])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_both_sides_of_a_timed_pair_agree(kind, fp8):
+def test_the_timed_kernels_of_a_group_agree(kind, fp8):
     gen = torch.Generator().manual_seed(3)
     n, k, rows = 2 * 96, 256, 2
     weight = (torch.randn(n, k, generator=gen) / k**0.5).to(DEVICE)
@@ -26,12 +27,16 @@ def test_both_sides_of_a_timed_pair_agree(kind, fp8):
         q, inv = quantize(weight, (128, 128))
         w = (q, BlockScales(inv, grid_rows([n], 128, DEVICE), 128))
         run = _kernels("gated" in kind.split())
-        theirs, ours = timed_pair(name, run["dequant"], run["small_m"], x)
+        timed = timed_variants(name, run["dequant"], run["small_m"], x)
         unnormed = run["dequant"]
     else:
         w = weight.to(HALF)
-        theirs, ours = timed_kernels(name, x)
-        unnormed = timed_kernels(name.replace(" normed", ""), x)[0]
-    assert_close(ours(x, w), theirs(x, w))
-    if "normed" in kind.split():  # the norm is really there
-        assert not torch.allclose(theirs(x, w).float(), unnormed(x, w).float(), atol=1e-2)
+        timed = timed_kernels(name, x)
+        unnormed = timed_kernels(name.replace(" normed", ""), x)["other"]
+    normed = "normed" in kind.split()
+    assert sorted(timed) == sorted(["other", "small_m"] + ["small_m_apart"] * normed)
+    expected = timed["other"](x, w)
+    for kernel in ("small_m", "small_m_apart")[:1 + normed]:
+        assert_close(timed[kernel](x, w), expected)
+    if normed:  # the norm is really there
+        assert not torch.allclose(expected.float(), unnormed(x, w).float(), atol=1e-2)

@@ -7,11 +7,14 @@ import torch
 
 from hf_paged.modeling.embedding import ParallelLMHead
 from hf_paged.modeling.linear import _ParallelLinear
+from hf_paged.worker import projection_tuning
 from hf_paged.worker.fp8_tuning import gemm_rows, w8a8_rows
 from hf_paged.worker.projection_tuning import (
     cached_report,
     group_name,
+    set_choice,
     small_m_rows,
+    time_small_m,
     tune_projections,
 )
 
@@ -30,6 +33,50 @@ def test_fp8_small_m_rows_take_any_win():  # FP8: against the project's own GEMM
     assert small_m_rows(gemm, {1: 39.8, 2: 44.0}) == 0
     assert small_m_rows(gemm, {1: 39.8, 2: 44.0}, margin=1.0) == 1
     assert small_m_rows(gemm, {1: 43.5}, margin=1.0) == 0  # a tie is no win
+
+
+def _timed(monkeypatch, table: dict[str, dict[int, float]], normed: bool, margin: float = 0.9
+           ) -> tuple[dict, list]:
+    """``time_small_m`` over kernels whose microseconds ``table`` gives by name and rows; the
+    (name, rows) pairs it timed."""
+    timed = []
+
+    def micros(kernel, x, weights):
+        timed.append((kernel, x))
+        return table[kernel][x]
+
+    monkeypatch.setattr(projection_tuning, "_micros", micros)
+    names = ["other", "small_m"] + ["small_m_apart"] * normed
+    return time_small_m(lambda rows: (rows, dict(zip(names, names))), [None], margin), timed
+
+
+def test_a_normed_group_takes_the_faster_small_m_variant_at_one_row(monkeypatch):
+    table = {"other": {1: 45.0, 2: 45.0, 4: 45.0}, "small_m": {1: 46.1, 2: 80.0},
+             "small_m_apart": {1: 42.0, 2: 44.0, 4: 70.0}}
+    choice, timed = _timed(monkeypatch, table, normed=True, margin=1.0)
+    assert choice["norm_apart"] and choice["small_m_rows"] == 2
+    assert choice["small_m_us"] == {1: 42.0, 2: 44.0, 4: 70.0}
+    assert (choice["small_m_fused_us"], choice["small_m_apart_us"]) == (46.1, 42.0)
+    assert ("small_m", 2) not in timed  # the slower variant is timed at one row only
+    table["small_m"][1] = 41.0  # fused faster: it serves
+    choice, _ = _timed(monkeypatch, table, normed=True, margin=1.0)
+    assert not choice["norm_apart"] and choice["small_m_rows"] == 1
+    choice, _ = _timed(monkeypatch, table, normed=False)  # 41 > 0.9 * 45: no clear win
+    assert "small_m_fused_us" not in choice and choice["small_m_rows"] == 0
+    assert not choice["norm_apart"]
+
+
+def test_the_choice_lands_on_the_modules_that_fuse_a_norm():
+    class Projection:
+        fuses_norm, norm_apart, small_m_rows = True, False, 0
+
+    normed, plain = Projection(), Projection()
+    plain.fuses_norm = False
+    set_choice([normed, plain], {"small_m_rows": 2, "norm_apart": True})
+    assert (normed.small_m_rows, normed.norm_apart, plain.small_m_rows) == (2, True, 2)
+    assert not plain.norm_apart
+    set_choice([normed], None)  # nothing measured: cuBLAS, the norm fused where it would run
+    assert (normed.small_m_rows, normed.norm_apart) == (0, False)
 
 
 def _groups(path: str) -> dict[str, set[str]]:
