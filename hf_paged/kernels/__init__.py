@@ -74,42 +74,45 @@ def _plain(x: torch.Tensor, weight: torch.Tensor, scales: BlockScales | None) ->
 
 
 def _fp8_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-              scales: BlockScales, w8a8_rows: int, cublas_rows: int) -> torch.Tensor:
+              scales: BlockScales, w8a8_rows: int, cublas_rows: int, fp8_mma: str
+              ) -> torch.Tensor:
     """A block-quantized projection of any number of rows (start-up's choice per shape,
     ``worker/fp8_tuning.py``): from ``cublas_rows`` rows on (0: never) the weight dequantized
     whole, then cuBLAS; below that, from ``w8a8_rows`` rows on (0: never) FP8 activations on
-    the FP8 tensor cores; else the weight dequantized tile by tile in a Triton GEMM."""
+    the FP8 tensor cores (``fp8_mma``: the ``fp8_gemm`` function that serves them); else the
+    weight dequantized tile by tile in a Triton GEMM."""
     rows = x.reshape(-1, x.shape[-1])
     rows = rows if rows.stride(-1) == 1 else rows.contiguous()
     m = rows.shape[0]
     name = ("cublas_linear" if cublas_rows and m >= cublas_rows else
-            "w8a8_linear" if w8a8_rows and m >= w8a8_rows else "dequant_linear")
+            fp8_mma if w8a8_rows and m >= w8a8_rows else "dequant_linear")
     out = _triton_kernel("fp8_gemm", name)(rows, weight, scales, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            small_m_rows: int = 0, scales: BlockScales | None = None,
-           w8a8_rows: int = 0, cublas_rows: int = 0) -> torch.Tensor:
+           w8a8_rows: int = 0, cublas_rows: int = 0, fp8_mma: str = "w8a8_linear"
+           ) -> torch.Tensor:
     """``F.linear``, or the small-M Triton kernel where ``_small_m`` says. ``scales``: the
     weight is block-quantized FP8 (``kernels.block_scales``); Triton reads it as FP8 (the
-    small-M kernel, else ``_fp8_gemm`` by ``w8a8_rows`` and ``cublas_rows``), the plain path
-    dequantizes it."""
+    small-M kernel, else ``_fp8_gemm`` by ``w8a8_rows``, ``cublas_rows`` and ``fp8_mma``), the
+    plain path dequantizes it."""
     if _small_m(x, weight, bias, small_m_rows, scales):
         return _triton_kernel("small_m", "linear")(x, weight, scales)
     if scales is not None and _use_triton(x):
-        return _fp8_gemm(x, weight, bias, scales, w8a8_rows, cublas_rows)
+        return _fp8_gemm(x, weight, bias, scales, w8a8_rows, cublas_rows, fp8_mma)
     return F.linear(x, _plain(x, weight, scales), bias)
 
 
 def gated_linear(x: torch.Tensor, weight: torch.Tensor, small_m_rows: int = 0,
                  scales: BlockScales | None = None, w8a8_rows: int = 0,
-                 cublas_rows: int = 0) -> torch.Tensor:
+                 cublas_rows: int = 0, fp8_mma: str = "w8a8_linear") -> torch.Tensor:
     """``silu_and_mul(F.linear(x, weight))`` for a merged gate/up ``weight``; where
     ``_small_m`` says, one small-M kernel computes both."""
     if _small_m(x, weight, None, small_m_rows, scales):
         return _triton_kernel("small_m", "gated_linear")(x, weight, scales)
-    return silu_and_mul(linear(x, weight, None, 0, scales, w8a8_rows, cublas_rows))
+    return silu_and_mul(linear(x, weight, None, 0, scales, w8a8_rows, cublas_rows, fp8_mma))
 
 
 def normed_linear(
@@ -117,6 +120,7 @@ def normed_linear(
     weight: torch.Tensor, bias: torch.Tensor | None = None, small_m_rows: int = 0,
     gated: bool = False, scales: BlockScales | None = None, w8a8_rows: int = 0,
     offset: bool = False, cublas_rows: int = 0, fuse: bool = True,
+    fp8_mma: str = "w8a8_linear",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The projection (``gated``: ``gated_linear``) of ``rms_norm(x + residual)`` (``offset``:
     the zero-centred norm), and ``x + residual`` (``x`` when ``residual`` is None), as
@@ -132,8 +136,9 @@ def normed_linear(
     else:
         x, residual = add_rms_norm(x, residual, norm_weight, eps, offset=offset)
     if gated:
-        return gated_linear(x, weight, small_m_rows, scales, w8a8_rows, cublas_rows), residual
-    return linear(x, weight, bias, small_m_rows, scales, w8a8_rows, cublas_rows), residual
+        return (gated_linear(x, weight, small_m_rows, scales, w8a8_rows, cublas_rows, fp8_mma),
+                residual)
+    return linear(x, weight, bias, small_m_rows, scales, w8a8_rows, cublas_rows, fp8_mma), residual
 
 
 copy_blocks = _dispatch("block_copy", "copy_blocks")

@@ -16,6 +16,11 @@ Three paths; start-up times them per projection shape (``worker/fp8_tuning.py``)
   Writing and reading the scratch costs three bytes an element, which a large GEMM (prefill)
   repays where cuBLAS outruns the Triton GEMMs; the weight stays FP8 in memory, and the
   scratch lives only through the call.
+- ``scaled_mm_linear``: ``w8a8_linear``'s numbers on torch's block-scaled FP8 GEMM
+  (``F.scaled_mm`` with 1x128 activation and 128x128 weight scales, cuBLAS's kernels; sm_90
+  only), where ``scaled_mm_serves`` the weight. Start-up times it against ``w8a8_linear`` and
+  the faster serves from ``w8a8_rows`` rows (its loop waits on each K block's product before
+  scaling it, which leaves the Triton GEMM's tensor cores idle).
 
 The GEMMs take K in steps of at most one scale block, so a step reads one scale per weight row.
 """
@@ -204,3 +209,37 @@ def cublas_linear(x: torch.Tensor, weight: torch.Tensor, scales: BlockScales,
     if weight.shape[1] != x.shape[1]:
         raise ValueError(f"weight has {weight.shape[1]} input features, x has {x.shape[1]}")
     return F.linear(x, dequantize_weight(weight, scales, x.dtype), bias)
+
+
+def scaled_mm_serves(weight: torch.Tensor, scales: BlockScales) -> bool:
+    """Whether ``scaled_mm_linear`` can take this weight: torch has the block-scaled FP8 GEMM,
+    the weight is a 2-D FP8 tensor on an sm_90 GPU (the only one torch gives those scales
+    on), its grid has 128x128 blocks in the plain layout (grid row ``n // 128``: every merged
+    part a multiple of 128 rows) and K whole blocks, a multiple of four of them (the scales'
+    columns start 16-byte aligned). Reads ``scales.rows`` back: for start-up, not a step."""
+    recipes = getattr(F, "ScalingType", None)
+    if (recipes is None or not hasattr(recipes, "BlockWise128x128") or weight.dim() != 2
+            or weight.dtype != FP8 or not weight.is_cuda
+            or torch.cuda.get_device_capability(weight.device) != (9, 0)):
+        return False
+    n, k = weight.shape
+    rows = torch.arange(n, dtype=scales.rows.dtype) // 128
+    return (scales.block_k == 128 and k % 512 == 0 and n % 128 == 0
+            and tuple(scales.inv.shape) == (n // 128, k // 128) and scales.inv.is_contiguous()
+            and torch.equal(scales.rows.cpu(), rows))
+
+
+def scaled_mm_linear(x: torch.Tensor, weight: torch.Tensor, scales: BlockScales,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``w8a8_linear`` on ``F.scaled_mm`` (where ``scaled_mm_serves``): ``x`` quantized by
+    ``act_quant``, each K block's FP8 product scaled by both scales into float32, the bias
+    added there, rounded once to ``x``'s dtype."""
+    m = x.shape[0]
+    pad = -m % 4  # the activations' scales go column-major: rows in 16-byte multiples
+    q, a_scale = act_quant(F.pad(x, (0, 0, 0, pad)) if pad else x, scales.block_k)
+    out = F.scaled_mm(q, weight.t(), a_scale.t().contiguous().t(),
+                      F.ScalingType.BlockWise1x128, scales.inv.t(),
+                      F.ScalingType.BlockWise128x128,
+                      output_dtype=x.dtype if bias is None else torch.float32)
+    out = out[:m] if pad else out
+    return out if bias is None else (out + bias.float()).to(x.dtype)

@@ -71,6 +71,7 @@ class _ParallelLinear(nn.Linear):
         self.small_m_rows = 0  # up to how many rows the small-M kernel serves (start-up's choice)
         self.w8a8_rows = 0  # FP8 weights: from how many rows the w8a8 GEMM serves (start-up's)
         self.cublas_rows = 0  # FP8 weights: from how many rows dequantize-then-cuBLAS serves
+        self.fp8_mma = "w8a8_linear"  # FP8 weights: the fp8_gemm function of w8a8_rows' rows
         self.block: tuple[int, int] | None = None  # FP8: (rows, columns) a scale covers
         self.lora: LoraStack | None = None  # adapters' low-rank deltas, once one is loaded
 
@@ -103,7 +104,8 @@ class _ParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = kernels.linear(x, self.weight, self.bias, self.small_m_rows, scales=self.scales,
-                             w8a8_rows=self.w8a8_rows, cublas_rows=self.cublas_rows)
+                             w8a8_rows=self.w8a8_rows, cublas_rows=self.cublas_rows,
+                             fp8_mma=self.fp8_mma)
         return out if self.lora is None else self.lora.add_to(out, x)
 
     def _copy(self, param: nn.Parameter, loaded, dim: int, dst: int, src: int, size: int
@@ -163,7 +165,7 @@ class ColumnParallelLinear(_ParallelLinear):
         out, residual = kernels.normed_linear(
             x, residual, norm.weight, norm.eps, self.weight, self.bias, self.small_m_rows,
             gated and not lora, scales=self.scales, w8a8_rows=self.w8a8_rows, offset=norm.offset,
-            cublas_rows=self.cublas_rows, fuse=not self.norm_apart)
+            cublas_rows=self.cublas_rows, fuse=not self.norm_apart, fp8_mma=self.fp8_mma)
         if lora:
             out = self.lora.add_to(out, residual, (norm.weight, norm.eps), gated)
         return out, residual
@@ -284,7 +286,8 @@ class RowParallelLinear(_ParallelLinear):
         shares reduces them once)."""
         bias = self.bias if self.tp.rank == 0 else None
         out = kernels.linear(x, self.weight, bias, self.small_m_rows, scales=self.scales,
-                             w8a8_rows=self.w8a8_rows, cublas_rows=self.cublas_rows)
+                             w8a8_rows=self.w8a8_rows, cublas_rows=self.cublas_rows,
+                             fp8_mma=self.fp8_mma)
         if self.lora is not None:  # a rank's share of the delta, summed with the products
             out = self.lora.add_to(out, x)
         return out

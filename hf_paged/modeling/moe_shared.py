@@ -35,7 +35,7 @@ class SharedExpertMoEBlock(SparseMoEBlock):
         up = self.shared_expert.gate_up_proj
         shared = self.shared_expert.down_proj.partial(
             kernels.gated_linear(x, up.weight, up.small_m_rows, up.scales, up.w8a8_rows,
-                                 up.cublas_rows))
+                                 up.cublas_rows, up.fp8_mma))
         gate = torch.sigmoid(kernels.linear(x, self.shared_expert_gate.weight))
         # transformers' order: the routed sum plus the gated shared expert, in the model dtype
         return self.tp.all_reduce(self.routed(x) + gate * shared), residual

@@ -1,16 +1,18 @@
 """Which kernels serve the block-quantized FP8 projections, measured at start-up per projection
 shape as ``projection_tuning`` measures the 16-bit ones.
 
-An FP8 projection has four paths (``kernels.small_m``, ``kernels.fp8_gemm``): the small-M
+An FP8 projection has these paths (``kernels.small_m``, ``kernels.fp8_gemm``): the small-M
 kernel for decode's few rows, and for more rows the GEMM that dequantizes the weight tile by
 tile (16-bit tensor cores), the w8a8 GEMM (the activations quantized per 128-column group, FP8
-tensor cores: twice the rate, plus a quantization launch and the activations' rounding) or the
-whole weight dequantized into a scratch tensor for cuBLAS. For each shape start-up times, over
-every layer's weight of that shape in a CUDA graph: the small-M kernel against the
-dequantizing GEMM at 1, 2, 4 and 8 rows (the gate/up projection with its SwiGLU product),
-which sets ``small_m_rows`` by ``small_m_rows``'s rule without its margin; and the three
-others at ``_GEMM_ROWS``, which set ``cublas_rows`` and ``w8a8_rows`` by ``gemm_rows``. The
-choice is cached on disk with the 16-bit one's (``cached_report``).
+tensor cores: twice the rate, plus a quantization launch and the activations' rounding) in
+Triton or, where it takes the weight, on torch's block-scaled ``F.scaled_mm`` (the same
+numbers), or the whole weight dequantized into a scratch tensor for cuBLAS. For each timing
+group (``projection_tuning.group_name``) start-up times, over every layer's weight of that
+group in a CUDA graph: the small-M kernel against the dequantizing GEMM at 1, 2, 4 and 8 rows
+(``projection_tuning.time_small_m``), which sets ``small_m_rows`` by ``small_m_rows``'s rule
+without its margin; and the others at ``_GEMM_ROWS``: ``fp8_mma_choice`` picks the FP8
+tensor-core GEMM (``fp8_mma``), then ``gemm_rows`` sets ``cublas_rows`` and ``w8a8_rows``.
+The choice is cached on disk with the 16-bit one's (``cached_report``).
 """
 
 from __future__ import annotations
@@ -75,6 +77,14 @@ def gemm_rows(dequant_us: dict[int, float], w8a8_us: dict[int, float],
     return w8a8_rows(below, w8a8_us), cublas
 
 
+def fp8_mma_choice(w8a8_us: dict[int, float], scaled_mm_us: dict[int, float]) -> str:
+    """The ``fp8_gemm`` function that serves the FP8 tensor-core rows: ``scaled_mm_linear``
+    where it was faster than ``w8a8_linear`` at more of the row counts measured than not
+    (none measured: it cannot take the weight), else ``w8a8_linear``."""
+    wins = sum(scaled_mm_us[r] < w8a8_us[r] for r in scaled_mm_us)
+    return "scaled_mm_linear" if wins > len(scaled_mm_us) - wins else "w8a8_linear"
+
+
 def scales_of(module: nn.Module) -> BlockScales | None:
     """The block scales of an FP8 projection (None for any other module)."""
     scales = getattr(module, "scales", None)
@@ -109,6 +119,7 @@ def tune_fp8_projections(layers: nn.Module, dtype: torch.dtype) -> dict[str, dic
         for m in modules:
             m.w8a8_rows = report[name]["w8a8_rows"] if name in report else 0
             m.cublas_rows = report[name]["cublas_rows"] if name in report else 0
+            m.fp8_mma = report.get(name, {}).get("fp8_mma", "w8a8_linear")
     return report
 
 
@@ -127,17 +138,20 @@ def _kernel_digest() -> str:
 def _kernels(gated: bool) -> dict[str, Callable]:
     """The kernels start-up chooses between, as ``(x, (weight, scales))`` callables (the
     small-M kernel's also takes ``projection_tuning.small_m_kernel``'s ``norm``)."""
-    from hf_paged.kernels import fp8_gemm
+    from hf_paged.kernels import fp8_gemm  # Triton, imported only where it runs
 
     small_m = small_m_kernel(gated)
     after = kernels.silu_and_mul if gated else (lambda out: out)
     return {"small_m": lambda x, w, norm=None: small_m(x, w[0], w[1], norm),
             "dequant": lambda x, w: after(fp8_gemm.dequant_linear(x, *w)),
             "w8a8": lambda x, w: after(fp8_gemm.w8a8_linear(x, *w)),
-            "cublas": lambda x, w: after(fp8_gemm.cublas_linear(x, *w))}
+            "cublas": lambda x, w: after(fp8_gemm.cublas_linear(x, *w)),
+            "scaled_mm": lambda x, w: after(fp8_gemm.scaled_mm_linear(x, *w))}
 
 
 def _measure(groups: dict[str, list[_ParallelLinear]], dtype: torch.dtype) -> dict[str, dict]:
+    from hf_paged.kernels.fp8_gemm import scaled_mm_serves
+
     with torch.inference_mode():
         with compiling_only():  # every variant, side by side
             for name, modules in groups.items():
@@ -157,7 +171,8 @@ def _measure(groups: dict[str, list[_ParallelLinear]], dtype: torch.dtype) -> di
             run = _kernels("gated" in name.split())
             n, k = weights[0][0].shape
             times: dict[str, dict[int, float]] = {"dequant_us": {}, "w8a8_us": {},
-                                                  "cublas_us": {}}
+                                                  "cublas_us": {}, "scaled_mm_us": {}}
+            scaled_mm = scaled_mm_serves(*weights[0])
 
             def variants_at(rows: int, name=name, run=run, k=k, device=weights[0][0].device):
                 x = torch.randn(rows, k, dtype=dtype, device=device)
@@ -170,8 +185,14 @@ def _measure(groups: dict[str, list[_ParallelLinear]], dtype: torch.dtype) -> di
                 times["dequant_us"][rows] = _micros(run["dequant"], x, some)
                 times["w8a8_us"][rows] = _micros(run["w8a8"], x, some)
                 times["cublas_us"][rows] = _micros(run["cublas"], x, some)
-            w8a8, cublas = gemm_rows(times["dequant_us"], times["w8a8_us"], times["cublas_us"])
+                if scaled_mm:
+                    times["scaled_mm_us"][rows] = _micros(run["scaled_mm"], x, some)
+            mma = fp8_mma_choice(times["w8a8_us"], times["scaled_mm_us"])
+            w8a8, cublas = gemm_rows(
+                times["dequant_us"],
+                times["scaled_mm_us" if mma == "scaled_mm_linear" else "w8a8_us"],
+                times["cublas_us"])
             report[name] = dict(gemm_us=choice.pop("other_us"), **choice, **times,
-                                w8a8_rows=w8a8, cublas_rows=cublas)
+                                w8a8_rows=w8a8, cublas_rows=cublas, fp8_mma=mma)
     torch.cuda.empty_cache()  # the timing graphs' memory
     return report

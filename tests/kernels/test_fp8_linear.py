@@ -132,8 +132,8 @@ def test_w8a8_twin_stays_near_the_definition():
 
 def test_dispatch(monkeypatch):
     """FP8 projections go to the small-M kernel up to its rows, to the dequantizing GEMM
-    below ``w8a8_rows``, to the w8a8 one from there and to cuBLAS from ``cublas_rows``; off
-    Triton, to the plain path."""
+    below ``w8a8_rows``, to the w8a8 one from there (``fp8_mma``: the one start-up chose) and
+    to cuBLAS from ``cublas_rows``; off Triton, to the plain path."""
     monkeypatch.setattr(kernels, "_TRITON_ON_CPU", True)
     calls = []
     monkeypatch.setattr(kernels, "_triton_kernel", lambda module, name: lambda *a: (
@@ -146,13 +146,14 @@ def test_dispatch(monkeypatch):
     kernels.linear(x(16), weight, None, 4, scales, w8a8_rows=16)
     kernels.linear(x(64), weight, None, 4, scales, w8a8_rows=16, cublas_rows=64)
     kernels.linear(x(63), weight, None, 4, scales, w8a8_rows=16, cublas_rows=64)
+    kernels.linear(x(63), weight, None, 4, scales, w8a8_rows=16, fp8_mma="scaled_mm_linear")
     kernels.linear(x(1), weight, rand(48, dtype=HALF), 4, scales)  # a bias: no small-M
     kernels.gated_linear(x(2), weight, 4, scales)
     kernels.normed_linear(x(2), None, torch.ones(128, dtype=HALF), 1e-6, weight, None, 4,
                           False, scales)
     assert calls == ["linear", "dequant_linear", "dequant_linear", "w8a8_linear",
-                     "cublas_linear", "w8a8_linear", "dequant_linear", "gated_linear",
-                     "normed_linear"]
+                     "cublas_linear", "w8a8_linear", "scaled_mm_linear", "dequant_linear",
+                     "gated_linear", "normed_linear"]
     monkeypatch.setattr(kernels, "_TRITON_ON_CPU", False)
     if DEVICE.type == "cpu":
         calls.clear()
@@ -160,3 +161,10 @@ def test_dispatch(monkeypatch):
         assert torch.equal(kernels.linear(rows, weight, None, 4, scales, w8a8_rows=1),
                            reference.dequant_linear(rows, weight, scales))
         assert not calls
+
+
+def test_torch_block_scaled_gemm_takes_no_weight_off_an_h100():
+    """``F.scaled_mm``'s block scales are sm_90's alone: a CPU weight is never given to it."""
+    weight, scales = fp8_weight([256], 512)
+    assert not fp8_gemm.scaled_mm_serves(weight.cpu(), scales._replace(
+        inv=scales.inv.cpu(), rows=scales.rows.cpu()))

@@ -8,7 +8,7 @@ import torch
 from hf_paged.modeling.embedding import ParallelLMHead
 from hf_paged.modeling.linear import _ParallelLinear
 from hf_paged.worker import projection_tuning
-from hf_paged.worker.fp8_tuning import gemm_rows, w8a8_rows
+from hf_paged.worker.fp8_tuning import fp8_mma_choice, gemm_rows, w8a8_rows
 from hf_paged.worker.projection_tuning import (
     cached_report,
     group_name,
@@ -154,3 +154,12 @@ def test_cublas_serves_from_the_fewest_rows_where_it_beat_both_gemms_at_every_la
     assert gemm_rows(dequant, w8a8, {16: 5, 64: 5, 256: 5, 1024: 5, 4096: 230}) == (64, 0)
     # fastest everywhere: cuBLAS from the fewest rows measured, w8a8 never
     assert gemm_rows(dequant, w8a8, {r: 1.0 for r in dequant}) == (0, 16)
+
+
+def test_the_fp8_tensor_core_gemm_is_the_faster_at_most_row_counts():
+    triton = {16: 42.5, 64: 45.4, 256: 92.5, 1024: 369.8, 4096: 1459.0}
+    assert fp8_mma_choice(triton, {}) == "w8a8_linear"  # torch's could not take the weight
+    faster_large = {16: 50.0, 64: 50.0, 256: 60.0, 1024: 250.0, 4096: 900.0}
+    assert fp8_mma_choice(triton, faster_large) == "scaled_mm_linear"
+    faster_small = {16: 40.0, 64: 44.0, 256: 99.0, 1024: 400.0, 4096: 1500.0}
+    assert fp8_mma_choice(triton, faster_small) == "w8a8_linear"
