@@ -163,3 +163,20 @@ def test_the_fp8_tensor_core_gemm_is_the_faster_at_most_row_counts():
     assert fp8_mma_choice(triton, faster_large) == "scaled_mm_linear"
     faster_small = {16: 40.0, 64: 44.0, 256: 99.0, 1024: 400.0, 4096: 1500.0}
     assert fp8_mma_choice(triton, faster_small) == "w8a8_linear"
+
+
+def test_torch_block_scaled_gemm_is_left_out_where_it_disagrees_or_fails(caplog):
+    from hf_paged.worker.fp8_tuning import _scaled_mm_agrees
+
+    weight = (torch.zeros(8, 32), None)
+    w8a8 = lambda x, w: x[:, :8] * 2  # noqa: E731
+    near = lambda x, w: x[:, :8] * 2 * (1 + 1e-4)  # noqa: E731
+
+    def fails(x, w):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+
+    assert _scaled_mm_agrees({"w8a8": w8a8, "scaled_mm": near}, weight, torch.float32)
+    assert not _scaled_mm_agrees({"w8a8": w8a8, "scaled_mm": lambda x, w: x[:, :8]}, weight,
+                                 torch.float32)
+    assert not _scaled_mm_agrees({"w8a8": w8a8, "scaled_mm": fails}, weight, torch.float32)
+    assert "differs" in caplog.text and "CUBLAS_STATUS_NOT_SUPPORTED" in caplog.text
