@@ -77,7 +77,7 @@ class Startup:
                     self.model.layers, self.model.embed_tokens.weight.dtype)
             chosen = {shape: r["small_m_rows"] for shape, r in self.projection_timings.items()}
             self._log(f"small-M kernel up to these rows, by projection shape: {chosen}")
-            gemms = {shape: (r["w8a8_rows"], r["cublas_rows"], r["fp8_mma"])
+            gemms = {shape: (r["w8a8_rows"], r["cublas_rows"], r.get("fp8_mma", "w8a8_linear"))
                      for shape, r in self.projection_timings.items() if "cublas_rows" in r}
             if gemms:
                 self._log("FP8 GEMMs, (w8a8, cuBLAS) from these rows (0: never) and the w8a8 "
