@@ -92,9 +92,10 @@ def scales_of(module: nn.Module) -> BlockScales | None:
 
 
 def tune_fp8_projections(layers: nn.Module, dtype: torch.dtype) -> dict[str, dict]:
-    """Set ``small_m_rows``, ``w8a8_rows`` and ``cublas_rows`` on every bias-free FP8 projection
-    in ``layers`` (on CUDA), timed on inputs of the model's ``dtype``, and return, per timing
-    group (``projection_tuning.group_name``), the microseconds measured and the choice."""
+    """Set ``small_m_rows`` (and ``norm_apart``), ``w8a8_rows``, ``cublas_rows`` and
+    ``fp8_mma`` on every bias-free FP8 projection in ``layers`` (on CUDA), timed on inputs of
+    the model's ``dtype``, and return, per timing group (``projection_tuning.group_name``),
+    the microseconds measured and the choice."""
     groups: dict[str, list[_ParallelLinear]] = defaultdict(list)
     for module in layers.modules():
         w = module.weight if isinstance(module, _ParallelLinear) else None
@@ -116,10 +117,10 @@ def tune_fp8_projections(layers: nn.Module, dtype: torch.dtype) -> dict[str, dic
         report = {}
     for name, modules in groups.items():
         set_choice(modules, report.get(name))
+        choice = report.get(name, {})
         for m in modules:
-            m.w8a8_rows = report[name]["w8a8_rows"] if name in report else 0
-            m.cublas_rows = report[name]["cublas_rows"] if name in report else 0
-            m.fp8_mma = report.get(name, {}).get("fp8_mma", "w8a8_linear")
+            m.w8a8_rows, m.cublas_rows = choice.get("w8a8_rows", 0), choice.get("cublas_rows", 0)
+            m.fp8_mma = choice.get("fp8_mma", "w8a8_linear")
     return report
 
 
