@@ -105,6 +105,13 @@ def test_decode_over_fp8_cache(num_splits, dtype):
     check(DECODE_LENS, [1] * n, 4, 2, 32, 16, dtype, max_query_len=1, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("page", [64, 128])  # the FP8 decode tile's 128 keys within a block
+def test_decode_over_fp8_cache_in_large_blocks(page):
+    lens = [1, 100, 127, 128, 129, 300]
+    check(lens, [1] * len(lens), 4, 2, 32, page, HALF, max_query_len=1)
+    check(lens, lens, 4, 2, 32, page)
+
+
 def test_decode_cascade_over_fp8_cache():
     lens = [70, 75, 81, 90]
     check(lens, [1] * 4, 4, 2, 32, 16, shared=3, max_query_len=1, num_splits=2)

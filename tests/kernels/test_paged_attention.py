@@ -127,6 +127,26 @@ def test_decode_cascade_over_shared_prefix(shared_len, num_splits, dtype):
           num_splits=num_splits, shared_prefix=shared_len)
 
 
+LONG_LENS = [1, 63, 64, 65, 200, 300]  # inside, at and across blocks of 64 and 128
+
+
+@pytest.mark.parametrize("page", [64, 128])  # key tiles of 64 lie within one cache block
+@pytest.mark.parametrize("num_splits", [1, None])
+def test_decode_with_tiles_within_blocks(page, num_splits):
+    n = len(LONG_LENS)
+    check(LONG_LENS, [1] * n, 4, 2, 32, page, max_query_len=1, num_splits=num_splits)
+    # A shared first block (every context longer) and a padded row
+    lens = [n + page for n in LONG_LENS] + [0]
+    check(lens, [1] * (n + 1), 4, 2, 32, page, HALF, shared=1, max_query_len=1,
+          num_splits=num_splits)
+
+
+@pytest.mark.parametrize("page", [64, 128])
+def test_prefill_and_chunks_with_tiles_within_blocks(page):
+    check(LONG_LENS, LONG_LENS, 4, 2, 32, page)
+    check(LONG_LENS, [1, 30, 1, 65, 7, 150], 8, 2, 32, page, HALF)
+
+
 @pytest.mark.parametrize("page,group", [(8, 4), (16, 1), (32, 2)])
 def test_prefill_whole_prompts(page, group):
     lens = [3, 17, 70]
