@@ -1,8 +1,9 @@
 """A fine-grained FP8 copy of a checkpoint folder, laid out as Qwen publishes its ``-FP8`` ones
-(W8's checkpoints: the same weights as the bf16 checkpoint beside it): the folder copied, then
-``hf_paged.random_checkpoint.quantize_fp8`` (what ``hf-paged make-checkpoint --quantize fp8``
-writes: every projection transformers converts in float8_e4m3fn with a float32
-``weight_scale_inv`` per 128x128 block, the rest as it was, a ``quantization_config``).
+(W8's checkpoints: the same weights as the bf16 checkpoint beside it): the folder's other files
+copied, its weight files rewritten one at a time by ``hf_paged.random_checkpoint.quantize_fp8``
+(what ``hf-paged make-checkpoint --quantize fp8`` writes: every projection transformers converts
+in float8_e4m3fn with a float32 ``weight_scale_inv`` per 128x128 block, the rest as it was, a
+``quantization_config``).
 
 python -m benchmarks.fp8_checkpoint --source /tmp/ckpt/8b --out /tmp/ckpt/8b-fp8
 """
@@ -20,10 +21,10 @@ from hf_paged.random_checkpoint import quantize_fp8
 
 
 def quantize_checkpoint(src: str, dst: str, device: str = "cpu") -> str:
-    """Copy ``src`` to ``dst`` and rewrite the copy in the FP8 layout (quantized on
-    ``device``)."""
-    shutil.copytree(src, dst, dirs_exist_ok=True)
-    quantize_fp8(dst, AutoConfig.from_pretrained(dst), device=device)
+    """``src`` in the FP8 layout in ``dst`` (quantized on ``device``): the disk holds the
+    float weights once, beside their FP8 copy."""
+    shutil.copytree(src, dst, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors"))
+    quantize_fp8(dst, AutoConfig.from_pretrained(dst), device=device, source=src)
     return dst
 
 

@@ -222,18 +222,20 @@ def fp8_config(config: PretrainedConfig, block: tuple[int, int] = (128, 128)) ->
 
 @torch.no_grad()
 def quantize_fp8(out_dir: str, config: PretrainedConfig, block: tuple[int, int] = (128, 128),
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", source: str | None = None) -> None:
     """Rewrite the float checkpoint in ``out_dir`` (``config``'s model) in the fine-grained FP8
     layout: each weight of a module transformers converts (``fp8_model.converted_modules``)
     as float8_e4m3fn with its ``weight_scale_inv`` grid (computed on ``device``), the rest as
-    they were; config.json gets the ``quantization_config``."""
+    they were; config.json gets the ``quantization_config``. ``source``: a folder whose
+    weight files are read instead of ``out_dir``'s (written to ``out_dir`` under the same
+    names, one at a time: no float copy of the weights is made)."""
     quantization = fp8_config(config, block)
     scheme = fp8.resolve(quantization, None)
     with torch.device("meta"):
         converted, _ = fp8_model.converted_modules(AutoModelForCausalLM.from_config(config),
                                                    scheme)
     moved = {}
-    for file in checkpoint_files(out_dir):
+    for file in checkpoint_files(source or out_dir):
         with safe_open(file, framework="pt") as f:
             tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
         for key in list(tensors):
@@ -241,7 +243,7 @@ def quantize_fp8(out_dir: str, config: PretrainedConfig, block: tuple[int, int] 
                 values, inv = quantize(tensors[key].to(device), block)
                 tensors[key], tensors[fp8_model.scale_key(key)] = values.cpu(), inv.cpu()
                 moved[fp8_model.scale_key(key)] = os.path.basename(file)
-        save_file(tensors, file, metadata=metadata)
+        save_file(tensors, os.path.join(out_dir, os.path.basename(file)), metadata=metadata)
     index = os.path.join(out_dir, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
