@@ -29,8 +29,9 @@ def attend_tiles(
         if PAGE % BLOCK_N == 0:
             # The tile lies in one cache block: one table read, a scalar base and contiguous
             # offsets, which the compiler turns into wide copies of whole rows. On an H100 (0.6B
-            # shape, bf16 cache, blocks of 64) prefill attention took 106 us against 130 with
-            # a table read per key, decode of 64 sequences 119 against 126.
+            # shape, bf16 cache, blocks of 64) prefill attention over 14 prompts of 300-900
+            # tokens took 107 us against 129 with a table read per key (4 of 1,500-2,500: 226
+            # against 279); decode, within 1%.
             block = tl.load(table + tile * BLOCK_N // PAGE * table_stride).to(tl.int64)
             offset = tile * BLOCK_N % PAGE + tl.arange(0, BLOCK_N)
         else:
