@@ -35,6 +35,9 @@
 #       step profile per size with its NCCL time (T_W4P=150 each; W4_PROFILE_SIZES, default
 #       TP_SIZES). On several GPUs:
 #       scripts/gpu_run.sh tp-tests w4
+#       W4_SHAPE=32b runs it on another shape of make_checkpoint's (/tmp/ckpt/<shape>, results
+#       tagged with the shape: w4-32b-<device>.json); the 32B shape, 64 GB in bf16, is drawn on
+#       one GPU and needs the disk of a machine of several: W4_SHAPE=32b TP_SIZES="2 4"
 #   tp-tests: the tensor-parallel GPU tests and the CPU (gloo) ones; T_TP=400
 #   dp: W1 with data_parallel_size 1, 2 and 4 in one run (DP_SIZES; sizes above the GPU count
 #       are skipped), each size's scaling over size 1 in the result (w1-dp-<device>.json), no
@@ -287,18 +290,21 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
             tests/gpu/test_tensor_parallel_gpu.py tests/gpu/test_gpu_parity.py \
             -k "tp2_bf16 or dp2_bf16 or not gpu_parity" \
             tests/parallel ;;
-      w4) local ckpt8b=${CKPT8B:-/tmp/ckpt/8b} sizes
+      w4) local shape=${W4_SHAPE:-8b} sizes tag=() name=w4
+          local ckpt=/tmp/ckpt/$shape
+          if [[ $shape == 8b ]]; then ckpt=${CKPT8B:-$ckpt}; else tag=(--tag "$shape"); name=w4-$shape; fi
           read -r -a sizes <<< "${TP_SIZES:-1 2 4}"
-          python -m benchmarks.make_checkpoint --shape 8b --out "$ckpt8b" --dtype bfloat16
-          CKPT=$ckpt8b bench w4 "${T_W4:-900}" bench_throughput "${W4_ARGS:-}" \
-            --workload w4 --baselines --tensor-parallel-size "${sizes[@]}"
-          CKPT=$ckpt8b bench w4-batch1 "${T_W4B:-300}" bench_latency "" --baselines \
-            --workload w4 --tensor-parallel-size "${sizes[@]}"
+          step "$name-ckpt" "${T_W4_CKPT:-600}" python -m benchmarks.make_checkpoint --shape "$shape" \
+            --out "$ckpt" --dtype bfloat16
+          CKPT=$ckpt bench "$name" "${T_W4:-900}" bench_throughput "${W4_ARGS:-}" \
+            --workload w4 "${tag[@]}" --baselines --tensor-parallel-size "${sizes[@]}"
+          CKPT=$ckpt bench "$name-batch1" "${T_W4B:-300}" bench_latency "" --baselines \
+            --workload w4 "${tag[@]}" --tensor-parallel-size "${sizes[@]}"
           read -r -a sizes <<< "${W4_PROFILE_SIZES:-${sizes[*]}}"
           for n in "${sizes[@]}"; do
             [[ $n -le $(nvidia-smi -L | wc -l) ]] || continue
-            step "w4-prof$n" "${T_W4P:-150}" python -m benchmarks.profile_steps --model "$ckpt8b" \
-              --results-dir "$RESULTS" --tensor-parallel-size "$n" --name "w4-profile-tp$n"
+            step "$name-prof$n" "${T_W4P:-150}" python -m benchmarks.profile_steps --model "$ckpt" \
+              --results-dir "$RESULTS" --tensor-parallel-size "$n" --name "$name-profile-tp$n"
           done ;;
       moe) moe w1 w2 prof ;;
       moe-w1|moe-w2|moe-prof) moe "${s#moe-}" ;;
