@@ -37,7 +37,8 @@
 #       scripts/gpu_run.sh tp-tests w4
 #       W4_SHAPE=32b runs it on another shape of make_checkpoint's (/tmp/ckpt/<shape>, results
 #       tagged with the shape: w4-32b-<device>.json); the 32B shape, 64 GB in bf16, is drawn on
-#       one GPU and needs the disk of a machine of several: W4_SHAPE=32b TP_SIZES="2 4"
+#       one GPU (its build a step: T_W4_CKPT=600) and needs the disk of a machine of several:
+#       W4_SHAPE=32b TP_SIZES="2 4"
 #   tp-tests: the tensor-parallel GPU tests and the CPU (gloo) ones; T_TP=400
 #   dp: W1 with data_parallel_size 1, 2 and 4 in one run (DP_SIZES; sizes above the GPU count
 #       are skipped), each size's scaling over size 1 in the result (w1-dp-<device>.json), no

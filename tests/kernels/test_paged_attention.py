@@ -136,7 +136,7 @@ def test_decode_with_tiles_within_blocks(page, num_splits):
     n = len(LONG_LENS)
     check(LONG_LENS, [1] * n, 4, 2, 32, page, max_query_len=1, num_splits=num_splits)
     # A shared first block (every context longer) and a padded row
-    lens = [n + page for n in LONG_LENS] + [0]
+    lens = [length + page for length in LONG_LENS] + [0]
     check(lens, [1] * (n + 1), 4, 2, 32, page, HALF, shared=1, max_query_len=1,
           num_splits=num_splits)
 
