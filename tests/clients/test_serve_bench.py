@@ -27,7 +27,10 @@ def test_bench_serving_and_its_report(tiny_checkpoint, tmp_path, monkeypatch):
     assert [p.get("rate_requests_per_s", p.get("concurrency")) for p in phases] == [16, 2, 1, 2]
     for count, phase in zip((1, 2), phases[2:]):
         assert phase["baseline_requests"] == count and phase["baseline_max_output"] == 5
-        assert phase["completed"] == count and phase["tpot_ms_p50"] > 0, phase
+        assert phase["completed"] == count, phase
+        # Five tokens may reach a lagging client in one chunk (the server joins a stream's
+        # pending text), which leaves no time between tokens to count: none, never a zero.
+        assert phase["tpot_ms_p50"] is None or phase["tpot_ms_p50"] > 0, phase
     for phase in phases[:2]:
         assert phase["completed"] == 4 and not phase["timed_out"], phase
         assert phase["output_tok_per_s"] > 0 and phase["tpot_ms_p50"] > 0, phase
