@@ -56,18 +56,14 @@ _LOG2E = 1.4426950408889634
 DECODE_TILE = (16, 64, 4, 2)
 _PREFILL_TILE = (64, 64, 4, 3)
 _SHARED_TILE = (64, 64, 4, 3)  # cascade decode's shared prefix: BLOCK_M // GROUP tokens a tile
-# An FP8 cache's tiles span twice the keys, the same bytes in flight. On an H100 at the 0.6B
-# shape (contexts of 600-1,600 tokens), decode over an FP8 cache took 239 us at 256 sequences
-# against 274 with 64-key tiles (the bf16 cache: 400), 85 against 87 at 64, and 32 against 30
-# at 16; more stages or warps were slower. The shared prefix's tiles follow (the two kernels
+# An FP8 cache's decode tile: half the warps of the bf16 tile and one more stage, the same
+# keys a tile. On an H100 at the 0.6B shape (blocks of 64), decode over an FP8 cache took, at
+# 256 / 64 / 16 sequences of 600-1,600 tokens and 256 of 100-400: 241 / 77 / 29 / 73 us, against
+# 242 / 81 / 30 / 82 with 128-key tiles of 4 warps capped at 168 registers (the bf16 cache:
+# 397 / 127 / 37 / 99). Capping this tile's registers at 128 halved its speed; 32-key tiles
+# gained at short contexts only. The shared prefix's tiles are the bf16 ones (the two kernels
 # round the shared length to the same tiles).
-_FP8_DECODE_TILE = (16, 128, 4, 2)
-# Compiled for sm_90 the FP8 decode tile takes 203 registers a thread (two programs a SM; the
-# bf16 tile 117). Capped at 168 (three a SM, no spills) it took, on an H100 as above, 242 us
-# at 256 sequences against 239 uncapped, 81 against 85 at 64 and 30 against 33 at 16; capped
-# at 128 (four a SM) 260, 86 and 33. The bf16 tile gains nothing from a cap.
-_FP8_DECODE_MAX_REGISTERS = 168
-_FP8_SHARED_TILE = (64, 128, 4, 2)
+_FP8_DECODE_TILE = (16, 64, 2, 3)
 # Per-sequence index arguments, read a few int32 at a time: their alignment is left out of the
 # compiled variant, so views into a graph's packed input buffer (at any offset) share the
 # variants of separately allocated tensors instead of compiling their own.
@@ -224,8 +220,7 @@ def paged_attention(
 
     decode = max_query_len == 1
     cascade = decode and shared_prefix is not None
-    decode_tile, shared_tile = (_FP8_DECODE_TILE, _FP8_SHARED_TILE) if fp8 else (
-        DECODE_TILE, _SHARED_TILE)
+    decode_tile = _FP8_DECODE_TILE if fp8 else DECODE_TILE
     block_m, block_n, num_warps, num_stages = decode_tile if decode else _PREFILL_TILE
     block_m = max(block_m, triton.next_power_of_2(group))
     block_q = block_m // group
@@ -239,7 +234,7 @@ def paged_attention(
             num_splits = decode_splits(num_seqs * num_kv_heads, max_tiles, query.device)
     shared_splits = 0
     if cascade:
-        shared_m, shared_n, shared_warps, shared_stages = shared_tile
+        shared_m, shared_n, shared_warps, shared_stages = _SHARED_TILE
         assert shared_n == block_n  # both kernels round the shared length to the same tiles
         shared_m = max(shared_m, triton.next_power_of_2(group))
         shared_tiles = triton.cdiv(num_tokens, shared_m // group)
@@ -284,7 +279,7 @@ def paged_attention(
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
         HEAD_DIM=head_dim, PAGE=page, DECODE=decode, SPLIT=split, CASCADE=cascade,
         ORDERED=ordered, PRECISION=precision, FP8=fp8, num_warps=num_warps, num_stages=num_stages,
-        **({"maxnreg": _FP8_DECODE_MAX_REGISTERS} if fp8 and decode else {}), **pdl_options(query),
+        **pdl_options(query),
     )
     if split:
         launch(
