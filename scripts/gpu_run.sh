@@ -192,13 +192,15 @@ moe() {  # moe PART...: the 30B-A3B checkpoint, built once, and its PARTs (w1 w2
 }
 
 quantized() {  # W8 on each shape of QUANT_SHAPES, its FP8 copy built once
-  local shape ckpt parts
+  local shape ckpt parts tag
   for shape in ${QUANT_SHAPES:-0.6b}; do
+    tag=$shape
     case $shape in
       0.6b) ckpt=$CKPT parts="w1 batch1 kv" ;;
       8b) ckpt=${CKPT8B:-/tmp/ckpt/8b} parts="w1 batch1"
           python -m benchmarks.make_checkpoint --shape 8b --out "$ckpt" --dtype bfloat16 ;;
       30b-a3b) ckpt=${CKPT_MOE:-/tmp/ckpt/30b-a3b-${MOE_LAYERS:-24}} parts="w1 batch1"
+          tag=$shape-${MOE_LAYERS:-24}l
           moe ;;  # no part: only the checkpoint
       *) echo "QUANT_SHAPES: unknown shape $shape (0.6b 8b 30b-a3b)"; STATUS+=("quant-$shape unknown")
          continue ;;
@@ -213,7 +215,7 @@ quantized() {  # W8 on each shape of QUANT_SHAPES, its FP8 copy built once
     [[ -d $ckpt-fp8 ]] || continue
     # shellcheck disable=SC2086  # parts and QUANT_ARGS are word lists
     CKPT=$ckpt bench "quant-$shape" "${T_QUANT:-420}" bench_quantized "${QUANT_ARGS:-}" \
-      --fp8-model "$ckpt-fp8" --parts $parts --tag "$shape" "${BASELINE_ARGS[@]}" \
+      --fp8-model "$ckpt-fp8" --parts $parts --tag "$tag" "${BASELINE_ARGS[@]}" \
       ${STOCK_FP8_KERNEL:+--stock-fp8-kernel "$STOCK_FP8_KERNEL"}
   done
 }
