@@ -143,6 +143,20 @@ class StepInputs:
 
 
 @dataclass
+class ModelCall:
+    """The model call (transformers' forward over padded rows), as rank 0 sends it to the
+    other ranks: host tensors ``[batch, seq_len]``, each row's adapter slot (-1: none; None:
+    no row has one), and ``logits_to_keep`` as transformers takes it (None: the final hidden
+    states, not the logits)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    lora_slots: list[int] | None = None
+    logits_to_keep: int | torch.Tensor | None = None
+
+
+@dataclass
 class StepResult:
     """A step's answer, once collected."""
 

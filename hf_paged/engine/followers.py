@@ -39,6 +39,8 @@ def adopt(seqs: list[Sequence], received: tuple, scheduler: Scheduler) -> None:
         )
     for seq, (tokens, reason) in zip(seqs, results):
         scheduler.abort(seq)  # rank 0 schedules
+        # rank 0's new tokens include any this rank's request began with (a masked row's first)
+        del seq.token_ids[seq.num_prompt_tokens:]
         seq.token_ids.extend(tokens)
         seq.finish_reason = reason
     for hooks, state in zip(_shared_hooks(seqs), hook_states):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_paged.step import ModelCall
+
 
 class PaddedForward:
     """``EngineCore``'s forward over padded batches (it provides ``closed``, ``config``,
@@ -16,28 +18,23 @@ class PaddedForward:
         """transformers' model forward over padded ``[batch, seq_len]`` rows (SDPA attention):
         the final (normed) hidden states, on a scratch KV cache, so the engine's cache and
         prefix cache are left alone; ``adapters``: each row's LoRA adapter (None: the base
-        model)."""
-        if self.closed:
-            raise RuntimeError("this model was closed; load it again to use it")
-        if self.config.tensor_parallel_size > 1:  # the other ranks only follow steps
-            raise ValueError("the model call (forward) runs in one process: it is not available "
-                             "with tensor_parallel_size > 1; generate() is")
-        slots = None
-        if adapters is not None:
-            if len(adapters) != input_ids.shape[0]:
-                raise ValueError(f"adapter names: one per row, got {len(adapters)} for "
-                                 f"{input_ids.shape[0]} rows")
-            slots = [self.adapters.resolve(name)[0] for name in adapters]
-        return self.executor.hidden_states(input_ids, attention_mask, position_ids, slots)
+        model). Under tensor parallelism every rank runs it."""
+        return self._call(ModelCall(input_ids, attention_mask, position_ids), adapters)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 position_ids: torch.Tensor, logits_to_keep: int | torch.Tensor = 0,
                 adapters: list[str | None] | None = None) -> torch.Tensor:
         """The logits of ``hidden_states`` (``logits_to_keep`` as transformers takes it), in
         the model dtype."""
-        hidden = self.hidden_states(input_ids, attention_mask, position_ids, adapters)
-        if isinstance(logits_to_keep, int):
-            hidden = hidden[:, -logits_to_keep:] if logits_to_keep else hidden
-        else:
-            hidden = hidden[:, logits_to_keep.to(hidden.device)]
-        return self.executor.logits(hidden)
+        return self._call(ModelCall(input_ids, attention_mask, position_ids,
+                                    logits_to_keep=logits_to_keep), adapters)
+
+    def _call(self, call: ModelCall, adapters: list[str | None] | None) -> torch.Tensor:
+        if self.closed:
+            raise RuntimeError("this model was closed; load it again to use it")
+        if adapters is not None:
+            if len(adapters) != call.input_ids.shape[0]:
+                raise ValueError(f"adapter names: one per row, got {len(adapters)} for "
+                                 f"{call.input_ids.shape[0]} rows")
+            call.lora_slots = [self.adapters.resolve(name)[0] for name in adapters]
+        return self.executor.model_call(call)

@@ -51,7 +51,9 @@ class ParallelLMHead(VocabParallelEmbedding):
             return logits
         return F.pad(logits, (0, self.shard_size - logits.shape[-1]))
 
-    def gather(self, local_logits: torch.Tensor) -> torch.Tensor | None:
-        """Full-vocabulary logits on rank 0, None on the other ranks."""
-        logits = self.tp.gather_last_dim(local_logits)
+    def gather(self, local_logits: torch.Tensor, everywhere: bool = False
+               ) -> torch.Tensor | None:
+        """Full-vocabulary logits on rank 0, None on the other ranks (``everywhere``: on every
+        rank)."""
+        logits = self.tp.gather_last_dim(local_logits, everywhere)
         return None if logits is None else logits[..., : self.vocab_size]

@@ -50,14 +50,18 @@ class TensorParallel:
         dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.group)
         return int(x.item())
 
-    def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor | None:
+    def gather_last_dim(self, x: torch.Tensor, everywhere: bool = False) -> torch.Tensor | None:
         """Every rank's ``x`` side by side on the last dimension, on rank 0 only (None
-        elsewhere)."""
+        elsewhere), or on every rank with ``everywhere``."""
         if self.size == 1:
             return x
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(x, parts, group=self.group, group_dst=0)
+        parts = [torch.empty_like(x) for _ in range(self.size)] if everywhere or self.rank == 0 \
+            else None
+        if everywhere:
+            dist.all_gather(parts, x, group=self.group)
+        else:
+            dist.gather(x, parts, group=self.group, group_dst=0)
         return torch.cat(parts, -1) if parts is not None else None
 
 

@@ -3,7 +3,7 @@ broadcast over a gloo group in host memory (so that they cross machines too).
 
 Every message starts with a header of thirteen int64:
 
-    0  kind: STEP, RESULTS, LORA or STOP
+    0  kind: STEP, RESULTS, LORA, FORWARD or STOP
     1  n: tokens in the step (``len(ids)``)
     2  b: sequences in the step (``len(seq_lens)``)
     3  r: sampled token rows (``len(logits_rows)``)
@@ -24,7 +24,9 @@ payload, in ``StepInputs`` field order: ``ids``, ``src``, ``positions``, ``slots
 ``has_initial_state`` (s, as 0 or 1), ``state_copies`` (2sc, pair by pair). Under torchrun
 a RESULTS header is followed by one pickled object (``send_object``): rank 0's outcome of
 ``engine.run``. A LORA header (spawned ranks) is followed by one pickled ``(slot, adapter)``:
-the whole adapter, host tensors, or None to unload the slot. STOP ends a spawned rank.
+the whole adapter, host tensors, or None to unload the slot. A FORWARD header is followed by
+one pickled ``ModelCall`` (host tensors): the model call every rank runs. STOP ends a spawned
+rank.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch.distributed as dist
 
 from hf_paged.step import StepInputs
 
-STEP, RESULTS, STOP, LORA = 1, 2, 3, 4  # message kinds
+STEP, RESULTS, STOP, LORA, FORWARD = 1, 2, 3, 4, 5  # message kinds
 _HEADER_LEN = 13
 
 

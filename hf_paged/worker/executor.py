@@ -9,7 +9,6 @@ until rank 0 sends the results, so that every rank returns the same outputs.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 import weakref
@@ -19,14 +18,14 @@ import torch
 
 from hf_paged import quantization
 from hf_paged.families import check_model
-from hf_paged.modeling.full_forward import full_forward
 from hf_paged.modeling.tp import SINGLE
 from hf_paged.quantization import fp8
-from hf_paged.step import StepPlan, StepResult, WorkerSpec
+from hf_paged.step import ModelCall, StepPlan, StepResult, WorkerSpec
 from hf_paged.worker.backend import resolve_backend
-from hf_paged.worker.channel import LORA, RESULTS, STEP
+from hf_paged.worker.channel import FORWARD, LORA, RESULTS, STEP
 from hf_paged.worker.follower import serve
 from hf_paged.worker.launched_step import LaunchedStep
+from hf_paged.worker.model_call import run_model_call
 from hf_paged.worker.ranks import Ranks, join_launched_ranks, launched_world, spawn_ranks
 from hf_paged.worker.runner import ModelRunner
 from hf_paged.worker.shard import build_shard
@@ -41,7 +40,7 @@ class Executor:
     """One process: the engine's steps go straight to its model runner.
 
     What the engine may use: ``launch``/``collect`` a step, ``release`` sequences, the
-    transformers-style ``hidden_states``/``logits`` of the model call, ``close``, and the
+    transformers-style ``model_call``, ``close``, and the
     facts ``num_blocks``, ``num_state_slots``, ``num_state_snapshots``, ``state_slot_bytes``,
     ``device``, ``dtype``, ``startup_seconds``; ``model`` is the swapped model, for the
     drop-in class to adopt its modules."""
@@ -70,18 +69,11 @@ class Executor:
     def release(self, seq_ids: list[int]) -> None:
         self.runner.release(seq_ids)
 
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      position_ids: torch.Tensor, lora_slots: list[int] | None = None
-                      ) -> torch.Tensor:
-        """transformers' model forward over padded ``[batch, seq_len]`` rows: the final
-        hidden states, on a scratch KV cache (the engine's is left alone); ``lora_slots``:
-        each row's adapter slot (-1: none); a hybrid model's state pools: scratch ones, a slot
-        per row."""
-        lora = None if lora_slots is None else (self.runner.lora.batch, lora_slots)
-        states = self.runner.states
-        with states.scratch(input_ids.shape[0]) if states else contextlib.nullcontext():
-            return full_forward(self.model, input_ids, attention_mask, position_ids,
-                                self.runner.config.block_size, lora)
+    def model_call(self, call: ModelCall) -> torch.Tensor:
+        """transformers' model forward over padded rows (``ModelCall``): the final hidden
+        states, or the logits of the kept positions, on a scratch KV cache (the engine's is
+        left alone)."""
+        return run_model_call(self.runner, call)
 
     def load_lora(self, slot: int, adapter: LoraAdapter) -> None:
         """Put ``adapter`` in ``slot`` of every projection it adapts."""
@@ -94,11 +86,6 @@ class Executor:
     def lora_bytes(self) -> int:
         """Device memory the adapter slots take."""
         return self.runner.lora.nbytes
-
-    @torch.no_grad()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head over ``hidden``, in the model dtype."""
-        return self.model.lm_head(hidden)
 
     def finish_run(self, outcome: object) -> None:
         """End of ``engine.run`` on the leader (its results, or its error as a string):
@@ -148,6 +135,27 @@ class ParallelExecutor(Executor):
         except BaseException as e:
             raise self._failure(e) from e
 
+    def model_call(self, call: ModelCall) -> torch.Tensor | None:
+        """Every rank runs ``call``: rank 0 sends it (host tensors); under torchrun each rank
+        makes the call itself, the others take rank 0's inputs, and every rank gets the
+        result."""
+        self._check()
+        channel, launched = self.ranks.channel, self.ranks.launched
+        try:
+            if self.is_leader:
+                channel.send(FORWARD)
+                channel.send_object(dataclasses.replace(
+                    call, input_ids=call.input_ids.cpu(), attention_mask=call.attention_mask.cpu(),
+                    position_ids=call.position_ids.cpu()))
+                return run_model_call(self.runner, call, launched)
+            kind, _ = channel.recv()
+            if kind != FORWARD:
+                raise RuntimeError(f"rank 0 of the tensor-parallel group sent message {kind} "
+                                   "where a model call was due")
+            return run_model_call(self.runner, channel.recv_object(), launched)
+        except BaseException as e:
+            raise self._failure(e) from e
+
     def launch(self, plan: StepPlan) -> LaunchedStep:
         self._check()
         inputs = self.runner.prepare(plan)
@@ -175,7 +183,7 @@ class ParallelExecutor(Executor):
 
     def follow_run(self) -> object:
         """Torchrun mode, ranks other than 0: run rank 0's steps until its outcome arrives."""
-        kind = serve(self.runner, self.ranks.channel)
+        kind = serve(self.runner, self.ranks.channel, launched=True)
         if kind != RESULTS:
             raise RuntimeError(f"rank 0 of the tensor-parallel group sent message {kind} "
                                "where results were due")

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from hf_paged.modeling.tp import TensorParallel
-from hf_paged.worker.channel import LORA, STEP, StepChannel
+from hf_paged.worker.channel import FORWARD, LORA, STEP, StepChannel
+from hf_paged.worker.model_call import run_model_call
 from hf_paged.worker.ranks import connect_to_store, init_spawned_groups, stage_key
 from hf_paged.worker.runner import ModelRunner
 from hf_paged.worker.shard import build_shard, device_of
@@ -30,13 +31,16 @@ from hf_paged.worker.shard import build_shard, device_of
 logger = logging.getLogger(__name__)
 
 
-def serve(runner: ModelRunner, channel: StepChannel) -> int:
-    """Run rank 0's steps and load or unload its adapters (each rank its shard) until it sends
-    anything else; return that message's kind."""
+def serve(runner: ModelRunner, channel: StepChannel, launched: bool = False) -> int:
+    """Run rank 0's steps and model calls, and load or unload its adapters (each rank its
+    shard), until it sends anything else; return that message's kind. ``launched``: a
+    torchrun rank, whose model calls gather their logits on every rank."""
     while True:
         kind, inputs = channel.recv()
         if kind == STEP:
             runner.follow(inputs)
+        elif kind == FORWARD:
+            run_model_call(runner, channel.recv_object(), launched)
         elif kind == LORA:
             slot, adapter = channel.recv_object()
             if adapter is None:

@@ -7,7 +7,9 @@ A job: {"checkpoint": path, "engine": {engine options}, "calls": [{"lengths": [.
 and optionally "failing_processor": true (then a call whose logits processor raises, and
 the first call again), "kill_worker": true (then kill the engine's worker and call again),
 "interrupt": true (then Ctrl-C a call mid-step, and close the engine), "model_object":
-true (load transformers' way, hf_paged.AutoModelForCausalLM, and also try its forward) or
+true (load transformers' way, hf_paged.AutoModelForCausalLM, and score ``SCORE`` with its
+forward: the logits with labels' loss, the last position's logits, the inner model's hidden
+states; a masked row's generation) or
 "data_parallel": true (the README's data-parallel recipe with accelerate: the calls' prompts
 split between the launched processes, new tokens gathered on rank 0), or "leave_open": true
 (the engine is not closed: once the results are written this process kills itself with
@@ -29,6 +31,22 @@ import torch
 
 import hf_paged
 from tests.conftest import left_padded
+
+SCORE = dict(lengths=[5, 9, 14, 3, 11], seed=7)
+
+
+def model_call(model) -> dict:
+    """The model call on a left-padded batch, and generate on a row whose mask keeps nothing
+    (its first token comes from a model call)."""
+    ids, mask = left_padded(SCORE["lengths"], model.config.vocab_size, seed=SCORE["seed"])
+    labels = ids.masked_fill(mask == 0, -100)
+    out = model(ids, attention_mask=mask, labels=labels)
+    mask[1] = 0
+    tokens = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+    return dict(logits=out.logits.tolist(), loss=float(out.loss),
+                last=model(ids[:, :7], logits_to_keep=1).logits.tolist(),
+                hidden=model.model(ids[:, :7]).last_hidden_state.tolist(),
+                masked_row=tokens.tolist())
 
 
 def generate(engine, call: dict) -> list | dict:
@@ -122,10 +140,7 @@ def main() -> None:
             model = hf_paged.AutoModelForCausalLM.from_pretrained(job["checkpoint"],
                                                                   **job["engine"])
             engine = model.engine
-            try:
-                model(torch.tensor([[5, 6, 7]]))
-            except ValueError as e:
-                result["forward_error"] = str(e)
+            result["model_call"] = model_call(model)
         else:
             engine = hf_paged.from_pretrained(job["checkpoint"], **job["engine"])
         if job.get("data_parallel"):

@@ -4,12 +4,13 @@ with a timeout, so that a hang fails the test instead of stalling the run.
 
 A job: {"checkpoint": path, "engine": {engine options}, "adapters": {name: folder} (all
 loaded first), "mixed": {"lengths", "seed", "names"} (one greedy call, a name per row,
-"__base__" for the base model), and optionally "late": {"prompts", "first", "second"}: a
+"__base__" for the base model; then the same rows scored by the model call, each on its
+adapter), and optionally "late": {"prompts", "first", "second"}: a
 request on adapter "first" runs three steps, adapter "second" is removed, an adapter of a
 rank above ``max_lora_rank`` is refused, "second" is loaded again (a free slot, while the
 first runs), then a request on it is added; both run to the end (by hand: rank 0 only, so not
-under torchrun)}. The written result: the mixed call's new tokens, the errors, then each late
-request's. Under torchrun every rank writes its own (argv[2] + ".rank<N>").
+under torchrun)}. The written result: the mixed call's new tokens and logits, the errors, then each
+late request's. Under torchrun every rank writes its own (argv[2] + ".rank<N>").
 """
 
 from __future__ import annotations
@@ -50,7 +51,10 @@ def run(job: dict) -> dict:
                                 seed=mixed["seed"])
         out = engine.generate(ids, attention_mask=mask, adapter_names=mixed["names"],
                               max_new_tokens=NEW, do_sample=False)
-        result = dict(mixed=out[:, ids.shape[1]:].tolist())
+        names = [None if n == "__base__" else n for n in mixed["names"]]
+        positions = torch.arange(ids.shape[1]).expand_as(ids)
+        result = dict(mixed=out[:, ids.shape[1]:].tolist(),
+                      logits=engine.forward(ids, mask, positions, adapters=names).tolist())
         late = job.get("late")
         if late is None:
             return result

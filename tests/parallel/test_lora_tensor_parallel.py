@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import left_padded
+from tests.conftest import FLOAT32_RTOL, left_padded
 from tests.lora_adapters import ADAPTERS, save_adapter, stock_peft
 from tests.parallel.run_lora import NEW
 from tests.parallel.test_tensor_parallel import ROOT, TIMEOUT_S
@@ -79,6 +79,10 @@ def test_tp2_mixed_adapters_match_tp1_and_peft(checkpoints, adapters, tp2, index
         tp1 = engine.generate(ids, **kwargs)
     assert torch.equal(tp1, stock)
     assert tp2[index]["mixed"] == stock[:, ids.shape[1]:].tolist()
+    scored = stock_peft(checkpoints[shape], adapters[shape])(
+        input_ids=ids, attention_mask=kwargs["attention_mask"], adapter_names=MIXED["names"])
+    torch.testing.assert_close(torch.tensor(tp2[index]["logits"]), scored.logits, atol=1e-4,
+                               rtol=FLOAT32_RTOL)
 
 
 @pytest.mark.parametrize("index", range(len(SHAPES)), ids=SHAPES)

@@ -16,12 +16,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoConfig
 
 import hf_paged
 from hf_paged.families import check_model
 from hf_paged.random_checkpoint import quantize_fp8
-from tests.conftest import left_padded
+from tests.conftest import FLOAT32_RTOL, left_padded
+from tests.parallel.run_engine import SCORE
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300  # generous for two busy cores; a hang takes this long to fail
@@ -98,14 +100,14 @@ def fp8_checkpoints(checkpoints, moe_checkpoints, tmp_path_factory) -> dict[str,
 @pytest.fixture(scope="module")
 def torchrun(checkpoints, moe_checkpoints, fp8_checkpoints, tmp_path_factory
              ) -> list[list[dict]]:
-    """Two launched ranks: one TP=2 engine, a TP=2 Qwen3-MoE engine (every expert split
-    along moe_intermediate_size, a dense layer among the sparse ones), then one engine each
-    for data parallelism, then TP=2 engines of FP8 checkpoints (dense and MoE), then the MoE
-    engines again with the experts split whole (bf16 weights and FP8), then the FP8 MoE
-    checkpoint dequantized as it loads."""
+    """Two launched ranks: one TP=2 engine (loaded as transformers' model object), a TP=2
+    Qwen3-MoE engine (every expert split along moe_intermediate_size, a dense layer among the
+    sparse ones), then one engine each for data parallelism, then TP=2 engines of FP8
+    checkpoints (dense and MoE), then the MoE engines again with the experts split whole (bf16
+    weights and FP8), then the FP8 MoE checkpoint dequantized as it loads."""
     jobs = [dict(checkpoint=checkpoints["gqa4_untied"],
                  engine=dict(CPU, tensor_parallel_size=2),
-                 calls=[CALL, SAMPLED, SCORED, BEAMS, LOOKUP]),
+                 calls=[CALL, SAMPLED, SCORED, BEAMS, LOOKUP], model_object=True),
             dict(checkpoint=moe_checkpoints[MOE], engine=dict(CPU, **TIGHT,
                                                               tensor_parallel_size=2),
                  calls=[CALL, BEAMS]),
@@ -143,8 +145,29 @@ def test_an_error_in_rank_0s_sampling_keeps_the_ranks_in_step(spawned):
     assert [report["again"]] == spawned[2]["outputs"]
 
 
-def test_the_model_object_generates_under_tp_and_refuses_its_forward(spawned):
-    assert "tensor_parallel_size > 1" in spawned[1]["forward_error"]
+def check_model_call(result: dict, stock) -> None:
+    """The model call of ``run_engine.model_call`` against transformers' on the same inputs."""
+    ids, mask = left_padded(SCORE["lengths"], stock.config.vocab_size, seed=SCORE["seed"])
+    labels = ids.masked_fill(mask == 0, -100)
+    ref = stock(ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(torch.tensor(result["logits"]), ref.logits, atol=1e-4,
+                               rtol=FLOAT32_RTOL)
+    torch.testing.assert_close(torch.tensor(result["loss"]), ref.loss, atol=1e-5,
+                               rtol=FLOAT32_RTOL)
+    torch.testing.assert_close(torch.tensor(result["last"]), stock(ids[:, :7]).logits[:, -1:],
+                               atol=1e-4, rtol=FLOAT32_RTOL)
+    torch.testing.assert_close(torch.tensor(result["hidden"]),
+                               stock.model(ids[:, :7]).last_hidden_state, atol=1e-4,
+                               rtol=FLOAT32_RTOL)
+    mask[1] = 0
+    assert result["masked_row"] == stock.generate(ids, attention_mask=mask, do_sample=False,
+                                                  max_new_tokens=4).tolist()
+
+
+def test_the_model_object_generates_and_scores_under_tp(spawned, hf_models):
+    """Spawned ranks: the model call (logits, loss, the inner model's hidden states, and
+    generate's masked rows, which go through it) equals transformers'."""
+    check_model_call(spawned[1]["model_call"], hf_models[SPAWNED[1]])
 
 
 def test_a_killed_worker_raises_in_the_caller_and_close_returns(spawned):
@@ -172,6 +195,13 @@ def test_workers_of_a_killed_caller_exit_on_their_own(spawned):
     while any(map(running, pids)) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(map(running, pids))
+
+
+def test_torchrun_ranks_score_as_transformers(torchrun, hf_models):
+    """Every launched rank makes the model call and gets rank 0's result whole."""
+    rank0, rank1 = (results[0]["model_call"] for results in torchrun)
+    assert rank0 == rank1
+    check_model_call(rank0, hf_models["gqa4_untied"])
 
 
 def test_torchrun_ranks_return_identical_outputs(torchrun, hf_models):
