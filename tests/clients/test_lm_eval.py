@@ -1,8 +1,8 @@
 """lm-evaluation-harness's ``HFLM`` over an hf_paged model gives the results it gives over
 stock transformers: loglikelihoods, rolling loglikelihoods, and batched ``generate_until``
 with stop sequences; the hybrid families' loglikelihoods too. hf_paged enters HFLM both ways
-a user hands it a model: as the model object, and as a checkpoint path loaded under
-``hf_paged.patch_transformers()``."""
+a user hands it a model: as the model object (also split over two ranks: gloo, a spawned
+worker), and as a checkpoint path loaded under ``hf_paged.patch_transformers()``."""
 
 from __future__ import annotations
 
@@ -54,10 +54,10 @@ def stock_lm(tiny_checkpoint):
     return HFLM(pretrained=tiny_checkpoint, dtype="float32", device="cpu", **LM_ARGS)
 
 
-@pytest.fixture(scope="module", params=["model", "patched_path"])
+@pytest.fixture(scope="module", params=["model", "model_tp2", "patched_path"])
 def paged_lm(request, tiny_checkpoint):
     """HFLM over hf_paged, built inside each test (so that a failure to build it fails the
-    test rather than erroring its set-up), once per module."""
+    test rather than erroring its set-up), once per module; its model closed at the end."""
     built = {}
 
     def build() -> HFLM:
@@ -65,12 +65,15 @@ def paged_lm(request, tiny_checkpoint):
             built["lm"] = _paged_lm(request.param, tiny_checkpoint)
         return built["lm"]
 
-    return build
+    yield build
+    if "lm" in built:
+        built["lm"].model.close()
 
 
 def _paged_lm(how: str, tiny_checkpoint) -> HFLM:
-    if how == "model":
-        model = hf_paged.AutoModelForCausalLM.from_pretrained(tiny_checkpoint, **SMALL)
+    if how.startswith("model"):
+        tp = dict(tensor_parallel_size=2) if how == "model_tp2" else {}
+        model = hf_paged.AutoModelForCausalLM.from_pretrained(tiny_checkpoint, **SMALL, **tp)
         return HFLM(pretrained=model, tokenizer=tiny_checkpoint, **LM_ARGS)
     # HFLM passes its extra keywords on to from_pretrained: the engine options ride along.
     with hf_paged.patch_transformers():
