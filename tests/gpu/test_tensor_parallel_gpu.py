@@ -17,7 +17,14 @@ from transformers import Qwen3Config
 
 from hf_paged.random_checkpoint import random_qwen3
 from tests.conftest import TINY_CONFIGS
-from tests.parallel.test_tensor_parallel import CALL, SAMPLED, TIGHT, reference, run_jobs
+from tests.parallel.test_tensor_parallel import (
+    CALL,
+    SAMPLED,
+    TIGHT,
+    check_model_call,
+    reference,
+    run_jobs,
+)
 
 pytestmark = pytest.mark.gpu
 NAMES = ["gqa4_untied", "one_kv_head"]
@@ -74,8 +81,9 @@ def test_tp_on_gpus_matches_transformers(tiny, tmp_path, size, options):
 
 @pytest.mark.parametrize("size", SIZES)
 def test_torchrun_on_gpus_identical_on_every_rank(tiny, tmp_path, size):
+    """Generate, and the model call (loaded as transformers' model object), on every rank."""
     paths, models = tiny
-    jobs = [dict(checkpoint=paths["gqa4_untied"], calls=[CALL, SAMPLED],
+    jobs = [dict(checkpoint=paths["gqa4_untied"], calls=[CALL, SAMPLED], model_object=True,
                  engine=dict(block_size=16, tensor_parallel_size=size))]
     out = tmp_path / "results.json"
     run_jobs(jobs, out, ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
@@ -84,6 +92,9 @@ def test_torchrun_on_gpus_identical_on_every_rank(tiny, tmp_path, size):
              for r in range(size)]
     assert all(rank[0]["outputs"] == ranks[0][0]["outputs"] for rank in ranks[1:])
     assert ranks[0][0]["outputs"][0] == reference(models, "gqa4_untied", CALL)
+    # the model call: every rank makes it and gets the logits all-gathered over NCCL
+    assert all(rank[0]["model_call"] == ranks[0][0]["model_call"] for rank in ranks[1:])
+    check_model_call(ranks[0][0]["model_call"], models["gqa4_untied"])
 
 
 @pytest.mark.parametrize("size,options", [
