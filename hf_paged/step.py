@@ -47,6 +47,10 @@ class CandidateRows:
     # ``scorer.process(requests, log_probs)`` turns the log-softmax rows of the members that
     # share it into the scores ranked; None ranks the log-softmax as it is.
     scorer: object | None
+    # Draw the candidates instead (beam sampling): the best of the scores plus Gumbel noise,
+    # reported with their noisy keys, which the host merges over the beams (Gumbel-top-k: a
+    # draw without replacement from the softmax of the beams' accumulated scores).
+    sample: bool = False
 
 
 @dataclass(frozen=True)
@@ -164,7 +168,8 @@ class StepResult:
     # follower in ``StepPlan.sample_copies`` order.
     tokens: list[int]
     # One per beam-group member's sampled row, in batch order: (top scores, their token ids,
-    # the whole score row or None, the whole logit row or None), host tensors.
+    # the whole score row or None, the whole logit row or None, the drawn candidates' keys or
+    # None), host tensors.
     candidates: list[tuple]
     # With ``StepPlan.report_probs``: the probability of each token of ``tokens``.
     probs: list[float] = field(default_factory=list)

@@ -74,7 +74,7 @@ class Sequence:
                 self.seq_id, p.temperature, p.top_k, p.top_p, p.repetition_penalty,
                 self.token_ids, p.hooks, self,
                 None if group is None else CandidateRows(group.num_candidates, group.keep_rows,
-                                                         group.scorer),
+                                                         group.scorer, group.sample),
                 p.min_p)
         return self._sampling
 
@@ -142,7 +142,8 @@ class SequenceGroup:
         self.num_candidates = num_candidates
         self.keep_rows = keep_rows  # also send each member's full score and logit rows
         self.members: list[Sequence] = [root]
-        self.reports: dict[int, tuple] = {}  # seq_id -> (scores, tokens, score row, logit row)
+        # seq_id -> (scores, tokens, score row, logit row, sampled keys), see CandidateRows
+        self.reports: dict[int, tuple] = {}
         self.admitted = False
         root.group = self
 
@@ -150,6 +151,7 @@ class SequenceGroup:
     # log-softmax rows ``[rows, vocab]`` of ``seqs`` (a device tensor; the members of every
     # group sharing the scorer that sample in a step) into the scores ranked. None: as they are.
     scorer = None
+    sample = False  # draw the candidates (``CandidateRows.sample``)
 
     def report(self, seq: Sequence, candidates: tuple) -> bool:
         """Take a member's candidates (a recomputed member reports again: ignored); True once

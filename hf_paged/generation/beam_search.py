@@ -14,6 +14,13 @@ are returned, it goes on (changing nothing) until every group of the call could 
 transformers' batch loop does, so those tuples hold the same rows. The call's logits
 processors run, as transformers runs them, on the log-softmax of the logits, over rows laid out
 as transformers' ``[batch * num_beams]`` batch (``BeamCohort.process``).
+
+Beam sampling (``do_sample=True``) draws the candidates where beam search takes the best:
+transformers draws them without replacement from the softmax of the accumulated scores over
+all beams (``torch.multinomial``), then orders them by score. Here each beam reports the best
+of its scores plus Gumbel noise, and the group takes the best keys over the beams (the beam's
+accumulated score added): the Gumbel-top-k draw, the same distribution; the random stream is
+the engine's, so tokens differ from transformers' under the same seed.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ class BeamSettings:
     max_new_tokens: int
     eos_token_ids: tuple[int, ...]
     keep_rows: bool  # return_dict_in_generate with output_scores or output_logits
+    do_sample: bool = False  # beam sampling: candidates drawn, not the best taken
 
 
 @dataclass
@@ -115,6 +123,7 @@ class BeamGroup(SequenceGroup):
                          keep_rows=s.keep_rows)
         self.row, self.settings, self.cohort = row, s, cohort
         self.scorer = cohort if cohort.processors else None
+        self.sample = s.do_sample
         # float32 as transformers' tensors (numpy: far cheaper per call than torch here)
         self.running_scores = np.zeros(1, dtype=np.float32)  # one per member
         self.histories: list[list[int]] = [[]]  # beam indices of each member's tokens
@@ -137,9 +146,12 @@ class BeamGroup(SequenceGroup):
         log_probs = np.stack([r[0][:k].numpy() for r in reports])
         tokens = np.stack([r[1][:k].numpy() for r in reports])
         accumulated = (log_probs + self.running_scores[:, None]).ravel()
-        # The best k over all beams; equal scores in transformers' flat (beam, token) order.
-        flat = (np.arange(len(members))[:, None] * (1 << 40) + tokens).ravel()
-        top = np.lexsort((flat, -accumulated))[:k]
+        if s.do_sample:
+            top = self._drawn(reports, k, accumulated)
+        else:
+            # The best k over all beams; equal scores in transformers' flat (beam, token) order.
+            flat = (np.arange(len(members))[:, None] * (1 << 40) + tokens).ravel()
+            top = np.lexsort((flat, -accumulated))[:k]
         scores = accumulated[top]
         k = len(top)
         parents = (top // tokens.shape[1]).tolist()
@@ -166,6 +178,15 @@ class BeamGroup(SequenceGroup):
         if not self.open and (not self.keep_rows or self._cohort_done()):
             return []
         return [(members[parents[i]], new_tokens[i]) for i in going]
+
+    def _drawn(self, reports: list[tuple], k: int, accumulated: np.ndarray) -> np.ndarray:
+        """The k candidates drawn over all beams (flat indices), by score as transformers
+        orders them: the best noisy keys, each beam's accumulated score added."""
+        keys = np.stack([r[4][:k].numpy() for r in reports]) + self.running_scores[:, None]
+        # Where fewer than k tokens are drawable, the rest are impossible ones (-inf), ranked
+        # last, as transformers' draw returns zero-probability candidates there.
+        top = np.argsort(-keys.ravel(), kind="stable")[:k]
+        return top[np.argsort(-accumulated[top], kind="stable")]
 
     def _row_of(self, parent: int) -> int:
         return self.row * self.settings.num_beams + parent
@@ -243,6 +264,7 @@ def beam_search(engine, resolved: Resolved, prompts: list[list[int]], pad: int,
         max_new_tokens=resolved.max_new_tokens,
         eos_token_ids=() if eos is None else tuple(eos.tolist()),
         keep_rows=output_scores or output_logits,
+        do_sample=bool(config.do_sample),
     )
     cohort = BeamCohort(resolved, settings, pad)
     params = SamplingParams(max_new_tokens=resolved.max_new_tokens,

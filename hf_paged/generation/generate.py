@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-from transformers.generation.configuration_utils import GenerationMode
 from transformers.generation.stopping_criteria import (
     EosTokenCriteria,
     MaxLengthCriteria,
@@ -25,7 +24,7 @@ from hf_paged.generation.beam_search import beam_search
 from hf_paged.generation.call_hooks import CallHooks
 from hf_paged.generation.masked_rows import first_tokens
 from hf_paged.generation.outputs import decoder_only_output, pad_outputs, per_step
-from hf_paged.generation.settings import resolve
+from hf_paged.generation.settings import BEAM_MODES, resolve
 from hf_paged.generation.streaming import StreamFeeder
 from hf_paged.sampling_params import SamplingParams
 
@@ -74,7 +73,7 @@ def generate(
     if empty and adapters is not None and any(adapters[row] for row in empty):
         raise ValueError(f"attention_mask: row {empty[0]} keeps no token; a fully masked row "
                          "cannot run on a LoRA adapter")
-    if config.get_generation_mode() is GenerationMode.BEAM_SEARCH:
+    if config.get_generation_mode() in BEAM_MODES:
         if streamer is not None:  # as transformers
             raise ValueError("streamer cannot be used with beam search: set num_beams=1")
         if empty:
@@ -149,7 +148,7 @@ def check(engine, inputs: torch.Tensor | None = None, generation_config=None,
                        kwargs.pop("prefix_allowed_tokens_fn", None), kwargs)
     config = resolved.config
     prompts = _unpadded_rows(resolved.input_ids, resolved.attention_mask.bool())
-    if config.get_generation_mode() is GenerationMode.BEAM_SEARCH and streamer is not None:
+    if config.get_generation_mode() in BEAM_MODES and streamer is not None:
         raise ValueError("streamer cannot be used with beam search: set num_beams=1")
     lockstep = bool(config.return_dict_in_generate
                     and (config.output_scores or config.output_logits))

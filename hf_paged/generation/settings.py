@@ -23,7 +23,9 @@ from hf_paged.families.vision_language import refuse_vision_inputs
 
 # Modes hf_paged decodes; the values are the names transformers gives them.
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE,
-                   GenerationMode.BEAM_SEARCH, GenerationMode.ASSISTED_GENERATION)
+                   GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE,
+                   GenerationMode.ASSISTED_GENERATION)
+BEAM_MODES = (GenerationMode.BEAM_SEARCH, GenerationMode.BEAM_SAMPLE)
 
 # generate() arguments transformers takes that a paged engine cannot honour, and why.
 _REFUSED = {
@@ -50,13 +52,12 @@ _MODE_ARGUMENTS = {
     GenerationMode.GROUP_BEAM_SEARCH: ("group beam search", ("num_beam_groups", "num_beams")),
     GenerationMode.CONSTRAINED_BEAM_SEARCH: (
         "constrained beam search", ("constraints", "force_words_ids")),
-    GenerationMode.BEAM_SAMPLE: ("beam sampling", ("do_sample", "num_beams")),
     GenerationMode.ASSISTED_GENERATION: (
         "assisted generation by multi-token prediction or early exit",
         ("use_mtp", "assistant_early_exit")),
 }
-_SUPPORTED_TEXT = ("greedy search, sampling (do_sample=True), beam search (num_beams > 1, "
-                   "do_sample=False) and assisted generation by prompt lookup or an "
+_SUPPORTED_TEXT = ("greedy search, sampling (do_sample=True), beam search and beam sampling "
+                   "(num_beams > 1) and assisted generation by prompt lookup or an "
                    "assistant model")
 
 

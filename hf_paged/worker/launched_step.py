@@ -33,10 +33,11 @@ def collect(step: LaunchedStep) -> StepResult:
     probs = [] if step.probs is None else step.probs.tolist()
     if step.candidates is None:
         return StepResult(step.tokens.tolist(), [], probs)
-    top, ids, scores, logits = step.candidates
+    top, ids, scores, logits, keys = step.candidates
     rows = [(None, None)] * len(top) if scores is None else list(zip(scores, logits))
+    keys = [None] * len(top) if keys is None else list(keys)
     return StepResult(step.tokens.tolist(),
-                      [(t, i, *r) for t, i, r in zip(top, ids, rows)], probs)
+                      [(t, i, *r, key) for t, i, r, key in zip(top, ids, rows, keys)], probs)
 
 
 def pinned_copy(values: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:

@@ -97,7 +97,9 @@ class Sampler:
 
     def _candidates(self, logits: torch.Tensor, members: list[RowSampling]):
         """Each member's top ``num_candidates`` log-probabilities after its group's scorer, as
-        (scores, token ids, whole score rows or None, whole logit rows or None)."""
+        (scores, token ids, whole score rows or None, whole logit rows or None, keys or None);
+        a sampling member's are drawn: the best of the scores plus Gumbel noise (the noisy
+        keys, which rank them)."""
         if not members:
             return None
         logits = logits.float()
@@ -110,11 +112,20 @@ class Sampler:
             index = self._to_device(rows)
             scorer = members[rows[0]].candidates.scorer
             scores[index] = scorer.process([members[r].request for r in rows], scores[index])
-        k = max(m.candidates.num_candidates for m in members)
-        top, ids = scores.topk(min(k, scores.shape[-1]), dim=-1)
+        k = min(max(m.candidates.num_candidates for m in members), scores.shape[-1])
+        drawn = [row for row, m in enumerate(members) if m.candidates.sample]
+        if drawn:
+            keys = scores.clone()
+            index = self._to_device(drawn)
+            # -log of a standard exponential is a standard Gumbel draw
+            keys[index] -= torch.empty_like(keys[index]).exponential_().log()
+            keys, ids = keys.topk(k, dim=-1)
+            top = scores.gather(-1, ids)
+        else:
+            keys, (top, ids) = None, scores.topk(k, dim=-1)
         if any(m.candidates.keep_rows for m in members):
-            return top, ids, scores, logits
-        return top, ids, None, None
+            return top, ids, scores, logits, keys
+        return top, ids, None, None, keys
 
     def sample(self, logits: torch.Tensor, rows: list[RowSampling],
                drawn: torch.Tensor | None = None) -> torch.Tensor:

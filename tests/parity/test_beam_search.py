@@ -115,7 +115,6 @@ def test_preempted_beams_give_the_same_result(checkpoints, hf_models):
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(num_beams=2, num_return_sequences=3), "num_return_sequences"),
-    (dict(num_beams=2, do_sample=True), "num_beams"),
     (dict(num_beams=300), "max_num_seqs"),
     (dict(num_beams=2, streamer=object()), "streamer"),
 ])
