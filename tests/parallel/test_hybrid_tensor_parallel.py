@@ -1,7 +1,8 @@
 """The hybrid families under tensor parallelism on CPU over gloo (two spawned ranks, in a
 subprocess with a timeout): each rank holds half the attention heads, half the Gated DeltaNet
 key and value heads with their state pools, half of every MLP and expert; float32 tokens
-against stock transformers', through chunked prefill and preemption, and beams."""
+against stock transformers', through chunked prefill and preemption, and beams; the model
+call (logits, loss, hidden states) too."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 import transformers
 
 from tests.conftest import left_padded
-from tests.parallel.test_tensor_parallel import BEAMS, CPU, TIGHT, run_jobs
+from tests.parallel.test_tensor_parallel import BEAMS, CPU, TIGHT, check_model_call, run_jobs
 
 NAMES = ["next_dense1", "qwen3.5_one_value_head_a_key"]
 CALL = dict(lengths=[20, 25, 30, 35], seed=2, generate=dict(max_new_tokens=8))
@@ -29,7 +30,8 @@ def reference(path: str, call: dict) -> list:
 @pytest.fixture(scope="module")
 def results(hybrid_checkpoints, tmp_path_factory) -> list[dict]:
     jobs = [dict(checkpoint=hybrid_checkpoints[name],
-                 engine=dict(CPU, **TIGHT, tensor_parallel_size=2), calls=[CALL, BEAMS])
+                 engine=dict(CPU, **TIGHT, tensor_parallel_size=2), calls=[CALL, BEAMS],
+                 model_object=True)
             for name in NAMES]
     # Qwen3-Next's routed experts split whole over the ranks (its shared expert by its
     # intermediate size)
@@ -51,3 +53,12 @@ def test_tp2_matches_transformers(results, hybrid_checkpoints, index):
 def test_tp2_expert_parallel_matches_transformers(results, hybrid_checkpoints):
     path = hybrid_checkpoints[NAMES[0]]
     assert results[len(NAMES)]["outputs"] == [reference(path, CALL)]
+
+
+@pytest.mark.parametrize("index", range(len(NAMES)))
+def test_tp2_model_call_matches_transformers(results, hybrid_checkpoints, index):
+    """The model call on both ranks (each its state heads, scratch state slots a row)."""
+    stock = transformers.AutoModelForCausalLM.from_pretrained(
+        hybrid_checkpoints[NAMES[index]], dtype=torch.float32).eval()
+    with torch.no_grad():
+        check_model_call(results[index]["model_call"], stock)
