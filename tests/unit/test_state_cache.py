@@ -15,7 +15,7 @@ from hf_paged.config import EngineConfig
 from hf_paged.modeling.paged_model import PagedModel
 from hf_paged.modeling.tp import SINGLE
 from hf_paged.step import StepInputs
-from hf_paged.worker import state_cache
+from hf_paged.worker import channel, state_cache
 from hf_paged.worker.channel import STEP, StepChannel
 from hf_paged.worker.decode_graphs import DecodeGraphs
 from hf_paged.worker.inputs import StepPreparer, device_metadata
@@ -151,8 +151,13 @@ class Wire:
         x.copy_(self.sent.pop(0))
 
 
+@pytest.mark.parametrize("inline", [True, False])
 @pytest.mark.parametrize("hybrid", [True, False])
-def test_the_tensor_parallel_wire_carries_the_slots(hybrid):
+def test_the_tensor_parallel_wire_carries_the_slots(hybrid, inline, monkeypatch):
+    """The inputs travel with the header, or (``inline`` False: a payload too long for it)
+    in a broadcast of their own."""
+    if not inline:
+        monkeypatch.setattr(channel, "_INLINE", 4)
     wire, sender, receiver = Wire(), StepChannel(None), StepChannel(None)
     sender._broadcast, receiver._broadcast = wire.send, wire.recv
     inputs = hybrid_inputs()
