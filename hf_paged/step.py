@@ -148,10 +148,11 @@ class StepInputs:
 
 @dataclass
 class ModelCall:
-    """The model call (transformers' forward over padded rows), as rank 0 sends it to the
-    other ranks: host tensors ``[batch, seq_len]``, each row's adapter slot (-1: none; None:
-    no row has one), and ``logits_to_keep`` as transformers takes it (None: the final hidden
-    states, not the logits)."""
+    """The model call (transformers' forward over padded rows), as every rank of a
+    tensor-parallel group runs it (sent to the others as host tensors): ``[batch, seq_len]``
+    ids, mask and positions, each row's adapter slot (-1: none; None: no row has one), and
+    ``logits_to_keep`` as transformers takes it (None: the final hidden states, not the
+    logits)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor

@@ -56,12 +56,12 @@ class TensorParallel:
         if self.size == 1:
             return x
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)] if everywhere or self.rank == 0 \
-            else None
         if everywhere:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
             dist.all_gather(parts, x, group=self.group)
-        else:
-            dist.gather(x, parts, group=self.group, group_dst=0)
+            return torch.cat(parts, -1)
+        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(x, parts, group=self.group, group_dst=0)
         return torch.cat(parts, -1) if parts is not None else None
 
 

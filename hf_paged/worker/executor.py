@@ -144,9 +144,7 @@ class ParallelExecutor(Executor):
         try:
             if self.is_leader:
                 channel.send(FORWARD)
-                channel.send_object(dataclasses.replace(
-                    call, input_ids=call.input_ids.cpu(), attention_mask=call.attention_mask.cpu(),
-                    position_ids=call.position_ids.cpu()))
+                channel.send_object(_call_on_host(call))
                 return run_model_call(self.runner, call, launched)
             kind, _ = channel.recv()
             if kind != FORWARD:
@@ -234,6 +232,16 @@ def _on_host(adapter: LoraAdapter) -> LoraAdapter:
     weights = {key: dataclasses.replace(w, a=w.a.cpu(), b=w.b.cpu())
                for key, w in adapter.weights.items()}
     return dataclasses.replace(adapter, weights=weights)
+
+
+def _call_on_host(call: ModelCall) -> ModelCall:
+    """``call`` with its tensors in host memory, to pickle for the other ranks (a device
+    tensor would unpickle onto rank 0's device)."""
+    keep = call.logits_to_keep
+    return dataclasses.replace(
+        call, input_ids=call.input_ids.cpu(), attention_mask=call.attention_mask.cpu(),
+        position_ids=call.position_ids.cpu(),
+        logits_to_keep=keep.cpu() if isinstance(keep, torch.Tensor) else keep)
 
 
 def _teardown(runner: ModelRunner, ranks: Ranks) -> None:
