@@ -31,9 +31,11 @@ from hf_paged.integrations.loading import adapter_and_base, load_engine
 from hf_paged.integrations.model_call import (
     forward_inputs,
     inner_model_class,
+    past_tokens,
     refuse_forward_options,
     row_adapters,
 )
+from hf_paged.integrations.past_tokens import kept_of_new, past_argument, with_past
 from hf_paged.integrations.state_dict import transformers_state_dict
 
 # Keywords of transformers' loss function, passed on with ``labels``.
@@ -169,13 +171,18 @@ class PagedCausalLM(InferenceOnly):
         **kwargs,
     ) -> ModelOutput | tuple:
         """transformers' causal LM forward (SDPA attention) over whole sequences on a scratch
-        cache, in the family's output class (``CausalLMOutputWithPast``, ...). It keeps no KV
-        cache: ``past_key_values`` is None; decode with ``generate``."""
-        refuse_forward_options(past_key_values, inputs_embeds, use_cache, kwargs, _LOSS_KEYWORDS)
+        cache, in the family's output class (``CausalLMOutputWithPast``, ...). Its
+        ``past_key_values`` holds the tokens so far (``integrations/past_tokens.py``): given
+        back, the call recomputes them with the new ones; decode with ``generate``."""
+        past_key_values = past_argument(past_key_values, kwargs)
+        refuse_forward_options(inputs_embeds, kwargs, _LOSS_KEYWORDS)
         if kwargs.get("output_router_logits", getattr(self.config, "output_router_logits", None)):
             raise ValueError("output_router_logits (set in the config): hf_paged's forward "
                              "returns no router logits and no load-balancing loss")
-        inputs = forward_inputs(input_ids, attention_mask, position_ids, self.config.vocab_size)
+        *whole, past_length = with_past(past_key_values, input_ids, attention_mask, position_ids)
+        inputs = forward_inputs(*whole, self.config.vocab_size)
+        if past_length:  # transformers' logits are the new tokens'
+            logits_to_keep = kept_of_new(logits_to_keep, past_length, input_ids.shape[1])
         # (a data-parallel front holds no adapters and refuses the call by name)
         adapters = (None if self.engine.config.data_parallel_size > 1 else
                     row_adapters(peft_sync.sync(self, self.engine), input_ids.shape[0]))
@@ -188,7 +195,9 @@ class PagedCausalLM(InferenceOnly):
                 loss = self.loss_function(logits=logits, labels=labels,
                                           vocab_size=self.config.vocab_size, **loss_kwargs)
         output_class = getattr(modeling_outputs, families.family_for(self.config).OUTPUT)
-        output = output_class(loss=loss, logits=logits)
+        output = output_class(loss=loss, logits=logits,
+                              past_key_values=past_tokens(inputs, past_key_values, use_cache,
+                                                          self.config))
         if return_dict is None:
             return_dict = self.config.return_dict
         return output if return_dict else output.to_tuple()

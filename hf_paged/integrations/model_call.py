@@ -12,6 +12,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from hf_paged.families.vision_language import refuse_vision_inputs
 from hf_paged.integrations import peft_sync
 from hf_paged.integrations.family_classes import class_by_name, family_class
+from hf_paged.integrations.past_tokens import PastTokens, past_argument, with_past
 
 
 class PagedInnerModel:
@@ -23,14 +24,17 @@ class PagedInnerModel:
                 position_ids: torch.Tensor | None = None, past_key_values=None,
                 inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
                 return_dict: bool | None = None, **kwargs) -> BaseModelOutputWithPast | tuple:
-        refuse_forward_options(past_key_values, inputs_embeds, use_cache, kwargs, ())
+        past_key_values = past_argument(past_key_values, kwargs)
+        refuse_forward_options(inputs_embeds, kwargs, ())
         engine = self.engine_ref()
         if engine is None:
             raise RuntimeError("the hf_paged model this module belongs to was freed")
-        inputs = forward_inputs(input_ids, attention_mask, position_ids, self.config.vocab_size)
+        *whole, past_length = with_past(past_key_values, input_ids, attention_mask, position_ids)
+        inputs = forward_inputs(*whole, self.config.vocab_size)
         adapters = row_adapters(peft_sync.sync(self, engine), input_ids.shape[0])
-        hidden = engine.hidden_states(*inputs, adapters).to(inputs[0].device)
-        output = BaseModelOutputWithPast(last_hidden_state=hidden)
+        hidden = engine.hidden_states(*inputs, adapters)[:, past_length:].to(input_ids.device)
+        past = past_tokens(inputs, past_key_values, use_cache, self.config)
+        output = BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past)
         if return_dict is None:
             return_dict = self.config.return_dict
         return output if return_dict else output.to_tuple()
@@ -43,6 +47,16 @@ def inner_model_class(family: ModuleType) -> type[PagedInnerModel]:
 
 def __getattr__(name: str) -> type:
     return class_by_name(PagedInnerModel, name, __name__, "INNER_MODEL")
+
+
+def past_tokens(inputs: tuple, past: PastTokens | None, use_cache: bool | None, config
+                ) -> PastTokens | None:
+    """The call's ``past_key_values``: the past it was given, extended in place by the call's
+    tokens (as transformers' cache is), else a new one if ``use_cache`` (or the config's)."""
+    if past is not None:
+        past.extend(*inputs)
+        return past
+    return PastTokens(*inputs) if (config.use_cache if use_cache is None else use_cache) else None
 
 
 def row_adapters(adapters: list[str | None] | None, rows: int) -> list[str | None] | None:
@@ -96,11 +110,7 @@ def _attention_mask(mask, input_ids: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def refuse_forward_options(past_key_values, inputs_embeds, use_cache, kwargs,
-                            allowed: tuple[str, ...]) -> None:
-    if past_key_values is not None or use_cache:
-        raise ValueError("past_key_values/use_cache: hf_paged's forward keeps no KV cache; pass "
-                         "whole sequences, or decode with generate()")
+def refuse_forward_options(inputs_embeds, kwargs, allowed: tuple[str, ...]) -> None:
     if inputs_embeds is not None:
         raise ValueError("inputs_embeds is not supported by hf_paged's forward; pass input_ids")
     refuse_vision_inputs([n for n, v in kwargs.items() if v is not None], "forward()")

@@ -172,7 +172,9 @@ def test_forward_logits_equal_transformers(model, stock_model, kind):
     assert isinstance(out, transformers.modeling_outputs.CausalLMOutputWithPast)
     # Positions the mask drops too: a left-padded loss reads the last padding position.
     torch.testing.assert_close(out.logits, ref.logits, atol=1e-4, rtol=FLOAT32_RTOL)
-    assert out.past_key_values is None
+    # a past, as transformers returns with the config's use_cache (tests/integrations/
+    # test_past_tokens.py continues from it)
+    assert out.past_key_values.get_seq_length() == ref.past_key_values.get_seq_length()
 
 
 def test_forward_options_equal_transformers(model, stock_model):
@@ -187,7 +189,7 @@ def test_forward_options_equal_transformers(model, stock_model):
                                atol=1e-4, rtol=FLOAT32_RTOL)
     last = model(ids, attention_mask=mask, logits_to_keep=1).logits
     torch.testing.assert_close(last, ref.logits[:, -1:], atol=1e-4, rtol=FLOAT32_RTOL)
-    loss, logits = model(ids, labels=ids, return_dict=False)
+    loss, logits, _ = model(ids, labels=ids, return_dict=False)  # the past, as transformers
     torch.testing.assert_close(loss, stock_model(ids, labels=ids).loss,
                                atol=1e-5, rtol=FLOAT32_RTOL)
 
@@ -209,7 +211,7 @@ def test_forward_leaves_the_engine_cache_alone(model):
     (lambda m: m(IDS[0]), "input_ids"),
     (lambda m: m(IDS, attention_mask=torch.ones(1, 3)), "attention_mask"),
     (lambda m: m(IDS, past_key_values=object()), "past_key_values"),
-    (lambda m: m(IDS, use_cache=True), "use_cache"),
+    (lambda m: m(IDS, past_key_values=transformers.DynamicCache()), "DynamicCache"),
     (lambda m: m(inputs_embeds=torch.zeros(1, 3, 64)), "inputs_embeds"),
     (lambda m: m(IDS, output_attentions=True), "output_attentions"),
     # What a tokenizer that adds no BOS token gives for "": stock fails in a reshape.
@@ -290,8 +292,7 @@ def test_inner_model_and_embeddings_answer_as_transformers(model, stock_model):
                                atol=1e-4, rtol=FLOAT32_RTOL)
     assert isinstance(model.base_model(ids, return_dict=False), tuple)
     assert torch.equal(model.get_input_embeddings()(ids), stock_model.get_input_embeddings()(ids))
-    with pytest.raises(ValueError, match="past_key_values"):
-        model.model(ids, use_cache=True)
+    assert model.model(ids, use_cache=False).past_key_values is None
 
 
 @pytest.mark.parametrize("call, match", [
