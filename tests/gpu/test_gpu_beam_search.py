@@ -1,6 +1,8 @@
 """Beam search on a CUDA GPU: exact against transformers in float32 (Triton attention, CUDA
 graphs, the Triton block copy), and in bf16 at the Qwen3-0.6B shape the best beam of every row
-is a near-best hypothesis under transformers' own logits."""
+is a near-best hypothesis under transformers' own logits. Beam sampling in float32: exact where
+the draw takes every drawable token, else drawable tokens scored as transformers scores
+them."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_paged
 from hf_paged.random_checkpoint import make_checkpoint
+from tests.parity.test_beam_sampling import processed_log_probs
 
 pytestmark = pytest.mark.gpu
 
@@ -74,3 +77,27 @@ def test_bf16_best_beams_are_near_best_under_transformers(tmp_path):
     agree = (out.sequences.cpu() == ref.sequences.cpu()).all(-1).float().mean().item()
     print(f"bf16 beams: rows equal to transformers {agree:.0%}, worst shortfall {shortfall:.4f}")
     assert shortfall < NEAR_BEST
+
+
+@torch.inference_mode()
+def test_float32_beam_sampling(tmp_path):
+    path = make_checkpoint("tiny", str(tmp_path / "tiny"), dtype="float32")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    ids, mask = (t.cuda() for t in left_padded(LENGTHS, model.config.vocab_size))
+    sampled = dict(BEAMS, do_sample=True, num_beams=2, top_k=1, max_new_tokens=NEW)
+    torch.manual_seed(0)
+    ref = model.generate(ids, attention_mask=mask, **sampled)
+    with hf_paged.from_pretrained(path, dtype=torch.float32, max_model_len=1024, block_size=16,
+                                  gpu_memory_utilization=0.5) as engine:
+        # top_k=1 keeps two tokens a beam (transformers' min_tokens_to_keep): every draw
+        # takes all four drawable ones, so the result is determined
+        out = engine.generate(ids, attention_mask=mask, **sampled)
+        assert torch.equal(out.sequences.cpu(), ref.sequences.cpu())
+        sampled.update(num_beams=3, top_k=8, temperature=1.5)
+        out = engine.generate(ids, attention_mask=mask, **sampled)
+    scores = processed_log_probs(model, out.sequences, mask.repeat_interleave(2, 0),
+                                 ids.shape[1], 1.5, 8)
+    chosen = scores.gather(-1, out.sequences[:, ids.shape[1]:, None])[..., 0]
+    assert torch.isfinite(chosen).all()
+    torch.testing.assert_close(out.sequences_scores, chosen.sum(-1) / NEW, atol=1e-4,
+                               rtol=1e-5)

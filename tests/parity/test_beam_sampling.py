@@ -52,7 +52,7 @@ def processed_log_probs(model, sequences, mask, width: int, temperature: float, 
     """transformers' beam-sampling scores of each generated position, teacher-forced: the
     log-softmax over the vocabulary divided by the temperature, top-k kept."""
     full = torch.cat([mask, torch.ones(len(sequences), sequences.shape[1] - width,
-                                       dtype=mask.dtype)], dim=1)
+                                       dtype=mask.dtype, device=mask.device)], dim=1)
     positions = (full.cumsum(-1) - 1).clamp(min=0)
     logits = model(sequences, attention_mask=full, position_ids=positions).logits
     scores = torch.log_softmax(logits[:, width - 1 : -1].float(), -1) / temperature
