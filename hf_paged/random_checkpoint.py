@@ -210,12 +210,13 @@ def save_checkpoint(model: PreTrainedModel, out_dir: str, quantize: str | None =
 
 
 def fp8_config(config: PretrainedConfig, block: tuple[int, int] = (128, 128)) -> dict:
-    """The quantization_config of a Qwen FP8 release of ``config``'s model: the LM head and
-    the MoE routers (``mlp.gate`` of every sparse layer) not converted."""
+    """The quantization_config of a Qwen FP8 release of ``config``'s model: the LM head, the
+    MoE routers (``mlp.gate`` of every sparse layer) and shared-expert gates not converted."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    routers = [name for name, module in model.named_modules() if name.endswith(".mlp.gate")
-               and hasattr(module, "top_k")]
+    routers = [name for name, module in model.named_modules()
+               if (name.endswith(".mlp.gate") and hasattr(module, "top_k"))
+               or name.endswith(".mlp.shared_expert_gate")]
     return dict(FP8_CONFIG, weight_block_size=list(block),
                 modules_to_not_convert=["lm_head", *routers])
 

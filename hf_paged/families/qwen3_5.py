@@ -30,10 +30,20 @@ PACKED_MODULES = {**qwen3.PACKED_MODULES, "in_proj_qkv": ("in_proj_qkvzba", 0),
 checkpoint_keys = qwen3_next.checkpoint_keys
 saved_layout = qwen3_next.saved_layout
 check_config = qwen3_next.check_config
-check_shardable = qwen3_next.check_shardable
 linear_layer_ids = qwen3_next.linear_layer_ids
 state_shapes = qwen3_next.state_shapes
 
+
+
+def check_shardable(config: PretrainedConfig, tp_size: int,
+                    block: tuple[int, int] | None = None, expert_parallel: bool = False
+                    ) -> None:
+    """Qwen3-Next's checks; FP8 weights are refused: ``in_proj_qkv`` holds the query, key and
+    value rows as one checkpoint tensor under one scale grid, whose blocks may straddle the
+    parts the projection splits it into."""
+    if block is not None:
+        raise ValueError(f"FP8 checkpoints of {config.model_type} are not supported by hf_paged")
+    qwen3_next.check_shardable(config, tp_size, block, expert_parallel)
 
 def packed_sizes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
     """Rows of each checkpoint tensor in a merged projection, in ``PACKED_MODULES`` order."""

@@ -127,9 +127,12 @@ def check_shardable(config: PretrainedConfig, tp_size: int,
     """Raise ValueError, naming both numbers, when ``tp_size`` ranks cannot split the model:
     attention's heads, the linear layers' key and value heads, the dense and the experts'
     intermediate sizes (with ``expert_parallel``, the routed experts themselves:
-    ``num_experts``). FP8 weights (``block``) are refused."""
-    if block is not None:
-        raise ValueError(f"FP8 checkpoints of {config.model_type} are not supported by hf_paged")
+    ``num_experts``). FP8 weights (``block``) are served on one rank: a rank's share of
+    ``in_proj_qkvz`` (every key head's query, key, value and z rows together) would cut the
+    checkpoint's blocks."""
+    if block is not None and tp_size > 1:
+        raise ValueError(f"FP8 checkpoints of {config.model_type} are not supported by hf_paged "
+                         f"with tensor_parallel_size > 1 (got {tp_size})")
     kv_head_layout(config.num_attention_heads, config.num_key_value_heads, tp_size)
     GatedDeltaNetShape(config, tp_size)
     sparse = _sparse_layers(config)
