@@ -2,9 +2,11 @@
 convolution, the delta rule (prefill and decode), the gated and zero-centred norms, the gated
 attention's partial RoPE and the Triton attention backend, as the layers wire them, against the
 plain-torch twins over a prefill of mixed lengths and decode steps, and over the model call's
-padded rows."""
+padded rows; Qwen3-Next's FP8 weights through the FP8 kernels."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
@@ -13,8 +15,10 @@ import transformers
 from hf_paged import kernels
 from hf_paged.families.build import build_model
 from hf_paged.modeling.full_forward import full_forward
+from hf_paged.random_checkpoint import quantize_fp8
 from tests.hybrid_steps import HybridSteps
 from tests.kernels.conftest import HALF
+from tests.kernels.test_engine_on_kernels import kernel_and_twin_tokens
 from tests.parity.test_hybrid_families import prompts
 from tests.parity.test_hybrid_forward import padded_batch
 
@@ -74,3 +78,17 @@ def test_the_model_call_on_the_kernels_gives_the_twins_logits(hybrid_checkpoints
     want = model_call_logits(monkeypatch, path, through_triton=False)
     got = model_call_logits(monkeypatch, path, through_triton=True)
     torch.testing.assert_close(got, want, atol=5e-5 * want.abs().max().item(), rtol=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the kernels always run")
+def test_qwen3_next_fp8_weights_on_the_kernels_give_the_twins_tokens(hybrid_checkpoints,
+                                                                    monkeypatch, tmp_path):
+    """Qwen3-Next's FP8 weights (16-row blocks: the packed in_proj_qkvz and in_proj_ba grids
+    side by side, experts and the shared expert) through the FP8 kernels, decode rows by the
+    small-M kernel: float32 tokens equal the twins'."""
+    path = str(tmp_path / "fp8")
+    shutil.copytree(hybrid_checkpoints["next_dense1"], path)
+    quantize_fp8(path, transformers.AutoConfig.from_pretrained(path), (16, 16))
+    triton_tokens, twin_tokens = kernel_and_twin_tokens(monkeypatch, path, torch.float32,
+                                                        small_m=True)
+    assert torch.equal(triton_tokens, twin_tokens)
