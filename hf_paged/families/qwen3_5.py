@@ -34,16 +34,22 @@ linear_layer_ids = qwen3_next.linear_layer_ids
 state_shapes = qwen3_next.state_shapes
 
 
-
 def check_shardable(config: PretrainedConfig, tp_size: int,
                     block: tuple[int, int] | None = None, expert_parallel: bool = False
                     ) -> None:
-    """Qwen3-Next's checks; FP8 weights are refused: ``in_proj_qkv`` holds the query, key and
-    value rows as one checkpoint tensor under one scale grid, whose blocks may straddle the
-    parts the projection splits it into."""
+    """Qwen3-Next's checks, and with FP8 weights (``block``): ``in_proj_qkv`` holds the
+    query, key and value rows as one checkpoint tensor under one scale grid, which the
+    projection splits into its parts, so the query and key rows must be whole blocks."""
     if block is not None:
-        raise ValueError(f"FP8 checkpoints of {config.model_type} are not supported by hf_paged")
+        keys = config.linear_num_key_heads * config.linear_key_head_dim
+        if keys % block[0]:
+            raise ValueError(
+                f"FP8 checkpoints of {config.model_type}: in_proj_qkv's query and key rows "
+                f"({keys} each, linear_num_key_heads x linear_key_head_dim) are not whole "
+                f"{block[0]}-row blocks of weight_block_size, so its scale grid cannot be "
+                "split between them")
     qwen3_next.check_shardable(config, tp_size, block, expert_parallel)
+
 
 def packed_sizes(config: PretrainedConfig) -> dict[str, tuple[int, ...]]:
     """Rows of each checkpoint tensor in a merged projection, in ``PACKED_MODULES`` order."""

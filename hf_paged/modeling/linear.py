@@ -218,10 +218,15 @@ class StackedColumnParallelLinear(MergedColumnParallelLinear):
         super().__init__(in_features, [size for group in groups for size in group], bias, tp)
 
     def weight_loader(self, param: nn.Parameter, loaded, shard_id: int) -> None:
+        """Each part's rows of checkpoint tensor ``shard_id``; of an FP8 scale grid, the
+        blocks covering them (every part but the last starts and ends on a block: the family's
+        ``check_shardable`` saw to that)."""
         first = sum(len(group) for group in self.groups[:shard_id])
+        rows = self.block[0] if self.block is not None and param is self.weight_scale_inv else 1
         start = 0
         for part, size in enumerate(self.groups[shard_id], first):
-            super().weight_loader(param, narrow(loaded, 0, start, size), part)
+            piece = narrow(loaded, 0, start // rows, cdiv(size, rows))
+            super().weight_loader(param, piece, part)
             start += size
 
 

@@ -2,7 +2,7 @@
 convolution, the delta rule (prefill and decode), the gated and zero-centred norms, the gated
 attention's partial RoPE and the Triton attention backend, as the layers wire them, against the
 plain-torch twins over a prefill of mixed lengths and decode steps, and over the model call's
-padded rows; Qwen3-Next's FP8 weights through the FP8 kernels."""
+padded rows; FP8 weights through the FP8 kernels."""
 
 from __future__ import annotations
 
@@ -81,13 +81,14 @@ def test_the_model_call_on_the_kernels_gives_the_twins_logits(hybrid_checkpoints
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the kernels always run")
-def test_qwen3_next_fp8_weights_on_the_kernels_give_the_twins_tokens(hybrid_checkpoints,
-                                                                    monkeypatch, tmp_path):
-    """Qwen3-Next's FP8 weights (16-row blocks: the packed in_proj_qkvz and in_proj_ba grids
-    side by side, experts and the shared expert) through the FP8 kernels, decode rows by the
-    small-M kernel: float32 tokens equal the twins'."""
+@pytest.mark.parametrize("name", ["next_dense1", "qwen3.5_moe"])
+def test_fp8_weights_on_the_kernels_give_the_twins_tokens(hybrid_checkpoints, monkeypatch,
+                                                          tmp_path, name):
+    """FP8 weights (16-row blocks: the packed input projections' grids side by side, Qwen3.5's
+    in_proj_qkv grid split between its parts; experts and the shared expert) through the FP8
+    kernels, decode rows by the small-M kernel: float32 tokens equal the twins'."""
     path = str(tmp_path / "fp8")
-    shutil.copytree(hybrid_checkpoints["next_dense1"], path)
+    shutil.copytree(hybrid_checkpoints[name], path)
     quantize_fp8(path, transformers.AutoConfig.from_pretrained(path), (16, 16))
     triton_tokens, twin_tokens = kernel_and_twin_tokens(monkeypatch, path, torch.float32,
                                                         small_m=True)

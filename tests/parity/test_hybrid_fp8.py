@@ -1,7 +1,10 @@
-"""Qwen3-Next FP8 checkpoints (float8_e4m3fn weights, a float32 ``weight_scale_inv`` per
-block: attention, Gated DeltaNet projections, dense MLPs, routed and shared experts; the LM
-head, routers and shared-expert gates kept float) against stock transformers, float32 on CPU,
-on one rank: greedy tokens on a padded batch and forward logits, the weights held FP8.
+"""Qwen3-Next and Qwen3.5 FP8 checkpoints (float8_e4m3fn weights, a float32
+``weight_scale_inv`` per block: attention, Gated DeltaNet projections, dense MLPs, routed and
+shared experts; the LM head, routers and shared-expert gates kept float) against stock
+transformers, float32 on CPU, on one rank: greedy tokens on a padded batch and forward logits,
+the weights held FP8. (Qwen3.5's ``in_proj_qkv`` grid is split between its query, key and
+value parts: the tiny shapes' 32-row parts take 16-row blocks; 128-row ones are refused,
+tests/unit/test_hybrid_families.py.)
 
 The oracle is stock transformers on the definition's float copy (every weight times its
 block's scale, ``kernels.block_scales.dequantize``): with 128-blocks these tiny shapes cut
@@ -25,7 +28,8 @@ from hf_paged.random_checkpoint import quantize_fp8
 from tests.conftest import left_padded
 from tests.parity.test_hybrid_families import assert_logits_close
 
-CASES = [("next_dense1", 16), ("next_dense1", 128), ("next_tied_attention_first", 16)]
+CASES = [("next_dense1", 16), ("next_dense1", 128), ("next_tied_attention_first", 16),
+         ("qwen3.5_tied", 16), ("qwen3.5_moe", 16)]
 ENGINE = dict(device="cpu", dtype=torch.float32, block_size=8, max_model_len=128,
               num_kv_blocks=64)
 

@@ -87,8 +87,9 @@ def test_configs_the_modules_cannot_run_are_refused(override, message):
 
 
 def test_fp8_is_refused_where_not_served_naming_the_family():
-    """Qwen3-Next's FP8 weights on one rank only (tests/parity/test_hybrid_fp8.py); Qwen3.5's
-    not at all."""
+    """FP8 weights on one rank only (tests/parity/test_hybrid_fp8.py); Qwen3.5's where its
+    in_proj_qkv's query and key rows are whole blocks (these shapes: 32 rows, so 16-row
+    blocks, not 128-row ones)."""
     from hf_paged.quantization.fp8 import resolve
 
     scheme = resolve({"quant_method": "fp8", "weight_block_size": [128, 128]}, None)
@@ -96,9 +97,12 @@ def test_fp8_is_refused_where_not_served_naming_the_family():
     with pytest.raises(ValueError, match=r"FP8 checkpoints of qwen3_next are not supported by "
                                          r"hf_paged with tensor_parallel_size > 1 \(got 2\)"):
         families.check_model(config_of("next_dense1"), 2, scheme)
+    small = resolve({"quant_method": "fp8", "weight_block_size": [16, 16]}, None)
     for name in ("qwen3.5_tied", "qwen3.5_moe"):
         config = config_of(name)
-        with pytest.raises(ValueError, match=f"FP8 checkpoints of {config.model_type} are not"):
+        families.check_model(config, 1, small)
+        with pytest.raises(ValueError, match=rf"FP8 checkpoints of {config.model_type}: "
+                                             r"in_proj_qkv's query and key rows \(32 each"):
             families.check_model(config, 1, scheme)
 
 
