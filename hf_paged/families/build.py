@@ -53,6 +53,11 @@ def build_model(
     # Every rank checks (and fails alike); rank 0 alone logs.
     weights, conversions = language_model_keys(Checkpoint.open(checkpoint), config.model_type,
                                                   expected.ignored, log=tp.rank == 0)
+    if conversions and quantization is not None and quantization.pre_quantized:
+        # its quantization_config names the release's modules, not the causal LM's
+        raise ValueError(f"checkpoint {checkpoint}: FP8 checkpoints of vision-language releases "
+                         f"are not supported by hf_paged (their language model's keys are "
+                         f"renamed to {config.model_type}'s)")
     float_shapes = family.checkpoint_keys(expected.shapes, weights.shapes.keys())
     shapes, dtypes = float_shapes, {}
     if quantization is not None:

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -130,3 +131,19 @@ def test_save_pretrained_writes_what_transformers_writes(vision_language_checkpo
         greedy = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
         assert torch.equal(reloaded.generate(ids, attention_mask=mask, **greedy),
                            stock.generate(ids, attention_mask=mask, **greedy))
+
+
+def test_fp8_releases_are_refused_by_name(vision_language_checkpoints, tmp_path):
+    """A release's quantization_config names the release's modules (its language model's
+    keys under ``model.language_model``), not the causal LM's: refused before anything
+    loads."""
+    folder = str(tmp_path / "fp8")
+    shutil.copytree(vision_language_checkpoints["qwen3.5_vl"], folder)
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16]}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match="FP8 checkpoints of vision-language releases are not "
+                                         "supported by hf_paged"):
+        load(folder)
