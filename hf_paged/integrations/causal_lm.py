@@ -69,10 +69,13 @@ class PagedCausalLM(InferenceOnly):
     @classmethod
     def from_replicas(cls, front: DataParallelEngine) -> PagedCausalLM:
         """transformers' constructor on the meta device, served by data-parallel replicas:
-        the weights are theirs, in their processes; ``generate`` runs there."""
+        the weights are theirs, in their processes; ``generate`` and the model call (the inner
+        model's too) run there."""
         with torch.device("meta"):
             model = cls(front.hf_config)
         model.engine = front
+        model.model.__class__ = inner_model_class(families.family_for(front.hf_config))
+        model.model.engine_ref = weakref.ref(front)
         torch.nn.Module.train(model, False)
         return model
 

@@ -203,10 +203,38 @@ class DataParallelEngine:
             per_replica.append(entry)
         return dict(total, replicas=per_replica)
 
-    def forward(self, *args, **kwargs):
-        raise NotImplementedError("the model's forward is not supported with "
-                                  "data_parallel_size > 1: the weights live in the replicas' "
-                                  "processes; use generate, or load with data_parallel_size=1")
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor, logits_to_keep: int | torch.Tensor = 0,
+                adapters: list[str | None] | None = None) -> torch.Tensor:
+        """``PagedEngine.forward`` (the model call's logits), the rows over the replicas."""
+        return self._model_call("forward", input_ids, attention_mask, position_ids, adapters,
+                                logits_to_keep)
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      position_ids: torch.Tensor, adapters: list[str | None] | None = None
+                      ) -> torch.Tensor:
+        """``PagedEngine.hidden_states`` (the inner model's call), the rows over the
+        replicas."""
+        return self._model_call("hidden_states", input_ids, attention_mask, position_ids,
+                                adapters)
+
+    def _model_call(self, name: str, ids: torch.Tensor, mask: torch.Tensor,
+                    positions: torch.Tensor, adapters, *rest) -> torch.Tensor:
+        """Each replica scores a share of the rows (dealt by their kept tokens); the rows put
+        back in order."""
+        if adapters is not None:
+            raise ValueError("adapter names in the model call are not supported with "
+                             "data_parallel_size > 1: the replicas hold no peft adapters")
+        positions = positions.expand(ids.shape)
+        shares = self._deal([max(int(n), 1) for n in mask.sum(1)])
+        try:
+            results = self._run_shares(shares, lambda picked: (name, (
+                ids[picked], mask[picked], positions[picked], *rest), {}))
+        finally:
+            self._settle(shares)
+        rows = torch.tensor([row for picked, _ in results for row in picked])
+        out = torch.cat([part for _, part in results])[torch.argsort(rows)]
+        return out.to(ids.device)
 
     def close(self) -> None:
         """Stop every replica's process."""

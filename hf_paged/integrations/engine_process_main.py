@@ -119,7 +119,8 @@ class _Engine:
         self.send("reply", call_id, value)
 
     def generate(self) -> None:
-        """``model.generate`` or ``model.engine.generate_tokens`` for each call in turn:
+        """``model.generate``, ``model.engine.generate_tokens`` or the model call's
+        ``forward`` / ``hidden_states`` for each call in turn:
         pickled (name, arguments, the front's generation config) in, the pickled result (on
         the host) or the exception back."""
         while True:
@@ -127,7 +128,9 @@ class _Engine:
             try:
                 name, args, kwargs, self.model.generation_config = pickle.loads(blob)
                 target = {"generate": self.model.generate,
-                          "generate_tokens": self.model.engine.generate_tokens}[name]
+                          "generate_tokens": self.model.engine.generate_tokens,
+                          "forward": self.model.engine.forward,
+                          "hidden_states": self.model.engine.hidden_states}[name]
                 value = pickle.dumps(moved(target(*args, **kwargs), "cpu"))
             except Exception as error:
                 value = error

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hf_paged
-from tests.conftest import left_padded
+from tests.conftest import FLOAT32_RTOL, left_padded
 
 # Long enough (max_model_len) for a call to be still running when its replica is killed.
 OPTIONS = dict(dtype=torch.float32, device_map="cpu", max_model_len=1024, num_kv_blocks=512,
@@ -97,8 +97,24 @@ def test_what_cannot_cross_to_a_replica_is_refused_by_name(replicated):
     ids, _ = left_padded([3], replicated.config.vocab_size)
     with pytest.raises(ValueError, match="streamer is not supported with data_parallel_size"):
         replicated.generate(ids, streamer=object(), max_new_tokens=2)
-    with pytest.raises(NotImplementedError, match="data_parallel_size > 1"):
-        replicated(ids)
+
+
+def test_the_model_call_spreads_its_rows_over_the_replicas(single, replicated):
+    """Logits (with labels' loss and ``logits_to_keep``) and the inner model's hidden states
+    as one engine's, the rows dealt to both replicas and put back in order."""
+    ids, mask = left_padded([3, 17, 9, 30, 5], replicated.config.vocab_size, seed=8)
+    served = [r.served for r in replicated.engine.replicas]
+    with torch.no_grad():
+        for kwargs in (dict(labels=ids), dict(logits_to_keep=2)):
+            ours = replicated(ids, attention_mask=mask, **kwargs)
+            theirs = single(ids, attention_mask=mask, **kwargs)
+            torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-5, rtol=FLOAT32_RTOL)
+            if "labels" in kwargs:
+                torch.testing.assert_close(ours.loss, theirs.loss, atol=1e-6, rtol=FLOAT32_RTOL)
+        torch.testing.assert_close(replicated.model(ids, attention_mask=mask).last_hidden_state,
+                                   single.model(ids, attention_mask=mask).last_hidden_state,
+                                   atol=1e-5, rtol=FLOAT32_RTOL)
+    assert all(r.served > s for r, s in zip(replicated.engine.replicas, served))
 
 
 def test_a_killed_replica_fails_its_own_call_and_the_other_serves_on(single, replicated):
