@@ -37,6 +37,10 @@ _ROW_KEYWORDS = ("input_ids", "attention_mask", "adapter_names")
 # What cannot cross to another process, refused by name instead of failing in pickle.
 _REFUSED = {"streamer": "streams tokens in this process",
             "assistant_model": "is a model object of this process"}
+# generate() objects of the caller's that may keep state per row of the whole batch (lm-eval's
+# stop-sequence criteria, a processor, prefix_allowed_tokens_fn's batch ids): a call that
+# passes one runs whole on one replica.
+_WHOLE_BATCH = ("stopping_criteria", "logits_processor", "prefix_allowed_tokens_fn")
 # Output fields that are one list over the whole call's steps, not rows: not merged.
 _PER_STEP = ("scores", "logits", "sequences_scores", "beam_indices")
 
@@ -110,7 +114,8 @@ class DataParallelEngine:
         budget = _setting("max_new_tokens", kwargs, generation_config or self.generation_config)
         prompt = [0] * rows if ids is None else (
             mask.sum(1).tolist() if mask is not None else [ids.shape[1]] * rows)
-        shares = self._deal([copies * (int(n) + (budget or 0)) for n in prompt])
+        shares = self._deal([copies * (int(n) + (budget or 0)) for n in prompt],
+                            whole=any(kwargs.get(name) for name in _WHOLE_BATCH))
         try:
             if len(shares) > 1 and _setting("return_dict_in_generate", kwargs, generation_config) \
                     and any(_setting(f"output_{n}", kwargs, generation_config)
@@ -146,16 +151,19 @@ class DataParallelEngine:
                 outputs[row] = tokens
         return outputs
 
-    def _deal(self, weights: list[int]) -> list[Share]:
+    def _deal(self, weights: list[int], whole: bool = False) -> list[Share]:
         """Each row (``weights``: its outstanding tokens, prompt plus new-token budget, times
-        its return sequences) to a live replica by ``deal``, counted as outstanding there."""
+        its return sequences) to a live replica by ``deal``, counted as outstanding there;
+        ``whole``: every row to the least loaded one."""
         with self._lock:
             live = self.live()
             if not live:
                 raise RuntimeError("every data-parallel replica died: "
                                    + "; ".join(r.process.died for r in self.replicas))
             loads = [r.outstanding for r in live]
-            parts = deal(weights, loads)
+            parts = deal([sum(weights)], loads) if whole else deal(weights, loads)
+            if whole:
+                parts = [list(range(len(weights))) if part else [] for part in parts]
             for replica, load in zip(live, loads):
                 replica.outstanding = load
         return [Share(replica, rows, sum(weights[row] for row in rows))

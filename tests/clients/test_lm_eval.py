@@ -2,7 +2,8 @@
 stock transformers: loglikelihoods, rolling loglikelihoods, and batched ``generate_until``
 with stop sequences; the hybrid families' loglikelihoods too. hf_paged enters HFLM both ways
 a user hands it a model: as the model object (also split over two ranks: gloo, a spawned
-worker), and as a checkpoint path loaded under ``hf_paged.patch_transformers()``."""
+worker; and over two data-parallel replicas), and as a checkpoint path loaded under
+``hf_paged.patch_transformers()``."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def stock_lm(tiny_checkpoint):
     return HFLM(pretrained=tiny_checkpoint, dtype="float32", device="cpu", **LM_ARGS)
 
 
-@pytest.fixture(scope="module", params=["model", "model_tp2", "patched_path"])
+@pytest.fixture(scope="module", params=["model", "model_tp2", "model_dp2", "patched_path"])
 def paged_lm(request, tiny_checkpoint):
     """HFLM over hf_paged, built inside each test (so that a failure to build it fails the
     test rather than erroring its set-up), once per module; its model closed at the end."""
@@ -72,8 +73,9 @@ def paged_lm(request, tiny_checkpoint):
 
 def _paged_lm(how: str, tiny_checkpoint) -> HFLM:
     if how.startswith("model"):
-        tp = dict(tensor_parallel_size=2) if how == "model_tp2" else {}
-        model = hf_paged.AutoModelForCausalLM.from_pretrained(tiny_checkpoint, **SMALL, **tp)
+        split = {"model_tp2": dict(tensor_parallel_size=2),
+                 "model_dp2": dict(data_parallel_size=2)}.get(how, {})
+        model = hf_paged.AutoModelForCausalLM.from_pretrained(tiny_checkpoint, **SMALL, **split)
         return HFLM(pretrained=model, tokenizer=tiny_checkpoint, **LM_ARGS)
     # HFLM passes its extra keywords on to from_pretrained: the engine options ride along.
     with hf_paged.patch_transformers():
