@@ -31,7 +31,9 @@ class PagedInnerModel:
             raise RuntimeError("the hf_paged model this module belongs to was freed")
         *whole, past_length = with_past(past_key_values, input_ids, attention_mask, position_ids)
         inputs = forward_inputs(*whole, self.config.vocab_size)
-        adapters = row_adapters(peft_sync.sync(self, engine), input_ids.shape[0])
+        # (a data-parallel front holds no adapters)
+        adapters = (None if engine.config.data_parallel_size > 1 else
+                    row_adapters(peft_sync.sync(self, engine), input_ids.shape[0]))
         hidden = engine.hidden_states(*inputs, adapters)[:, past_length:].to(input_ids.device)
         past = past_tokens(inputs, past_key_values, use_cache, self.config)
         output = BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past)
