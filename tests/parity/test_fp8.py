@@ -32,19 +32,22 @@ LENGTHS = [1, 7, 12, 17]
 BEAM_SHAPES = ["blocks_untied", "cut_200_300", "moe_blocks_dense0"]
 
 
-def definition_checkpoint(fp8_path: str, out: str) -> str:
-    """A float32 copy of an FP8 checkpoint: each weight dequantized by the definition, the
-    scales and the quantization_config dropped."""
+def definition_checkpoint(fp8_path: str, out: str, block: int = 128) -> str:
+    """A float32 copy of an FP8 checkpoint of ``block``-row blocks: each weight (a fused
+    experts tensor expert by expert) dequantized by the definition, the scales and the
+    quantization_config dropped."""
     os.makedirs(out, exist_ok=True)
     for name in os.listdir(fp8_path):
         if name.endswith(".json"):
             shutil.copy(os.path.join(fp8_path, name), out)
     tensors = load_file(os.path.join(fp8_path, "model.safetensors"))
-    for key in [k for k in tensors if k.endswith(".weight_scale_inv")]:
+    for key in [k for k in tensors if k.endswith("_scale_inv")]:
         inv, weight_key = tensors.pop(key), key.removesuffix("_scale_inv")
         weight = tensors[weight_key]
-        scales = BlockScales(inv, grid_rows([weight.shape[0]], 128), 128)
-        tensors[weight_key] = dequantize(weight, scales, torch.float32)
+        matrices = zip(weight.view(-1, *weight.shape[-2:]), inv.view(-1, *inv.shape[-2:]))
+        tensors[weight_key] = torch.stack([
+            dequantize(w, BlockScales(s, grid_rows([w.shape[0]], block), block), torch.float32)
+            for w, s in matrices]).view(weight.shape)
     save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out, "config.json")) as f:
         config = json.load(f)

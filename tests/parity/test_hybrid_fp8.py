@@ -7,55 +7,29 @@ value parts: the tiny shapes' 32-row parts take 16-row blocks; 128-row ones are 
 tests/unit/test_hybrid_families.py.)
 
 The oracle is stock transformers on the definition's float copy (every weight times its
-block's scale, ``kernels.block_scales.dequantize``): with 128-blocks these tiny shapes cut
+block's scale, ``test_fp8.definition_checkpoint``): with 128-blocks these tiny shapes cut
 blocks short, where transformers' own CPU dequantization derives the block size from the
 grid and dequantizes wrongly (as in tests/parity/test_fp8.py)."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
 
 import hf_paged
-from hf_paged.kernels.block_scales import FP8, BlockScales, dequantize, grid_rows
+from hf_paged.kernels.block_scales import FP8
 from hf_paged.random_checkpoint import quantize_fp8
 from tests.conftest import left_padded
+from tests.parity.test_fp8 import definition_checkpoint
 from tests.parity.test_hybrid_families import assert_logits_close
 
 CASES = [("next_dense1", 16), ("next_dense1", 128), ("next_tied_attention_first", 16),
          ("qwen3.5_tied", 16), ("qwen3.5_moe", 16)]
 ENGINE = dict(device="cpu", dtype=torch.float32, block_size=8, max_model_len=128,
               num_kv_blocks=64)
-
-
-def definition_copy(fp8_path: str, out: str, block: int) -> str:
-    """The FP8 checkpoint's float32 copy by the definition (experts' 3-D tensors per
-    expert), its scales and quantization_config dropped."""
-    os.makedirs(out, exist_ok=True)
-    for name in os.listdir(fp8_path):
-        if name.endswith(".json"):
-            shutil.copy(os.path.join(fp8_path, name), out)
-    tensors = load_file(os.path.join(fp8_path, "model.safetensors"))
-    for key in [k for k in tensors if k.endswith("_scale_inv")]:
-        inv, weight_key = tensors.pop(key), key.removesuffix("_scale_inv")
-        weight = tensors[weight_key]
-        matrices = zip(weight.view(-1, *weight.shape[-2:]), inv.view(-1, *inv.shape[-2:]))
-        tensors[weight_key] = torch.stack([
-            dequantize(w, BlockScales(s, grid_rows([w.shape[0]], block), block), torch.float32)
-            for w, s in matrices]).view(weight.shape)
-    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(out, "config.json")) as f:
-        config = json.load(f)
-    del config["quantization_config"]
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(config, f)
-    return out
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{n}-{b}" for n, b in CASES])
@@ -65,7 +39,7 @@ def pair(request, hybrid_checkpoints, tmp_path_factory):
     path = str(tmp_path_factory.mktemp(f"fp8_{name}_{block}"))
     shutil.copytree(hybrid_checkpoints[name], path, dirs_exist_ok=True)
     quantize_fp8(path, transformers.AutoConfig.from_pretrained(path), (block, block))
-    oracle_path = definition_copy(path, str(tmp_path_factory.mktemp(f"def_{name}")), block)
+    oracle_path = definition_checkpoint(path, str(tmp_path_factory.mktemp(f"def_{name}")), block)
     oracle = transformers.AutoModelForCausalLM.from_pretrained(oracle_path,
                                                                dtype=torch.float32).eval()
     with hf_paged.AutoModelForCausalLM.from_pretrained(path, **ENGINE) as model:
