@@ -198,7 +198,7 @@ def paged_attention(
     ``max_query_len``: the longest query run of the batch, which the scheduler knows; 1 selects
     the decode kernel (CUDA-graph safe), so it must not understate. Without it the general
     kernel runs, right for any batch and free of host syncs as well. ``num_splits`` overrides
-    the split-K policy (decode defaults to ``_decode_splits``; prefill to no split).
+    the split-K policy (decode defaults to ``decode_splits``; prefill to no split).
     ``shared_prefix`` (decode only): a one-element int32 tensor, a length that every sequence's
     context exceeds and whose keys sit in the same blocks for all, those of
     ``block_tables[0]``; with it, decode runs as a cascade (module docstring). ``order``
@@ -231,7 +231,7 @@ def paged_attention(
     if num_splits is None:
         num_splits = 1
         if decode:
-            num_splits = decode_splits(num_seqs * num_kv_heads, max_tiles, query.device)
+            num_splits = decode_splits(num_seqs * num_kv_heads, max_tiles, query.device, fp8)
     shared_splits = 0
     if cascade:
         shared_m, shared_n, shared_warps, shared_stages = _SHARED_TILE

@@ -11,6 +11,7 @@ from hf_paged.kernels import reference
 from hf_paged.kernels.attention import paged_attention
 from hf_paged.kernels.attention_inputs import norm_rope_store
 from hf_paged.kernels.block_copy import copy_blocks
+from hf_paged.kernels.decode_attention import decode_splits
 from tests.kernels.conftest import DEVICE, HALF, assert_close
 from tests.kernels.test_elementwise import attention_inputs
 from tests.kernels.test_paged_attention import DECODE_LENS, paged_batch
@@ -103,6 +104,17 @@ def check(seq_lens, q_lens, heads, kv_heads, head_dim, page, dtype=torch.float32
 def test_decode_over_fp8_cache(num_splits, dtype):
     n = len(DECODE_LENS)
     check(DECODE_LENS, [1] * n, 4, 2, 32, 16, dtype, max_query_len=1, num_splits=num_splits)
+
+
+def test_fp8_decode_split_rule_aims_at_four_programs_per_sm():
+    """The measured FP8 split factors (``decode_splits``' docstring) on a 132-SM device: none
+    from about four programs per SM, fewer than the bf16 tile's below that, never more than the
+    table's tiles."""
+    cpu = torch.device("cpu")  # acts as 132 SMs
+    seqs = (8, 16, 32, 64, 256)
+    assert [decode_splits(n * 8, 64, cpu, fp8=True) for n in seqs] == [8, 4, 2, 1, 1]
+    assert [decode_splits(n * 8, 64, cpu) for n in seqs] == [12, 6, 3, 2, 1]
+    assert decode_splits(8, 3, cpu, fp8=True) == 3
 
 
 @pytest.mark.parametrize("page", [64, 128])  # the FP8 decode tile's 128 keys within a block
