@@ -291,7 +291,7 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
             --results-dir "$RESULTS" ;;
       tp-tests) step tp-tests "${T_TP:-400}" python -m pytest -q "${EACH_TEST[@]}" \
             tests/gpu/test_tensor_parallel_gpu.py tests/gpu/test_gpu_parity.py \
-            -k "tp2_bf16 or dp2_bf16 or not gpu_parity" \
+            -k "tp_bf16 or dp2_bf16 or not gpu_parity" \
             tests/parallel ;;
       w4) local shape=${W4_SHAPE:-8b} sizes tag=() name=w4
           local ckpt=/tmp/ckpt/$shape

@@ -169,13 +169,15 @@ def test_backends_and_scheduling_modes(checkpoint, batch, reference, hf_model, o
         assert stats["num_preemptions"] > 0
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-@pytest.mark.parametrize("options", [{}, dict(num_kv_blocks=64, block_size=16)],
-                         ids=["graphs", "preempting"])
-def test_tp2_bf16_parity(checkpoint, batch, reference, hf_model, options):
-    """Two ranks over NCCL (the all-reduces sum in another order than one GPU's GEMMs): the
-    same check against transformers on one GPU."""
-    tokens, stats = run(checkpoint, batch, tensor_parallel_size=2, **options)
+@pytest.mark.parametrize("size,options", [
+    pytest.param(size, options, id=f"tp{size}-{name}", marks=pytest.mark.skipif(
+        torch.cuda.device_count() < size, reason=f"needs {size} GPUs"))
+    for size in (2, 4)
+    for name, options in [("graphs", {}), ("preempting", dict(num_kv_blocks=64, block_size=16))]])
+def test_tp_bf16_parity(checkpoint, batch, reference, hf_model, size, options):
+    """Two or four ranks over NCCL (the all-reduces sum in another order than one GPU's GEMMs):
+    the same check against transformers on one GPU."""
+    tokens, stats = run(checkpoint, batch, tensor_parallel_size=size, **options)
     check_parity(tokens, reference, hf_model, batch)
     assert stats["num_preemptions"] > 0 or not options
 
