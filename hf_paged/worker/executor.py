@@ -211,8 +211,15 @@ class ParallelExecutor(Executor):
         """What to raise for an error in the middle of a step."""
         deadline = time.monotonic() + 2  # a killed peer's socket may close before it is reaped
         while self.ranks.workers and time.monotonic() < deadline:
-            if self.ranks.dead_worker():
+            if self.ranks.exited():
                 break
+            time.sleep(0.01)
+        # A killed rank's connections close before its process is reaped (a GPU context takes
+        # a while to tear down), so its peers can exit with errors of their own first: wait
+        # briefly for the killed one, the cause to name.
+        deadline = time.monotonic() + 0.5
+        while (self.ranks.exited() and time.monotonic() < deadline
+               and all(code >= 0 for *_, code in self.ranks.exited())):
             time.sleep(0.01)
         try:
             self._check()

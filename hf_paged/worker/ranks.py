@@ -40,6 +40,10 @@ _START_TIMEOUT_S = 600
 _spawned_groups_open = 0  # engines of this process whose spawned ranks hold the default group
 
 
+def _how(code: int) -> str:
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited ({code})"
+
+
 def launched_world() -> bool:
     """True under torchrun (or any launcher that sets WORLD_SIZE), or once a default process
     group exists: the processes are already there and each runs the user's script."""
@@ -84,16 +88,24 @@ class Ranks:
     broken: bool = False
 
     def dead_worker(self) -> str | None:
-        """A description of the first spawned worker that has exited, if any."""
-        for rank, proc in enumerate(self.workers, start=1):
-            code = proc.poll()
-            if code is None:
-                continue
-            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited ({code})"
-            key = stage_key(rank, "error")
-            report = f"; its error:\n{self.store.get(key).decode()}" if self._has(key) else ""
-            return f"tensor-parallel worker rank {rank} (pid {proc.pid}) {how}{report}"
-        return None
+        """A description of the spawned workers that have exited, if any: one killed by a
+        signal first, with its error report, as the likely cause (a killed rank's peers exit
+        with errors of their own once its connections close), then the others."""
+        dead = self.exited()
+        if not dead:
+            return None
+        dead.sort(key=lambda item: item[2] >= 0)  # signals (negative codes) first, stable
+        rank, proc, code = dead[0]
+        key = stage_key(rank, "error")
+        report = f"; its error:\n{self.store.get(key).decode()}" if self._has(key) else ""
+        others = ", ".join(f"rank {r} (pid {p.pid}) {_how(c)}" for r, p, c in dead[1:])
+        others = f" (also: {others})" if others else ""
+        return f"tensor-parallel worker rank {rank} (pid {proc.pid}) {_how(code)}{others}{report}"
+
+    def exited(self) -> list[tuple[int, subprocess.Popen, int]]:
+        """(rank, process, exit code) of each spawned worker that has exited."""
+        return [(rank, proc, code) for rank, proc in enumerate(self.workers, start=1)
+                if (code := proc.poll()) is not None]
 
     def wait_for_workers(self, stage: str) -> None:
         """Block until every spawned worker reports ``stage``; raise if one fails first."""
