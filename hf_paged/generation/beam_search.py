@@ -17,10 +17,13 @@ as transformers' ``[batch * num_beams]`` batch (``BeamCohort.process``).
 
 Beam sampling (``do_sample=True``) draws the candidates where beam search takes the best:
 transformers draws them without replacement from the softmax of the accumulated scores over
-all beams (``torch.multinomial``), then orders them by score. Here each beam reports the best
-of its scores plus Gumbel noise, and the group takes the best keys over the beams (the beam's
-accumulated score added): the Gumbel-top-k draw, the same distribution; the random stream is
-the engine's, so tokens differ from transformers' under the same seed.
+all beams (``torch.multinomial``); from 5.24 on it orders them by score, before it kept them in
+the order drawn, so that the first ``num_beams`` drawn, not the best, are those that may
+finish (the beams that go on are the best either way). Here each beam reports the best of its
+scores plus Gumbel noise, and the group takes the best keys over the beams (the beam's
+accumulated score added): the Gumbel-top-k draw, the same distribution, its keys' order the
+order drawn; the random stream is the engine's, so tokens differ from transformers' under the
+same seed.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+import transformers
+from packaging.version import Version
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 from transformers.generation.utils import GenerateBeamDecoderOnlyOutput
 
@@ -38,6 +43,9 @@ from hf_paged.generation.settings import Resolved
 from hf_paged.sampling_params import RequestHooks, SamplingParams
 
 _MASK = -1.0e9  # transformers' score of a beam that may not be chosen
+# Whether the installed transformers orders beam sampling's drawn candidates by score (module
+# docstring).
+SAMPLED_BY_SCORE = Version(transformers.__version__).release >= (5, 24)
 
 
 @dataclass
@@ -169,7 +177,10 @@ class BeamGroup(SequenceGroup):
         if at_limit:
             self._close()
             return []
-        going = [i for i in range(k) if not stops[i]][: s.num_beams]
+        going = [i for i in range(k) if not stops[i]]
+        if s.do_sample and not SAMPLED_BY_SCORE:  # in the order drawn: the best go on
+            going.sort(key=lambda i: -scores[i])
+        going = going[: s.num_beams]
         self.running_scores = scores[going]
         self.histories = [self.histories[parents[i]] + [self._row_of(parents[i])] for i in going]
         self._update_heuristic(length)
@@ -180,12 +191,15 @@ class BeamGroup(SequenceGroup):
         return [(members[parents[i]], new_tokens[i]) for i in going]
 
     def _drawn(self, reports: list[tuple], k: int, accumulated: np.ndarray) -> np.ndarray:
-        """The k candidates drawn over all beams (flat indices), by score as transformers
-        orders them: the best noisy keys, each beam's accumulated score added."""
+        """The k candidates drawn over all beams (flat indices), by score or in the order
+        drawn as the installed transformers orders them: the best noisy keys, each beam's
+        accumulated score added."""
         keys = np.stack([r[4][:k].numpy() for r in reports]) + self.running_scores[:, None]
         # Where fewer than k tokens are drawable, the rest are impossible ones (-inf), ranked
         # last, as transformers' draw returns zero-probability candidates there.
         top = np.argsort(-keys.ravel(), kind="stable")[:k]
+        if not SAMPLED_BY_SCORE:
+            return top
         return top[np.argsort(-accumulated[top], kind="stable")]
 
     def _row_of(self, parent: int) -> int:

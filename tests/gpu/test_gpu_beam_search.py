@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_paged
+from hf_paged.generation.beam_search import SAMPLED_BY_SCORE
 from hf_paged.random_checkpoint import make_checkpoint
 from tests.parity.test_beam_sampling import processed_log_probs
 
@@ -90,9 +91,11 @@ def test_float32_beam_sampling(tmp_path):
     with hf_paged.from_pretrained(path, dtype=torch.float32, max_model_len=1024, block_size=16,
                                   gpu_memory_utilization=0.5) as engine:
         # top_k=1 keeps two tokens a beam (transformers' min_tokens_to_keep): every draw
-        # takes all four drawable ones, so the result is determined
+        # takes all four drawable ones, so the result is determined (from transformers 5.24
+        # on; before, the first two drawn finish, and the draw's order decides)
         out = engine.generate(ids, attention_mask=mask, **sampled)
-        assert torch.equal(out.sequences.cpu(), ref.sequences.cpu())
+        if SAMPLED_BY_SCORE:
+            assert torch.equal(out.sequences.cpu(), ref.sequences.cpu())
         sampled.update(num_beams=3, top_k=8, temperature=1.5)
         out = engine.generate(ids, attention_mask=mask, **sampled)
     scores = processed_log_probs(model, out.sequences, mask.repeat_interleave(2, 0),
