@@ -33,6 +33,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerFast,
 )
+from transformers.initialization import no_init_weights
 
 from hf_paged.checkpoint_shapes import SHAPES
 from hf_paged.kernels.block_scales import quantize
@@ -74,8 +75,12 @@ def random_qwen3(
     The weights are drawn on ``device`` (a GPU draws an 8B model in seconds, the CPU in
     minutes); a seed gives the same weights on the same kind of device only."""
     gen = torch.Generator(device).manual_seed(seed)
-    with torch.device(device):  # built in its dtype: a float32 copy of a 30B would not fit
+    # Held on the CPU (every weight is drawn below, so transformers' own initialisation is
+    # skipped): a GPU draws, but holds no model larger than itself (Qwen3-30B-A3B's 48 layers
+    # are 61 GB in bf16). Built in its dtype: a float32 copy of a 30B would not fit either.
+    with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=config.dtype or torch.float32)
+    model.tie_weights()  # skipped with the initialisation
     wide = logit_scale / config.hidden_size**0.5
     hybrid = _hybrid_parameters(model, gen, device)
     for name, param in model.named_parameters():
