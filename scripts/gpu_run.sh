@@ -297,8 +297,12 @@ print("python", sys.version.split()[0], "| torch", torch.__version__, "| transfo
           local ckpt=/tmp/ckpt/$shape
           if [[ $shape == 8b ]]; then ckpt=${CKPT8B:-$ckpt}; else tag=(--tag "$shape"); name=w4-$shape; fi
           read -r -a sizes <<< "${TP_SIZES:-1 2 4}"
-          step "$name-ckpt" "${T_W4_CKPT:-600}" python -m benchmarks.make_checkpoint --shape "$shape" \
-            --out "$ckpt" --dtype bfloat16
+          if [[ ! -d $ckpt ]]; then  # built aside and moved in whole: a cut build leaves none
+            rm -rf "$ckpt.partial"
+            step "$name-ckpt" "${T_W4_CKPT:-600}" python -m benchmarks.make_checkpoint \
+              --shape "$shape" --out "$ckpt.partial" --dtype bfloat16
+            [[ $LAST_RC -ne 0 ]] || mv "$ckpt.partial" "$ckpt"
+          fi
           CKPT=$ckpt bench "$name" "${T_W4:-900}" bench_throughput "${W4_ARGS:-}" \
             --workload w4 "${tag[@]}" --baselines --tensor-parallel-size "${sizes[@]}"
           CKPT=$ckpt bench "$name-batch1" "${T_W4B:-300}" bench_latency "" --baselines \
