@@ -10,7 +10,7 @@ import transformers
 from transformers import PretrainedConfig
 
 from hf_paged import families
-from hf_paged.families.vision_language import language_model_keys
+from hf_paged.families.vision_language import FP8_RELEASE_REFUSAL, language_model_keys
 from hf_paged.modeling.kv_scale_keys import PATTERN as KV_SCALE_KEYS
 from hf_paged.modeling.kv_scale_keys import read_kv_scales
 from hf_paged.modeling.loader import (
@@ -55,9 +55,8 @@ def build_model(
                                                   expected.ignored, log=tp.rank == 0)
     if conversions and quantization is not None and quantization.pre_quantized:
         # its quantization_config names the release's modules, not the causal LM's
-        raise ValueError(f"checkpoint {checkpoint}: FP8 checkpoints of vision-language releases "
-                         f"are not supported by hf_paged (their language model's keys are "
-                         f"renamed to {config.model_type}'s)")
+        raise ValueError(f"checkpoint {checkpoint}: {FP8_RELEASE_REFUSAL} (their language "
+                         f"model's keys are renamed to {config.model_type}'s)")
     float_shapes = family.checkpoint_keys(expected.shapes, weights.shapes.keys())
     shapes, dtypes = float_shapes, {}
     if quantization is not None:

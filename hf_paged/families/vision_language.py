@@ -36,6 +36,11 @@ VISION_INPUTS = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video
                  "mm_token_type_ids")
 
 
+# A release's quantization_config names the release's modules, not the causal LM's.
+FP8_RELEASE_REFUSAL = ("FP8 checkpoints of vision-language releases are not supported by "
+                       "hf_paged")
+
+
 def causal_lm_config(config: PretrainedConfig) -> PretrainedConfig:
     """The config transformers' ``AutoModelForCausalLM`` builds ``config``'s checkpoint from:
     a vision-language release's text config (carrying the release's quantization_config) when

@@ -12,7 +12,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from hf_paged import families, quantization
 from hf_paged.config import EngineConfig
-from hf_paged.families.vision_language import causal_lm_config
+from hf_paged.families.vision_language import FP8_RELEASE_REFUSAL, causal_lm_config
 from hf_paged.integrations.causal_lm import AutoModelForCausalLM
 
 # Keywords that help read a checkpoint's config.json from the hub.
@@ -98,10 +98,11 @@ def _loader(patched_cls: type, stock):
 
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         if cls is patched_cls:
-            config = _config(pretrained_model_name_or_path, kwargs)
+            release = _config(pretrained_model_name_or_path, kwargs)
+            config = causal_lm_config(release) if release is not None else None
             model_type = getattr(config, "model_type", None)
             supported = model_type in families.supported_model_types()
-            refused = supported and quantization_refused(config, kwargs)
+            refused = supported and quantization_refused(config, kwargs, config is not release)
             if supported and not model_args and not refused:
                 return AutoModelForCausalLM.from_pretrained(pretrained_model_name_or_path,
                                                             **{**_engine_defaults, **kwargs})
@@ -118,24 +119,28 @@ def _loader(patched_cls: type, stock):
 
 
 def _config(path_or_id, kwargs: dict) -> PretrainedConfig | None:
-    """The config passed (an object or a path) or else the checkpoint's, a vision-language
-    release's text config as transformers takes it, or None when it cannot be read (stock
-    transformers then reports why)."""
+    """The config passed (an object or a path) or else the checkpoint's, or None when it
+    cannot be read (stock transformers then reports why)."""
     config = kwargs.get("config")
     if isinstance(config, PretrainedConfig):
-        return causal_lm_config(config)
+        return config
     hub = {name: kwargs[name] for name in _CONFIG_KEYWORDS if name in kwargs}
     try:
-        return causal_lm_config(AutoConfig.from_pretrained(config or path_or_id, **hub))
+        return AutoConfig.from_pretrained(config or path_or_id, **hub)
     except (OSError, ValueError, KeyError):
         return None
 
 
-def quantization_refused(config: PretrainedConfig, kwargs: dict) -> str | None:
+def quantization_refused(config: PretrainedConfig, kwargs: dict, release: bool = False
+                         ) -> str | None:
     """Why hf_paged would refuse the checkpoint's (or the passed) quantization_config, which
-    stock transformers may load; None when it serves it."""
+    stock transformers may load; None when it serves it. ``release``: ``config`` is a
+    vision-language release's text config (``causal_lm_config``), whose own FP8 weights
+    hf_paged refuses."""
     try:
-        quantization.resolve(config, kwargs.get("quantization_config"))
+        scheme = quantization.resolve(config, kwargs.get("quantization_config"))
     except ValueError as error:
         return str(error)
+    if release and scheme is not None and scheme.pre_quantized:
+        return FP8_RELEASE_REFUSAL
     return None

@@ -133,10 +133,8 @@ def test_save_pretrained_writes_what_transformers_writes(vision_language_checkpo
                            stock.generate(ids, attention_mask=mask, **greedy))
 
 
-def test_fp8_releases_are_refused_by_name(vision_language_checkpoints, tmp_path):
-    """A release's quantization_config names the release's modules (its language model's
-    keys under ``model.language_model``), not the causal LM's: refused before anything
-    loads."""
+def fp8_release(vision_language_checkpoints, tmp_path) -> str:
+    """A release whose config.json names fine-grained FP8 (its weights stay float)."""
     folder = str(tmp_path / "fp8")
     shutil.copytree(vision_language_checkpoints["qwen3.5_vl"], folder)
     with open(os.path.join(folder, "config.json")) as f:
@@ -144,6 +142,29 @@ def test_fp8_releases_are_refused_by_name(vision_language_checkpoints, tmp_path)
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [16, 16]}
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f)
+    return folder
+
+
+def test_fp8_releases_are_refused_by_name(vision_language_checkpoints, tmp_path):
+    """A release's quantization_config names the release's modules (its language model's
+    keys under ``model.language_model``), not the causal LM's: refused before anything
+    loads."""
+    folder = fp8_release(vision_language_checkpoints, tmp_path)
     with pytest.raises(ValueError, match="FP8 checkpoints of vision-language releases are not "
                                          "supported by hf_paged"):
         load(folder)
+
+
+def test_patched_transformers_hands_fp8_releases_to_stock(vision_language_checkpoints,
+                                                          tmp_path, monkeypatch):
+    """Under ``patch_transformers`` such a release is not hf_paged's refusal but stock
+    transformers' to load, with a warning naming why."""
+    folder = fp8_release(vision_language_checkpoints, tmp_path)
+    stock_calls = []
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", classmethod(
+        lambda cls, path, *args, **kwargs: stock_calls.append(path) or "stock's model"))
+    with hf_paged.patch_transformers():
+        with pytest.warns(UserWarning, match="FP8 checkpoints of vision-language releases are "
+                                             "not supported by hf_paged; .* loads with stock"):
+            assert transformers.AutoModelForCausalLM.from_pretrained(folder) == "stock's model"
+    assert stock_calls == [folder]
