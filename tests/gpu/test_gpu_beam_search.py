@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_paged
-from hf_paged.generation.beam_search import SAMPLED_BY_SCORE
+from hf_paged.generation.beam_groups import SAMPLED_BY_SCORE
 from hf_paged.random_checkpoint import make_checkpoint
 from tests.parity.test_beam_sampling import processed_log_probs
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hf_paged
-from hf_paged.generation.beam_search import SAMPLED_BY_SCORE
+from hf_paged.generation.beam_groups import SAMPLED_BY_SCORE
 from tests.conftest import TINY_CONFIGS, left_padded
 
 PROMPT = torch.tensor([[5, 17, 300, 42, 9]])
