@@ -15,7 +15,8 @@ split between the launched processes, new tokens gathered on rank 0), or "leave_
 (the engine is not closed: once the results are written this process kills itself with
 SIGKILL, leaving its workers, whose pids the results list, to notice on their own).
 With RUN_ENGINE_HANG_S set, a run still going after that many seconds prints every thread's
-stack to stderr and exits.
+stack to stderr and exits. Once every engine is closed, the last result lists what they left
+running in this process (``left_behind``: threads, a process group).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -129,6 +131,17 @@ def data_parallel(engine, call: dict) -> list:
     return gather_object(outputs)
 
 
+def left_behind() -> list[str]:
+    """What the closed engines left running in this process: threads that would hold up its
+    exit or that hf_paged named, and a default process group that hf_paged made (under
+    torchrun the launcher's stays the script's)."""
+    left = [t.name for t in threading.enumerate() if t is not threading.main_thread()
+            and (not t.daemon or t.name.startswith("hf_paged"))]
+    if "RANK" not in os.environ and torch.distributed.is_initialized():
+        left.append("the default process group")
+    return left
+
+
 def main() -> None:
     if "RUN_ENGINE_HANG_S" in os.environ:
         faulthandler.dump_traceback_later(float(os.environ["RUN_ENGINE_HANG_S"]), exit=True)
@@ -162,6 +175,8 @@ def main() -> None:
         results.append(result)
     if "RANK" in os.environ:
         out += f".rank{os.environ['RANK']}"
+    if not open_engines and results:
+        results[-1]["left_behind"] = left_behind()
     with open(out, "w") as f:
         json.dump(results, f)
     if open_engines:

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -55,13 +56,36 @@ def run_jobs(jobs: list[dict], out: Path, launcher: list[str] = (), returncode: 
              timeout: float = TIMEOUT_S) -> None:
     """Run ``jobs`` in a subprocess (``run_engine``); a run that hangs prints every thread's
     stack and exits 10 s before ``timeout``, so the failure says where it stood."""
-    # One thread a process, as torchrun sets it: ranks spinning on shared cores crawl.
+    # One thread a process, as torchrun sets it: ranks spinning on shared cores crawl. The
+    # marker in the environment, which every rank inherits, finds the run's processes.
+    marker = uuid.uuid4().hex
     env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
-               RUN_ENGINE_HANG_S=str(timeout - 10))
+               RUN_ENGINE_HANG_S=str(timeout - 10), HF_PAGED_TEST_RUN=marker)
     proc = subprocess.run(
         [sys.executable, *launcher, "-m", "tests.parallel.run_engine", json.dumps(jobs),
          str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == returncode, proc.stdout[-3000:] + proc.stderr[-6000:]
+    # No rank outlives the run (a worker whose rank 0 was killed notices within a second),
+    # and closed engines leave no thread or process group in their process.
+    deadline = time.monotonic() + 10
+    while (alive := processes_of(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive, f"processes left behind: {alive}"
+    for result in out.parent.glob(out.name + "*"):
+        runs = json.loads(result.read_text())
+        assert not runs or not runs[-1].get("left_behind"), (result.name, runs[-1]["left_behind"])
+
+
+def processes_of(marker: str) -> list[str]:
+    """The command lines of the live processes whose environment holds ``marker``."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if f"HF_PAGED_TEST_RUN={marker}".encode() in (proc / "environ").read_bytes():
+                found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
 
 
 def reference(hf_models, name: str, call: dict, new_only: bool = False) -> list:
