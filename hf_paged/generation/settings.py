@@ -159,8 +159,6 @@ def resolve(
             f"guidance_scale is not supported by hf_paged: {_REFUSED['negative_prompt_ids']}")
     if config.token_healing:
         raise ValueError("token_healing is not supported by hf_paged's generate()")
-    if config.use_cache is False:
-        raise ValueError("use_cache=False is not supported: the paged KV cache is always on")
 
     input_ids = model_kwargs.pop("input_ids", None) if inputs is None else inputs
     attention_mask = model_kwargs.pop("attention_mask", None)

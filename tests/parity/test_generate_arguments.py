@@ -67,6 +67,7 @@ def cases(ids, new):
             stopping_criteria=None, prefix_allowed_tokens_fn=None, synced_gpus=None,
             do_sample=False, use_cache=True, output_scores=False),
         "max_length": dict(max_length=width + 7),
+        "without_cache": dict(max_new_tokens=12, use_cache=False),  # transformers recomputes
         "repetition_penalty": dict(max_new_tokens=12, repetition_penalty=1.5),
         "repetition_reward": dict(max_new_tokens=12, repetition_penalty=0.6),
         "no_repeat_ngram_size": dict(max_new_tokens=12, no_repeat_ngram_size=2),
@@ -110,7 +111,7 @@ def test_argument_matches_transformers(setup, case):
 
 
 @pytest.mark.parametrize("case", ["eos_list", "repetition_penalty", "no_repeat_ngram_size",
-                                  "min_new_tokens", "user_stopping_criteria"])
+                                  "min_new_tokens", "user_stopping_criteria", "without_cache"])
 def test_scores_and_logits_match_transformers(setup, case):
     engine, model, ids, mask, new = setup
     kwargs = dict(cases(ids, new)[case], return_dict_in_generate=True, output_scores=True,
