@@ -150,15 +150,16 @@ class StepInputs:
 class ModelCall:
     """The model call (transformers' forward over padded rows), as every rank of a
     tensor-parallel group runs it (sent to the others as host tensors): ``[batch, seq_len]``
-    ids, mask and positions, each row's adapter slot (-1: none; None: no row has one), and
+    ids, mask and positions, each row's adapter slot (-1: none; None: no row has one),
     ``logits_to_keep`` as transformers takes it (None: the final hidden states, not the
-    logits)."""
+    logits), and whether transformers' ``hidden_states`` (every layer's) come too."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     position_ids: torch.Tensor
     lora_slots: list[int] | None = None
     logits_to_keep: int | torch.Tensor | None = None
+    output_hidden_states: bool = False
 
 
 @dataclass

@@ -34,6 +34,7 @@ from hf_paged.integrations.model_call import (
     past_tokens,
     refuse_forward_options,
     row_adapters,
+    wants_hidden_states,
 )
 from hf_paged.integrations.past_tokens import kept_of_new, past_argument, with_past
 from hf_paged.integrations.state_dict import transformers_state_dict
@@ -178,6 +179,7 @@ class PagedCausalLM(InferenceOnly):
         ``past_key_values`` holds the tokens so far (``integrations/past_tokens.py``): given
         back, the call recomputes them with the new ones; decode with ``generate``."""
         past_key_values = past_argument(past_key_values, kwargs)
+        streams = wants_hidden_states(kwargs, self.config)
         refuse_forward_options(inputs_embeds, kwargs, _LOSS_KEYWORDS)
         if kwargs.get("output_router_logits", getattr(self.config, "output_router_logits", None)):
             raise ValueError("output_router_logits (set in the config): hf_paged's forward "
@@ -189,7 +191,10 @@ class PagedCausalLM(InferenceOnly):
         # (a data-parallel front holds no adapters and refuses the call by name)
         adapters = (None if self.engine.config.data_parallel_size > 1 else
                     row_adapters(peft_sync.sync(self, self.engine), input_ids.shape[0]))
-        logits = self.engine.forward(*inputs, logits_to_keep, adapters)
+        logits = self.engine.forward(*inputs, logits_to_keep, adapters, streams)
+        if streams:
+            logits, *streams = logits
+            streams = tuple(s[:, past_length:].to(input_ids.device) for s in streams)
         logits = logits.to(input_ids.device)
         with torch.no_grad():
             loss = None
@@ -200,7 +205,8 @@ class PagedCausalLM(InferenceOnly):
         output_class = getattr(modeling_outputs, families.family_for(self.config).OUTPUT)
         output = output_class(loss=loss, logits=logits,
                               past_key_values=past_tokens(inputs, past_key_values, use_cache,
-                                                          self.config))
+                                                          self.config),
+                              hidden_states=streams or None)
         if return_dict is None:
             return_dict = self.config.return_dict
         return output if return_dict else output.to_tuple()

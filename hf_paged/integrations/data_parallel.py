@@ -213,23 +213,26 @@ class DataParallelEngine:
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 position_ids: torch.Tensor, logits_to_keep: int | torch.Tensor = 0,
-                adapters: list[str | None] | None = None) -> torch.Tensor:
+                adapters: list[str | None] | None = None, output_hidden_states: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """``PagedEngine.forward`` (the model call's logits), the rows over the replicas."""
         return self._model_call("forward", input_ids, attention_mask, position_ids, adapters,
-                                logits_to_keep)
+                                logits_to_keep, output_hidden_states=output_hidden_states)
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      position_ids: torch.Tensor, adapters: list[str | None] | None = None
-                      ) -> torch.Tensor:
+                      position_ids: torch.Tensor, adapters: list[str | None] | None = None,
+                      output_hidden_states: bool = False
+                      ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """``PagedEngine.hidden_states`` (the inner model's call), the rows over the
         replicas."""
         return self._model_call("hidden_states", input_ids, attention_mask, position_ids,
-                                adapters)
+                                adapters, output_hidden_states=output_hidden_states)
 
     def _model_call(self, name: str, ids: torch.Tensor, mask: torch.Tensor,
-                    positions: torch.Tensor, adapters, *rest) -> torch.Tensor:
+                    positions: torch.Tensor, adapters, *rest, **options
+                    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Each replica scores a share of the rows (dealt by their kept tokens); the rows put
-        back in order."""
+        back in order (each tensor of a tuple result alike)."""
         if adapters is not None:
             raise ValueError("adapter names in the model call are not supported with "
                              "data_parallel_size > 1: the replicas hold no peft adapters")
@@ -237,12 +240,13 @@ class DataParallelEngine:
         shares = self._deal([max(int(n), 1) for n in mask.sum(1)])
         try:
             results = self._run_shares(shares, lambda picked: (name, (
-                ids[picked], mask[picked], positions[picked], *rest), {}))
+                ids[picked], mask[picked], positions[picked], *rest), options))
         finally:
             self._settle(shares)
-        rows = torch.tensor([row for picked, _ in results for row in picked])
-        out = torch.cat([part for _, part in results])[torch.argsort(rows)]
-        return out.to(ids.device)
+        order = torch.argsort(torch.tensor([row for picked, _ in results for row in picked]))
+        parts = [part if isinstance(part, tuple) else (part,) for _, part in results]
+        out = tuple(torch.cat(pieces)[order].to(ids.device) for pieces in zip(*parts))
+        return out if isinstance(results[0][1], tuple) else out[0]
 
     def close(self) -> None:
         """Stop every replica's process."""

@@ -44,8 +44,8 @@ ENGINE_KEYWORDS = (
     *(f.name for f in dataclasses.fields(EngineConfig)),
 )
 # Config overrides the engine cannot honour, at the values it cannot: the paged kernels never
-# materialise attention weights or per-layer hidden states.
-_REFUSED_CONFIG_VALUES = {"output_attentions": True, "output_hidden_states": True}
+# materialise attention weights.
+_REFUSED_CONFIG_VALUES = {"output_attentions": True}
 # device_map strategies that accelerate spreads over GPUs; the engine takes the first one.
 _DEVICE_MAP_STRATEGIES = ("auto", "balanced", "sequential")
 
@@ -130,7 +130,7 @@ def model_config(path: str, config: PretrainedConfig | str | None,
     if refused:
         raise ValueError(f"from_pretrained(): {', '.join(f'{n}=True' for n in refused)} is not "
                          "supported by hf_paged: the paged kernels never materialise attention "
-                         "weights or per-layer hidden states")
+                         "weights")
     return config
 
 

@@ -25,6 +25,7 @@ class PagedInnerModel:
                 inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
                 return_dict: bool | None = None, **kwargs) -> BaseModelOutputWithPast | tuple:
         past_key_values = past_argument(past_key_values, kwargs)
+        streams = wants_hidden_states(kwargs, self.config)
         refuse_forward_options(inputs_embeds, kwargs, ())
         engine = self.engine_ref()
         if engine is None:
@@ -34,9 +35,13 @@ class PagedInnerModel:
         # (a data-parallel front holds no adapters)
         adapters = (None if engine.config.data_parallel_size > 1 else
                     row_adapters(peft_sync.sync(self, engine), input_ids.shape[0]))
-        hidden = engine.hidden_states(*inputs, adapters)[:, past_length:].to(input_ids.device)
+        hidden = engine.hidden_states(*inputs, adapters, streams)
+        hidden, *streams = hidden if streams else (hidden,)
+        hidden = hidden[:, past_length:].to(input_ids.device)
+        streams = tuple(s[:, past_length:].to(input_ids.device) for s in streams)
         past = past_tokens(inputs, past_key_values, use_cache, self.config)
-        output = BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past)
+        output = BaseModelOutputWithPast(last_hidden_state=hidden, past_key_values=past,
+                                         hidden_states=streams or None)
         if return_dict is None:
             return_dict = self.config.return_dict
         return output if return_dict else output.to_tuple()
@@ -110,6 +115,13 @@ def _attention_mask(mask, input_ids: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"attention_mask must have the shape of input_ids "
                          f"{tuple(input_ids.shape)}, got {shape}")
     return mask
+
+
+def wants_hidden_states(kwargs: dict, config) -> bool:
+    """Whether a forward returns transformers' ``hidden_states`` (its keyword, popped from
+    ``kwargs``, else the config's ``output_hidden_states``)."""
+    wanted = kwargs.pop("output_hidden_states", None)
+    return bool(config.output_hidden_states if wanted is None else wanted)
 
 
 def refuse_forward_options(inputs_embeds, kwargs, allowed: tuple[str, ...]) -> None:

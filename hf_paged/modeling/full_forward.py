@@ -37,9 +37,11 @@ def full_forward(
     position_ids: torch.Tensor,
     block_size: int,
     lora: tuple[LoraBatch, list[int]] | None = None,
-) -> torch.Tensor:
+    streams: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Final hidden states ``[batch, seq_len, hidden]``, as transformers' model computes them;
-    ``lora``: the model's adapter batch and each row's adapter slot (-1: none)."""
+    ``lora``: the model's adapter batch and each row's adapter slot (-1: none). ``streams``:
+    transformers' ``hidden_states`` instead, every layer's input and the final ones."""
     device = model.embed_tokens.weight.device
     batch, width = input_ids.shape
     keep = attention_mask.to(device).bool()
@@ -73,12 +75,16 @@ def full_forward(
         meta.padded_rows = _padded_rows(order, keep, model.embed_tokens.weight.dtype)
     tokens = input_ids.to(device, torch.long).flatten()[order]
     positions = position_ids.to(device, torch.long).expand(batch, width).flatten()[order]
-    out = torch.empty(batch * width, model.config.hidden_size,
-                      dtype=model.embed_tokens.weight.dtype, device=device)
+    collected = [] if streams else None
     with _scratch_cache(model, zero + 1, block_size), _adapter_rows(
             lora, meta, lengths, row_of_dropped, device):
-        out[order] = model.forward(tokens, positions, meta)
-    return out.view(batch, width, -1)
+        final = model.forward(tokens, positions, meta, streams=collected)
+    unpacked = []
+    for packed in collected or [final]:
+        out = torch.empty(batch * width, packed.shape[-1], dtype=packed.dtype, device=device)
+        out[order] = packed
+        unpacked.append(out.view(batch, width, -1))
+    return tuple(unpacked) if streams else unpacked[0]
 
 
 def _padded_rows(order: torch.Tensor, keep: torch.Tensor, dtype: torch.dtype) -> PaddedRows:

@@ -51,11 +51,16 @@ class PagedModel:
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
         pending: tuple[torch.Tensor, torch.Tensor] | None = None,
+        streams: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Final hidden states; ``pending``: ``(src, last_tokens)``, the tokens still on the
-        device that replace ``input_ids`` where ``src >= 0`` (``kernels.embed``)."""
+        device that replace ``input_ids`` where ``src >= 0`` (``kernels.embed``). ``streams``
+        gets transformers' ``hidden_states``: the embeddings, each layer's output but the
+        last, then the final (normed) hidden states."""
         hidden, residual = self.embed_tokens(input_ids, *(pending or ())), None
         for layer in self.layers:  # each block norms its input (fused into its projection)
+            if streams is not None:  # the layer's input: the embeddings, then the pair's sum
+                streams.append(hidden if residual is None else hidden + residual)
             if hasattr(layer, "linear_attn"):
                 hidden, residual = layer.linear_attn(hidden, residual, layer.input_layernorm,
                                                      meta)
@@ -63,7 +68,10 @@ class PagedModel:
                 hidden, residual = layer.self_attn(positions, hidden, residual,
                                                    layer.input_layernorm, meta, self.rotary)
             hidden, residual = layer.mlp(hidden, residual, layer.post_attention_layernorm)
-        return self.norm(hidden, residual)[0]
+        final = self.norm(hidden, residual)[0]
+        if streams is not None:
+            streams.append(final)
+        return final
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Logits in the model dtype, then float32, as transformers' generate reads them; under

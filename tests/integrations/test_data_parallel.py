@@ -101,18 +101,25 @@ def test_what_cannot_cross_to_a_replica_is_refused_by_name(replicated):
 
 def test_the_model_call_spreads_its_rows_over_the_replicas(single, replicated):
     """Logits (with labels' loss and ``logits_to_keep``) and the inner model's hidden states
-    as one engine's, the rows dealt to both replicas and put back in order."""
+    (every layer's too) as one engine's, the rows dealt to both replicas and put back in
+    order."""
     ids, mask = left_padded([3, 17, 9, 30, 5], replicated.config.vocab_size, seed=8)
     served = [r.served for r in replicated.engine.replicas]
     with torch.no_grad():
-        for kwargs in (dict(labels=ids), dict(logits_to_keep=2)):
+        for kwargs in (dict(labels=ids), dict(logits_to_keep=2, output_hidden_states=True)):
             ours = replicated(ids, attention_mask=mask, **kwargs)
             theirs = single(ids, attention_mask=mask, **kwargs)
             torch.testing.assert_close(ours.logits, theirs.logits, atol=1e-5, rtol=FLOAT32_RTOL)
             if "labels" in kwargs:
                 torch.testing.assert_close(ours.loss, theirs.loss, atol=1e-6, rtol=FLOAT32_RTOL)
-        torch.testing.assert_close(replicated.model(ids, attention_mask=mask).last_hidden_state,
-                                   single.model(ids, attention_mask=mask).last_hidden_state,
+            else:
+                torch.testing.assert_close(ours.hidden_states, theirs.hidden_states,
+                                           atol=1e-5, rtol=FLOAT32_RTOL)
+        ours = replicated.model(ids, attention_mask=mask, output_hidden_states=True)
+        theirs = single.model(ids, attention_mask=mask, output_hidden_states=True)
+        torch.testing.assert_close(ours.last_hidden_state, theirs.last_hidden_state,
+                                   atol=1e-5, rtol=FLOAT32_RTOL)
+        torch.testing.assert_close(ours.hidden_states, theirs.hidden_states,
                                    atol=1e-5, rtol=FLOAT32_RTOL)
     assert all(r.served > s for r, s in zip(replicated.engine.replicas, served))
 

@@ -295,6 +295,38 @@ def test_inner_model_and_embeddings_answer_as_transformers(model, stock_model):
     assert model.model(ids, use_cache=False).past_key_values is None
 
 
+def assert_streams_equal(got: tuple, want: tuple) -> None:
+    """transformers' ``hidden_states``: the embeddings, each layer's input, the final ones."""
+    assert len(got) == len(want)
+    for mine, theirs in zip(got, want):
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=FLOAT32_RTOL)
+
+
+@pytest.mark.parametrize("kind", ["left", "holes"])
+def test_hidden_states_equal_transformers(model, stock_model, kind, monkeypatch):
+    """``output_hidden_states`` (the keyword, else the config's) on the causal LM and the
+    inner model, in the output and in its tuple form, and the new tokens' after a past."""
+    ids, mask = _batch(kind)
+    ref = stock_model(ids, attention_mask=mask, output_hidden_states=True)
+    out = model(ids, attention_mask=mask, output_hidden_states=True)
+    assert_streams_equal(out.hidden_states, ref.hidden_states)
+    torch.testing.assert_close(out.logits, ref.logits, atol=1e-4, rtol=FLOAT32_RTOL)
+    inner = model.model(ids, attention_mask=mask, output_hidden_states=True)
+    assert_streams_equal(inner.hidden_states,
+                         stock_model.model(ids, attention_mask=mask,
+                                           output_hidden_states=True).hidden_states)
+    assert model(ids, attention_mask=mask).hidden_states is None
+    monkeypatch.setattr(model.config, "output_hidden_states", True)
+    as_tuple = model(ids, attention_mask=mask, return_dict=False)
+    assert_streams_equal(as_tuple[2], ref.hidden_states)  # logits, past, hidden states
+    assert model(ids, attention_mask=mask, output_hidden_states=False).hidden_states is None
+    monkeypatch.undo()
+    past = model(ids[:, :6], attention_mask=mask[:, :6]).past_key_values
+    new = model(ids[:, 6:], attention_mask=mask, past_key_values=past,
+                output_hidden_states=True)
+    assert_streams_equal(new.hidden_states, tuple(h[:, 6:] for h in ref.hidden_states))
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda m: m.gradient_checkpointing_enable(), "gradient_checkpointing_enable"),
     (lambda m: m.resize_token_embeddings(2048), "resize_token_embeddings"),
@@ -341,3 +373,12 @@ def test_config_overrides_apply_as_in_transformers(tiny_checkpoint, stock_model)
     with pytest.raises(ValueError, match="output_attentions"):
         hf_paged.AutoModelForCausalLM.from_pretrained(tiny_checkpoint, output_attentions=True,
                                                       **SMALL)
+    # the model call's per-layer hidden states by default, as the config says
+    with hf_paged.AutoModelForCausalLM.from_pretrained(tiny_checkpoint, output_hidden_states=True,
+                                                       **SMALL) as model:
+        ids = torch.randint(3, 1024, (1, 9), generator=torch.Generator().manual_seed(2))
+        stock = transformers.AutoModelForCausalLM.from_pretrained(tiny_checkpoint,
+                                                                  output_hidden_states=True)
+        assert_streams_equal(model(ids).hidden_states, stock(ids).hidden_states)
+        assert torch.equal(model.generate(ids, max_new_tokens=4),
+                           stock.generate(ids, max_new_tokens=4))

@@ -9,7 +9,7 @@ the first call again), "kill_worker": true (then kill the engine's worker and ca
 "interrupt": true (then Ctrl-C a call mid-step, and close the engine), "model_object":
 true (load transformers' way, hf_paged.AutoModelForCausalLM, and score ``SCORE`` with its
 forward: the logits with labels' loss, the last position's logits, the inner model's hidden
-states; a masked row's generation) or
+states, every layer's too; a masked row's generation) or
 "data_parallel": true (the README's data-parallel recipe with accelerate: the calls' prompts
 split between the launched processes, new tokens gathered on rank 0), or "leave_open": true
 (the engine is not closed: once the results are written this process kills itself with
@@ -45,9 +45,11 @@ def model_call(model) -> dict:
     out = model(ids, attention_mask=mask, labels=labels)
     mask[1] = 0
     tokens = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4)
+    inner = model.model(ids[:, :7], output_hidden_states=True)
     return dict(logits=out.logits.tolist(), loss=float(out.loss),
                 last=model(ids[:, :7], logits_to_keep=1).logits.tolist(),
-                hidden=model.model(ids[:, :7]).last_hidden_state.tolist(),
+                hidden=inner.last_hidden_state.tolist(),
+                layers=[h.tolist() for h in inner.hidden_states],
                 masked_row=tokens.tolist())
 
 

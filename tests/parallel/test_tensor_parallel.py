@@ -180,9 +180,11 @@ def check_model_call(result: dict, stock) -> None:
                                rtol=FLOAT32_RTOL)
     torch.testing.assert_close(torch.tensor(result["last"]), stock(ids[:, :7]).logits[:, -1:],
                                atol=1e-4, rtol=FLOAT32_RTOL)
-    torch.testing.assert_close(torch.tensor(result["hidden"]),
-                               stock.model(ids[:, :7]).last_hidden_state, atol=1e-4,
-                               rtol=FLOAT32_RTOL)
+    inner = stock.model(ids[:, :7], output_hidden_states=True)
+    torch.testing.assert_close(torch.tensor(result["hidden"]), inner.last_hidden_state,
+                               atol=1e-4, rtol=FLOAT32_RTOL)
+    torch.testing.assert_close(tuple(torch.tensor(h) for h in result["layers"]),
+                               inner.hidden_states, atol=1e-4, rtol=FLOAT32_RTOL)
     mask[1] = 0
     assert result["masked_row"] == stock.generate(ids, attention_mask=mask, do_sample=False,
                                                   max_new_tokens=4).tolist()
