@@ -125,9 +125,9 @@ def test_the_model_call_runs_on_scratch_state_pools(tiny_checkpoint, hybrid_flag
     module, plain_forward = model.state_modules[0], model.forward.forward
     pool, seen = module.conv_state, []
 
-    def spy(input_ids, positions, meta, pending=None):
+    def spy(input_ids, positions, meta, pending=None, streams=None):
         seen.append((module.conv_state.clone(), meta.padded_rows))
-        return plain_forward(input_ids, positions, meta, pending)
+        return plain_forward(input_ids, positions, meta, pending, streams)
 
     model.forward = spy
     ids = torch.tensor(prompts(2)[0][:5]).repeat(2, 1)
