@@ -218,8 +218,10 @@ class ParallelExecutor(Executor):
         # a while to tear down), so its peers can exit with errors of their own first: wait
         # briefly for the killed one, the cause to name.
         deadline = time.monotonic() + 0.5
-        while (self.ranks.exited() and time.monotonic() < deadline
-               and all(code >= 0 for *_, code in self.ranks.exited())):
+        while time.monotonic() < deadline:
+            dead = self.ranks.exited()
+            if not dead or any(code < 0 for *_, code in dead):
+                break
             time.sleep(0.01)
         try:
             self._check()
