@@ -60,7 +60,9 @@ class PagedModel:
         hidden, residual = self.embed_tokens(input_ids, *(pending or ())), None
         for layer in self.layers:  # each block norms its input (fused into its projection)
             if streams is not None:  # the layer's input: the embeddings, then the pair's sum
-                streams.append(hidden if residual is None else hidden + residual)
+                # (a copy of the embeddings: the first layer's residual, which the GPU's fused
+                # residual add overwrites in place)
+                streams.append(hidden.clone() if residual is None else hidden + residual)
             if hasattr(layer, "linear_attn"):
                 hidden, residual = layer.linear_attn(hidden, residual, layer.input_layernorm,
                                                      meta)

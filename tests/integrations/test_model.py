@@ -203,6 +203,25 @@ def test_forward_leaves_the_engine_cache_alone(model):
     assert torch.equal(model.generate(IDS, max_new_tokens=6), expected)
 
 
+def test_hidden_states_survive_the_in_place_residual_add(model, stock_model, monkeypatch):
+    """The GPU's fused residual add writes the sum in place of its inputs (the Triton twin of
+    ``add_rms_norm``), and the first layer's residual is the embeddings themselves: the
+    streams must not alias them."""
+    from hf_paged import kernels
+    from hf_paged.kernels import reference
+
+    def in_place(x, residual, weight, eps, offset=False):
+        normed, total = reference.add_rms_norm(x, residual, weight, eps, offset)
+        residual.copy_(total)
+        return x.copy_(normed), residual
+
+    monkeypatch.setattr(kernels, "add_rms_norm", in_place)
+    ids, mask = _batch("left")
+    ref = stock_model(ids, attention_mask=mask, output_hidden_states=True)
+    assert_streams_equal(model(ids, attention_mask=mask, output_hidden_states=True).hidden_states,
+                         ref.hidden_states)
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda m: m(IDS.to(torch.int8)), "int8"),
     (lambda m: m(IDS.to(torch.uint8)), "uint8"),
