@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import torch
 
@@ -44,9 +45,15 @@ def build_shard(spec: WorkerSpec, tp: TensorParallel, device: torch.device) -> t
     logger.info("rank %d of %d: loading the weights on %s", tp.rank, tp.size, device)
     if device.type == "cuda":
         hash_triton_in_background()
-    return build_model(spec.hf_config, spec.checkpoint, spec.dtype, device,
-                       spec.config.attention_backend, spec.max_model_len, tp,
-                       spec.quantization)
+    start = time.perf_counter()
+    model = build_model(spec.hf_config, spec.checkpoint, spec.dtype, device,
+                        spec.config.attention_backend, spec.max_model_len, tp,
+                        spec.quantization)
+    # Per rank: a rank that loads far slower than the others holds every rank's start-up.
+    gib = sum(p.numel() * p.element_size() for p in model.hf_model.parameters()) / 2**30
+    logger.info("rank %d of %d: %.2f GiB of weights loaded in %.1f s", tp.rank, tp.size, gib,
+                time.perf_counter() - start)
+    return model
 
 
 def _with_symmetric_all_reduce(spec: WorkerSpec, tp: TensorParallel,
